@@ -1,0 +1,28 @@
+"""Exceptions. Each also subclasses the builtin it resembles, so callers that
+catch ``ValueError`` or ``FileNotFoundError`` keep working (zarr's habit)."""
+
+from __future__ import annotations
+
+
+class BlockKVError(Exception):
+    """Base of every blockkv error."""
+
+
+class CorruptError(BlockKVError, ValueError):
+    """Bytes on disk that do not parse or do not match their checksum."""
+
+
+class CorruptBlockError(CorruptError):
+    """A block whose bytes do not hash to its name, or do not decode."""
+
+
+class CorruptHeaderError(CorruptError):
+    """A header file that fails its checksum or its bounds."""
+
+
+class BlockMissingError(BlockKVError, FileNotFoundError):
+    """A block an entry references is not in the pool (removed by another process)."""
+
+
+class ForeignEntryError(BlockKVError, ValueError):
+    """A header written for another model, tokenizer, fingerprint or codec."""
