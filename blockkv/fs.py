@@ -1,0 +1,130 @@
+"""The store's file layer: every syscall that touches the cache directory.
+
+It is one class so that it is one seam: fault tests subclass it and make
+``write``, ``fsync`` or ``replace`` fail (ENOSPC, EIO, a torn write) without
+mocking the disk. Everything above it speaks in whole files.
+
+Filesystem assumptions (written down in docs/design.md): a local POSIX
+filesystem where ``rename`` within a directory is atomic, ``fsync`` of a file
+makes its bytes durable and ``fsync`` of its directory makes the rename
+durable; ``flock`` locks are released by the kernel when a process dies.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+Buffer = bytes | bytearray | memoryview
+
+TMP_SUFFIX = ".tmp"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def tmp_name(final: Path) -> Path:
+    """A temporary name beside ``final``: dot-prefixed, random, ``.tmp``-suffixed,
+    so a scan can never mistake it for a finished file (oMLX's lesson)."""
+    return final.with_name(f".{final.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+
+
+class FileLayer:
+    """Durable file primitives. Subclass and override a primitive to inject faults."""
+
+    # -- primitives (the seam) --------------------------------------------
+    def write(self, fd: int, data: Buffer) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        if sys.platform == "darwin":  # os.fsync does not reach the platter on macOS
+            import fcntl
+
+            try:
+                fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+                return
+            except OSError:
+                pass
+        os.fsync(fd)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+    def read(self, path: Path) -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            return f.read()
+
+    def crash_point(self, name: str) -> None:
+        """A named point inside store/remove/gc (e.g. ``"store:refs-taken"``).
+
+        A no-op here; a fault layer raises at it to model a process dying
+        between two steps of a write or delete order."""
+
+    # -- composed operations ----------------------------------------------
+    def fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            self.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def makedirs(self, path: Path) -> None:
+        """Create ``path`` (0700) and any missing parents, making each new name durable."""
+        missing: list[Path] = []
+        p = path
+        while not p.is_dir():
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, DIR_MODE)
+            except FileExistsError:
+                continue
+            self.fsync_dir(d.parent)
+
+    def write_atomic(self, path: Path, parts: Sequence[Buffer], *, sync_dir: bool = True) -> int:
+        """tmp in the target directory → write → fsync → rename → fsync dir.
+
+        A crash at any point leaves either no file or the whole file; the tmp
+        file is removed on failure. Returns the bytes written.
+        """
+        tmp = tmp_name(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            total = 0
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        n = self.write(fd, view)
+                        if n <= 0:
+                            raise OSError(errno.EIO, "short write", str(tmp))
+                        total += n
+                        view = view[n:]
+                self.fsync(fd)
+            finally:
+                os.close(fd)
+            self.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if sync_dir:
+            self.fsync_dir(path.parent)
+        return total
+
+    def scandir(self, path: Path) -> Iterator[os.DirEntry[str]]:
+        """Entries of ``path``; nothing if it is missing or not a directory."""
+        try:
+            with os.scandir(path) as it:
+                yield from it
+        except (FileNotFoundError, NotADirectoryError):
+            return
