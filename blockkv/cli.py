@@ -1,0 +1,609 @@
+"""The ``blockkv`` console script: see what a cache root holds, verify and repair
+it, and shrink it, with the habits of git (``count-objects``, ``fsck``, ``gc``)
+and restic (``stats``, ``check``, ``prune``).
+
+Safety rules, because this tool deletes on other people's disks:
+
+* a root without the ``.blockkv`` marker is refused, never cleaned;
+* a command that changes a store names its fingerprint (``-f``) or says ``--all``;
+* ``evict --dry-run`` and ``check`` without ``--repair`` change nothing.
+
+Exit codes: 0 clean / done, 1 problems found (or the operation failed), 2 usage
+error (bad arguments, missing or foreign root, unknown fingerprint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:  # the store imports mlx; argument errors should not pay for it
+    from blockkv.store import BlockStore, Identity
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+
+MARKER = ".blockkv"
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgtp]?)(?:i?b)?$", re.IGNORECASE)
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit 2."""
+
+
+# -- parsing and formatting ---------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4096``, ``500M``, ``10G``, ``1.5GiB`` (binary units, like ``du -h``)."""
+    match = _SIZE_RE.match(text.strip())
+    if match is None:
+        if text.strip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"size must not be negative, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (expected e.g. 4096, 500M, 10G)"
+        )
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+def format_size(n: int) -> str:
+    """Human bytes in the same binary units ``parse_size`` reads."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_time(t: float | None) -> str:
+    """Local wall-clock time to the second; ``-`` when there is none."""
+    if not t:
+        return "-"
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_ratio(logical: int, disk: int) -> str:
+    return f"{logical / disk:.2f}x" if disk else "-"
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    """Plain aligned columns; ``right`` holds the indexes of numeric columns."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def to_jsonable(value: Any) -> Any:
+    """Store reports are dataclasses, tuples and paths: turn them into plain JSON."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def emit_json(obj: Any) -> None:
+    json.dump(to_jsonable(obj), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def show_ns(ns: str) -> str:
+    """Namespaces are arbitrary strings (the default is empty): quote them."""
+    return json.dumps(ns)
+
+
+# -- root and fingerprint selection -------------------------------------------
+
+
+def check_root(text: str) -> Path:
+    """The root as a Path, or a UsageError if it is missing or not a blockkv root."""
+    path = Path(text)
+    if not path.exists():
+        raise UsageError(f"{text}: no such directory")
+    if not path.is_dir():
+        raise UsageError(f"{text}: not a directory")
+    if not (path / MARKER).exists():
+        raise UsageError(
+            f"{text}: not a blockkv root (no {MARKER} marker); refusing to touch it"
+        )
+    return path
+
+
+def select_fingerprints(
+    root: Path, wanted: Sequence[str] | None, everything: bool, *, mutating: str | None
+) -> list[Identity]:
+    """The fingerprints a command works on: those named (exact config fingerprint,
+    directory name, or unique prefix of either), else all. A ``mutating`` command
+    must name them or say ``--all`` so it never touches another model by default."""
+    from blockkv.store import list_fingerprints
+
+    known = list_fingerprints(root)
+    if not wanted:
+        if mutating and not everything:
+            raise UsageError(
+                f"{mutating} changes the store: name a fingerprint with "
+                "-f/--fingerprint or pass --all"
+            )
+        return known
+    chosen: list[Identity] = []
+    for want in wanted:
+        keys = [(ident, (ident.config_fingerprint, Path(ident.dir).name)) for ident in known]
+        matches = [i for i, names in keys if want in names] or [
+            i for i, names in keys if any(n.startswith(want) for n in names)
+        ]
+        if not matches:
+            names = ", ".join(Path(i.dir).name for i in known) or "none"
+            raise UsageError(f"no fingerprint {want!r} in {root} (have: {names})")
+        if len(matches) > 1:
+            names = ", ".join(Path(i.dir).name for i in matches)
+            raise UsageError(f"fingerprint {want!r} is ambiguous (matches: {names})")
+        if matches[0] not in chosen:
+            chosen.append(matches[0])
+    return chosen
+
+
+@contextmanager
+def open_store(ident: Identity) -> Iterator[BlockStore]:
+    from blockkv.store import BlockStore
+
+    with BlockStore.open_dir(ident.dir) as store:
+        yield store
+
+
+def label(ident: Identity) -> str:
+    return f"{Path(ident.dir).name} ({ident.model_id})"
+
+
+# -- commands -------------------------------------------------------------------
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Per fingerprint and namespace: what is stored, what it costs, how well it dedups."""
+    root = check_root(args.root)
+    report: list[dict[str, Any]] = []
+    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
+        with open_store(ident) as store:
+            entries = store.entries()
+            namespaces: dict[str, list[Any]] = {}
+            for e in entries:
+                namespaces.setdefault(e.ns, []).append(e)
+            uses = [e.last_use for e in entries]
+            report.append(
+                {
+                    "dir": str(ident.dir),
+                    "model_id": ident.model_id,
+                    "config_fingerprint": ident.config_fingerprint,
+                    "tokenizer_hash": ident.tokenizer_hash,
+                    "entries": len(entries),
+                    "logical_bytes": store.logical_bytes,
+                    "disk_bytes": store.total_bytes,
+                    "dedup_ratio": (
+                        store.logical_bytes / store.total_bytes if store.total_bytes else None
+                    ),
+                    "blocks": store.block_count,
+                    "oldest_use": min(uses, default=None),
+                    "newest_use": max(uses, default=None),
+                    "cap_bytes": store.max_bytes,
+                    "namespaces": [
+                        {
+                            "ns": ns,
+                            "entries": len(group),
+                            "logical_bytes": sum(e.nbytes for e in group),
+                            "oldest_use": min(e.last_use for e in group),
+                            "newest_use": max(e.last_use for e in group),
+                        }
+                        for ns, group in sorted(namespaces.items())
+                    ],
+                }
+            )
+    if args.json:
+        emit_json({"root": str(root), "fingerprints": report})
+        return EXIT_OK
+    rows: list[list[str]] = []
+    for fp in report:
+        rows.append(
+            [
+                Path(fp["dir"]).name,
+                fp["model_id"],
+                "*",
+                str(fp["entries"]),
+                format_size(fp["logical_bytes"]),
+                format_size(fp["disk_bytes"]),
+                format_ratio(fp["logical_bytes"], fp["disk_bytes"]),
+                str(fp["blocks"]),
+                format_time(fp["oldest_use"]),
+                format_time(fp["newest_use"]),
+                format_size(fp["cap_bytes"]) if fp["cap_bytes"] is not None else "-",
+            ]
+        )
+        for ns in fp["namespaces"]:
+            rows.append(
+                [
+                    "",
+                    "",
+                    show_ns(ns["ns"]),
+                    str(ns["entries"]),
+                    format_size(ns["logical_bytes"]),
+                    "",
+                    "",
+                    "",
+                    format_time(ns["oldest_use"]),
+                    format_time(ns["newest_use"]),
+                    "",
+                ]
+            )
+    logical = sum(fp["logical_bytes"] for fp in report)
+    disk = sum(fp["disk_bytes"] for fp in report)
+    print(
+        f"{root}: {len(report)} fingerprint(s), {sum(fp['entries'] for fp in report)} "
+        f"entries, {format_size(disk)} on disk, {format_size(logical)} logical "
+        f"(dedup {format_ratio(logical, disk)})"
+    )
+    if rows:
+        print()
+        print(
+            render_table(
+                ["FINGERPRINT", "MODEL", "NAMESPACE", "ENTRIES", "LOGICAL", "ON DISK",
+                 "DEDUP", "BLOCKS", "OLDEST USE", "NEWEST USE", "CAP"],
+                rows,
+                right={3, 4, 5, 6, 7, 10},
+            )
+        )
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Entries in eviction order (least recently used first), so the top of the
+    list is what ``evict`` would remove first."""
+    root = check_root(args.root)
+    rows: list[dict[str, Any]] = []
+    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
+        with open_store(ident) as store:
+            for e in store.entries():
+                if args.namespace is not None and e.ns not in args.namespace:
+                    continue
+                rows.append(
+                    {
+                        "fingerprint": Path(ident.dir).name,
+                        "model_id": ident.model_id,
+                        "id": e.id,
+                        "ns": e.ns,
+                        "tokens": len(e.tokens),
+                        "nbytes": e.nbytes,
+                        "last_use": e.last_use,
+                        "trimmable": e.trimmable,
+                        "minimum_reusable_offset": e.minimum_reusable_offset,
+                        "checkpoint": e.checkpoint,
+                        "attachments": e.attachments,
+                    }
+                )
+    rows.sort(key=lambda r: r["last_use"])
+    if args.json:
+        emit_json({"root": str(root), "entries": rows})
+        return EXIT_OK
+    print(
+        render_table(
+            ["FINGERPRINT", "NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE",
+             "TRIMMABLE", "CHECKPOINT"],
+            [
+                [
+                    r["fingerprint"],
+                    show_ns(r["ns"]),
+                    r["id"],
+                    str(r["tokens"]),
+                    format_size(r["nbytes"]),
+                    format_time(r["last_use"]),
+                    "yes" if r["trimmable"] else "no",
+                    r["checkpoint"].key if r["checkpoint"] is not None else "-",
+                ]
+                for r in rows
+            ],
+            right={3, 4},
+        )
+    )
+    return EXIT_OK
+
+
+@contextmanager
+def block_progress(desc: str, enabled: bool | None) -> Iterator[Callable[[int, int], None]]:
+    """A tqdm bar on stderr driven by the store's ``progress(done, total)``
+    callback; shown on a terminal unless ``enabled`` forces it on or off."""
+    from tqdm import tqdm
+
+    with tqdm(
+        desc=desc, unit="block", file=sys.stderr, disable=None if enabled is None else not enabled
+    ) as bar:
+
+        def update(done: int, total: int) -> None:
+            if bar.total != total:
+                bar.total = total
+            bar.update(done - bar.n)
+
+        yield update
+
+
+def findings(report: Any) -> dict[str, list[Any]]:
+    """The report's non-empty finding lists by name (everything but ``actions``)."""
+    out: dict[str, list[Any]] = {}
+    for field in dataclasses.fields(report):
+        value = getattr(report, field.name)
+        if field.name != "actions" and isinstance(value, (list, tuple)) and value:
+            out[field.name] = list(value)
+    return out
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Verify every header and block hash; with ``--repair``, fix what it finds."""
+    root = check_root(args.root)
+    idents = select_fingerprints(
+        root, args.fingerprint, args.all, mutating="check --repair" if args.repair else None
+    )
+    results: list[tuple[Identity, Any]] = []
+    for ident in idents:
+        with open_store(ident) as store, block_progress(
+            f"check {Path(ident.dir).name}", args.progress
+        ) as progress:
+            results.append((ident, store.check(repair=args.repair, progress=progress)))
+    problems = any(not report.clean for _, report in results)
+    if args.json:
+        emit_json(
+            {
+                "root": str(root),
+                "repair": args.repair,
+                "clean": not problems,
+                "fingerprints": [
+                    {"dir": str(i.dir), "model_id": i.model_id, "clean": r.clean, "report": r}
+                    for i, r in results
+                ],
+            }
+        )
+        return EXIT_PROBLEMS if problems else EXIT_OK
+    for ident, report in results:
+        found = findings(report)
+        if not found:
+            print(f"{label(ident)}: ok")
+        else:
+            total = sum(len(v) for v in found.values())
+            print(f"{label(ident)}: {total} problem(s)")
+            for name, items in found.items():
+                for item in items:
+                    print(f"  {name.replace('_', ' ')}: {item}")
+        for action in report.actions:
+            print(f"  repaired: {action}")
+    return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Delete blocks no entry references (past the store's grace period)."""
+    root = check_root(args.root)
+    out: list[dict[str, Any]] = []
+    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating="gc"):
+        with open_store(ident) as store:
+            before = store.total_bytes
+            deleted = store.gc()
+            out.append(
+                {"dir": str(ident.dir), "model_id": ident.model_id, "blocks_deleted": deleted,
+                 "bytes_freed": before - store.total_bytes, "disk_bytes": store.total_bytes}
+            )
+            if not args.json:
+                print(
+                    f"{label(ident)}: deleted {deleted} unreferenced block(s), freed "
+                    f"{format_size(before - store.total_bytes)}; "
+                    f"{format_size(store.total_bytes)} on disk"
+                )
+    if args.json:
+        emit_json({"root": str(root), "fingerprints": out})
+    return EXIT_OK
+
+
+def cmd_rebuild_index(args: argparse.Namespace) -> int:
+    """Rebuild the LMDB accelerator from the headers and blocks on disk."""
+    root = check_root(args.root)
+    out: list[dict[str, Any]] = []
+    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating="rebuild-index"):
+        with open_store(ident) as store:
+            indexed = store.rebuild_index()
+        out.append({"dir": str(ident.dir), "model_id": ident.model_id, "entries_indexed": indexed})
+        if not args.json:
+            print(f"{label(ident)}: index rebuilt, {indexed} entries indexed")
+    if args.json:
+        emit_json({"root": str(root), "fingerprints": out})
+    return EXIT_OK
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    """Remove least-recently-used entries until a fingerprint's bytes on disk are
+    at most ``--to``; ``--dry-run`` lists them and deletes nothing."""
+    root = check_root(args.root)
+    out: list[dict[str, Any]] = []
+    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating="evict"):
+        with open_store(ident) as store:
+            before = store.total_bytes
+            gone = store.evict_plan(args.to) if args.dry_run else store.evict_to(args.to)
+            after = store.total_bytes
+        out.append(
+            {"dir": str(ident.dir), "model_id": ident.model_id, "target_bytes": args.to,
+             "disk_bytes_before": before, "disk_bytes_after": after, "entries": gone}
+        )
+    if args.json:
+        emit_json({"root": str(root), "dry_run": args.dry_run, "fingerprints": out})
+        return EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    for ident_out in out:
+        gone = ident_out["entries"]
+        print(
+            f"{Path(ident_out['dir']).name} ({ident_out['model_id']}): {verb} {len(gone)} "
+            f"entries to reach {format_size(args.to)} "
+            f"(on disk {format_size(ident_out['disk_bytes_before'])}"
+            + ("" if args.dry_run else f" -> {format_size(ident_out['disk_bytes_after'])}")
+            + ")"
+        )
+        if gone:
+            print(
+                render_table(
+                    ["  NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE"],
+                    [
+                        ["  " + show_ns(e.ns), e.id, str(len(e.tokens)), format_size(e.nbytes),
+                         format_time(e.last_use)]
+                        for e in gone
+                    ],
+                    right={2, 3},
+                )
+            )
+    return EXIT_OK
+
+
+# -- passthrough commands -------------------------------------------------------
+
+_PASSTHROUGH = {
+    "demo": "run the blockkv demo (arguments go to blockkv.demo)",
+    "serve": "run mlx-lm's server with blockkv as its cold tier (arguments go to blockkv.serve)",
+    "bench": "run tools/bench.py from a source checkout (arguments go to it)",
+}
+
+
+def load_bench() -> Any:
+    """tools/ is not part of the installed package: load tools/bench.py from the
+    source checkout this package was installed from (editable installs)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+    spec = importlib.util.spec_from_file_location("blockkv_tools_bench", path)
+    if not path.is_file() or spec is None or spec.loader is None:
+        raise UsageError(f"bench needs a source checkout: {path} not found")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_passthrough(name: str, argv: list[str]) -> int:
+    """Hand the rest of the command line, untouched, to the module's own main;
+    imported only now so ``blockkv stats`` never imports mlx-lm's server."""
+    try:
+        module = load_bench() if name == "bench" else importlib.import_module(f"blockkv.{name}")
+    except UsageError as exc:
+        print(f"blockkv {name}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return int(module.main(argv))
+
+
+# -- parser and entry point -----------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (exit 2), not a usage dump."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Let "--to -5G" reach parse_size (and its clear "negative" error) instead of
+        # being read as an unknown option. No option of ours looks like a number.
+        self._negative_number_matcher = re.compile(r"^-\d*\.?\d+[kmgtp]?(i?b)?$", re.I)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> Parser:
+    from importlib.metadata import version
+
+    parser = Parser(
+        prog="blockkv",
+        description="Inspect, verify, repair and shrink a blockkv cache root.",
+        epilog="exit codes: 0 clean/done, 1 problems found or failure, 2 usage error",
+    )
+    parser.add_argument("--version", action="version", version=f"blockkv {version('blockkv')}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(
+        name: str, run: Callable[[argparse.Namespace], int], help: str, *, mutating: bool
+    ) -> Parser:
+        p: Parser = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(run=run)
+        p.add_argument("root", help="cache root (the directory holding .blockkv)")
+        which = p.add_mutually_exclusive_group()
+        which.add_argument(
+            "-f", "--fingerprint", action="append", metavar="FP",
+            help="config fingerprint, fingerprint directory, or a unique prefix (repeatable)"
+            + ("" if mutating else "; default: all"),
+        )
+        which.add_argument("--all", action="store_true", help="every fingerprint in the root")
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        return p
+
+    command("stats", cmd_stats, "per model and namespace: entries, bytes, dedup, blocks, use",
+            mutating=False)
+    ls = command("ls", cmd_ls, "list entries, least recently used first", mutating=False)
+    ls.add_argument("-n", "--namespace", action="append", metavar="NS",
+                    help="only this namespace (repeatable; '' is the default namespace)")
+    check = command("check", cmd_check,
+                    "verify headers, refcounts and every block hash; --repair fixes",
+                    mutating=False)
+    check.add_argument("--repair", action="store_true",
+                       help="fix refcounts, remove dangling entries and unreferenced blocks "
+                       "(needs -f or --all)")
+    check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bar on stderr (default: when stderr is a terminal)")
+    command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
+    command("rebuild-index", cmd_rebuild_index, "rebuild the LMDB index from the files on disk",
+            mutating=True)
+    evict = command("evict", cmd_evict,
+                    "remove least recently used entries until a fingerprint fits in --to bytes",
+                    mutating=True)
+    evict.add_argument("--to", type=parse_size, required=True, metavar="BYTES",
+                       help="target bytes on disk per fingerprint: 4096, 500M, 10G (binary units)")
+    evict.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
+    for name, help in _PASSTHROUGH.items():
+        sub.add_parser(name, help=help, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in _PASSTHROUGH:
+        return run_passthrough(args_list[0], args_list[1:])
+    args = build_parser().parse_args(args_list)
+    from blockkv.errors import BlockKVError
+
+    prog = f"blockkv {args.command}"
+    try:
+        return int(args.run(args))
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `blockkv ls | head`: the reader left; stay quiet
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PROBLEMS
+    except (BlockKVError, OSError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_PROBLEMS
