@@ -1,0 +1,44 @@
+"""Hypothesis profiles and the shared cache-root fixture.
+
+Profiles (pick with ``HYPOTHESIS_PROFILE=<name>`` or ``pytest --hypothesis-profile=<name>``):
+
+- ``ci`` (default): small and derandomized, so the whole suite stays within a
+  few minutes on 2 cores and a failure replays identically.
+- ``deep``: many more examples and longer state-machine runs, random seeds,
+  for a nightly or pre-release run (tens of minutes).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+settings.register_profile(
+    "ci",
+    max_examples=30,
+    stateful_step_count=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=_SLOW_OK,
+)
+settings.register_profile(
+    "deep",
+    max_examples=400,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=_SLOW_OK,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def store_root(tmp_path: Path) -> Path:
+    """A fresh, empty cache root for one test."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    return root
