@@ -1,0 +1,475 @@
+"""Token-aligned, content-addressed blocks of an entry's tensors, and their frame.
+
+Block k of an entry holds absolute tokens [k*B, (k+1)*B) of every token-axis
+tensor (record order), so entries sharing a prefix share those blocks by name.
+State tensors and attachments are one whole-tensor block each. A block's name
+is blake3(layout JSON + canonical bytes): equal names mean equal content,
+whatever the on-disk compression. No file-system code lives here."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import zstandard
+from blake3 import blake3
+
+from blockkv.codec import (
+    DTYPES,
+    MAX_STR,
+    MAX_TENSOR_BYTES,
+    CacheRecord,
+    TensorRecord,
+    decode_caches,
+    dtype_name,
+    encode_caches,
+    map_tensors,
+    minimum_reusable_offset,
+    records_from_descriptor,
+    records_offset,
+    records_to_descriptor,
+    tensor_from_descriptor,
+    tensor_to_descriptor,
+    to_device,
+    to_host,
+    trimmable,
+    truncate_records,
+    walk_tensors,
+)
+from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
+
+FORMAT = 1
+DEFAULT_BLOCK_TOKENS = 256
+MAX_BLOCK_TOKENS = 1 << 20
+MAX_BLOCKS = 1 << 20
+MAX_ATTACHMENTS = 256
+
+# Frame: magic, version u8, compression u8, reserved u16, raw length u64, layout length u32.
+MAGIC = b"BKVB"
+FRAME_VERSION = 1
+_HEADER = struct.Struct("<4sBBHQI")
+COMPRESSIONS: dict[str | None, int] = {None: 0, "zstd": 1}
+ZSTD_LEVEL = 2
+MAX_LAYOUT_BYTES = 1 << 16
+MAX_RAW_BYTES = 1 << 34
+# zstd cannot expand more than this (a 3-byte RLE block yields 128 KiB).
+_ZSTD_MAX_RATIO = 1 << 16
+
+
+Part = tuple[str, tuple[int, ...]]  # (mlx dtype name, shape) of one part of a block
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """A block an entry needs: name, canonical size, absolute token range (-1, -1 for state)."""
+
+    name: str
+    raw_bytes: int
+    start: int
+    stop: int
+
+
+@dataclass
+class Block:
+    """A block's canonical bytes as C-contiguous host arrays (no copies), with
+    their layout (needed to hash and to byte-shuffle them)."""
+
+    ref: BlockRef
+    parts: list[np.ndarray]
+    layout: list[Part]
+
+
+@dataclass
+class EntryLayout:
+    """An entry split into blocks plus the JSON-safe descriptor that rebuilds it."""
+
+    descriptor: dict[str, Any]
+    blocks: list[Block]
+
+
+# ---------------------------------------------------------------- naming
+
+
+def _bytes_view(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _layout_bytes(layout: Sequence[Part]) -> bytes:
+    """Canonical layout: compact JSON ``[[dtype, [dims...]], ...]`` (prefix-free)."""
+    return json.dumps([[d, list(s)] for d, s in layout], separators=(",", ":")).encode()
+
+
+def _part_nbytes(part: Part) -> int:
+    return int(np.prod(part[1], dtype=np.int64)) * DTYPES[part[0]][1].itemsize
+
+
+def _make_block(layout: list[Part], parts: list[np.ndarray], start: int, stop: int) -> Block:
+    h = blake3(_layout_bytes(layout))
+    for p in parts:
+        h.update(_bytes_view(p))
+    raw = sum(p.nbytes for p in parts)
+    return Block(BlockRef(h.hexdigest(), raw, start, stop), parts, layout)
+
+
+# ---------------------------------------------------------------- layout planning
+
+
+def _check_block_tokens(block_tokens: Any) -> int:
+    if type(block_tokens) is not int or not 0 < block_tokens <= MAX_BLOCK_TOKENS:
+        raise ValueError(f"block_tokens must be a positive int <= {MAX_BLOCK_TOKENS}, got {block_tokens!r}")
+    return block_tokens
+
+
+def _token_ranges(tensors: Sequence[TensorRecord], block_tokens: int) -> list[tuple[int, int]]:
+    """Absolute [start, stop) of every block holding at least one token row."""
+    spans = [(t.token_start, t.token_stop) for t in tensors if t.token_stop > t.token_start]
+    if not spans:
+        return []
+    first = min(a for a, _ in spans) // block_tokens
+    last = -(-max(b for _, b in spans) // block_tokens)
+    if last - first > MAX_BLOCKS:
+        raise CorruptHeaderError(f"entry spans {last - first} token blocks (max {MAX_BLOCKS})")
+    ranges = [(k * block_tokens, (k + 1) * block_tokens) for k in range(first, last)]
+    return [(a, b) for a, b in ranges if any(s < b and a < e for s, e in spans)]
+
+
+def _block_parts(tensors: Sequence[TensorRecord], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """(tensor index, first row, end row) relative to each tensor, for one token block."""
+    out = []
+    for i, t in enumerate(tensors):
+        a, b = max(start, t.token_start) - t.token_start, min(stop, t.token_stop) - t.token_start
+        if a < b:
+            out.append((i, a, b))
+    return out
+
+
+def _rows_part(t: TensorRecord, a: int, b: int) -> Part:
+    return (t.dtype, (*t.shape[:-2], b - a, t.shape[-1]))
+
+
+def _present(records: Sequence[CacheRecord]) -> list[TensorRecord]:
+    return [t for t in walk_tensors(records) if t is not None]
+
+
+# ---------------------------------------------------------------- split
+
+
+def _attachment_records(attachments: Mapping[str, mx.array] | None) -> dict[str, TensorRecord]:
+    if attachments is None:
+        return {}
+    if not isinstance(attachments, Mapping) or len(attachments) > MAX_ATTACHMENTS:
+        raise TypeError(f"attachments must be a mapping of at most {MAX_ATTACHMENTS} arrays")
+    out = {}
+    for key in sorted(attachments):
+        a = attachments[key]
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_STR:
+            raise ValueError(f"attachment name must be a non-empty str of <= {MAX_STR} chars, got {key!r}")
+        if not isinstance(a, mx.array):
+            raise TypeError(f"attachment {key!r} must be an mx.array, got {type(a).__name__}")
+        out[key] = TensorRecord(dtype_name(a.dtype), tuple(a.shape), False, 0, to_host(a))
+    return out
+
+
+def split_entry(
+    caches: Sequence[Any],
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    attachments: Mapping[str, mx.array] | None = None,
+) -> EntryLayout:
+    """Cut an entry's caches (and attachments) into blocks and a descriptor."""
+    _check_block_tokens(block_tokens)
+    records = encode_caches(caches)
+    extra = _attachment_records(attachments)
+    present = _present(records)
+    token = [t for t in present if t.token_axis]
+    state = [t for t in present if not t.token_axis] + list(extra.values())
+    blocks: dict[str, Block] = {}
+    token_refs, state_refs = [], []
+    for start, stop in _token_ranges(token, block_tokens):
+        spec = _block_parts(token, start, stop)
+        parts = [np.ascontiguousarray(token[i].data[..., a:b, :]) for i, a, b in spec]
+        block = _make_block([_rows_part(token[i], a, b) for i, a, b in spec], parts, start, stop)
+        token_refs.append(block.ref)
+        blocks.setdefault(block.ref.name, block)
+    for t in state:
+        block = _make_block([(t.dtype, t.shape)], [t.data], -1, -1)
+        state_refs.append(block.ref)
+        blocks.setdefault(block.ref.name, block)
+    descriptor = {
+        "format": FORMAT,
+        "block_tokens": block_tokens,
+        "records": records_to_descriptor(records),
+        "attachments": {k: tensor_to_descriptor(t) for k, t in extra.items()},
+        "token_blocks": [[r.name, r.raw_bytes, r.start, r.stop] for r in token_refs],
+        "state_blocks": [[r.name, r.raw_bytes] for r in state_refs],
+    }
+    return EntryLayout(descriptor, list(blocks.values()))
+
+
+# ---------------------------------------------------------------- descriptor
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A validated descriptor."""
+
+    block_tokens: int
+    records: list[CacheRecord]
+    attachments: dict[str, TensorRecord]
+    token_refs: list[BlockRef]
+    state_refs: list[BlockRef]
+
+
+def _bad(what: str) -> CorruptHeaderError:
+    return CorruptHeaderError(f"bad entry descriptor: {what}")
+
+
+def _is_name(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+def _is_count(v: Any, high: int = MAX_RAW_BYTES) -> bool:
+    return type(v) is int and 0 <= v <= high
+
+
+_KEYS = {"format", "block_tokens", "records", "attachments", "token_blocks", "state_blocks"}
+
+
+def _parse(obj: Any) -> _Entry:
+    """Bounded validation: every size and range is recomputed from the records."""
+    if not isinstance(obj, dict) or set(obj) != _KEYS:
+        raise _bad(f"must be a dict with keys {sorted(_KEYS)}")
+    if obj["format"] != FORMAT or type(obj["format"]) is not int:
+        raise _bad(f"unknown format {str(obj['format'])[:MAX_STR]!r}")
+    block_tokens = obj["block_tokens"]
+    if not _is_count(block_tokens, MAX_BLOCK_TOKENS) or block_tokens == 0:
+        raise _bad("block_tokens must be a positive bounded int")
+    records = records_from_descriptor(obj["records"])
+    raw_att, token_raw, state_raw = obj["attachments"], obj["token_blocks"], obj["state_blocks"]
+    if not isinstance(raw_att, dict) or len(raw_att) > MAX_ATTACHMENTS:
+        raise _bad("attachments must be a small dict")
+    attachments = {}
+    for key in sorted(raw_att, key=str):
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_STR:
+            raise _bad("attachment names must be short strings")
+        attachments[key] = tensor_from_descriptor(raw_att[key])
+        if attachments[key].token_axis:
+            raise _bad("attachments are state tensors")
+    if not isinstance(token_raw, list) or len(token_raw) > MAX_BLOCKS:
+        raise _bad("token_blocks must be a bounded list")
+    if not isinstance(state_raw, list) or len(state_raw) > MAX_BLOCKS:
+        raise _bad("state_blocks must be a bounded list")
+    present = _present(records)
+    token = [t for t in present if t.token_axis]
+    state = [t for t in present if not t.token_axis] + list(attachments.values())
+    ranges = _token_ranges(token, block_tokens)
+    if len(ranges) != len(token_raw) or len(state) != len(state_raw):
+        raise _bad("block lists do not match the records")
+    token_refs = []
+    for (start, stop), ref in zip(ranges, token_raw):
+        raw = sum(_part_nbytes(_rows_part(token[i], a, b)) for i, a, b in _block_parts(token, start, stop))
+        if not (isinstance(ref, list) and len(ref) == 4 and _is_name(ref[0]) and ref[1:] == [raw, start, stop]):
+            raise _bad(f"token block for [{start}, {stop}) does not match the records")
+        token_refs.append(BlockRef(ref[0], raw, start, stop))
+    state_refs = []
+    for t, ref in zip(state, state_raw):
+        if not (isinstance(ref, list) and len(ref) == 2 and _is_name(ref[0]) and ref[1] == t.nbytes):
+            raise _bad("state block does not match its tensor")
+        state_refs.append(BlockRef(ref[0], t.nbytes, -1, -1))
+    return _Entry(block_tokens, records, attachments, token_refs, state_refs)
+
+
+def validate_descriptor(obj: Any) -> dict[str, Any]:
+    """``obj`` if it is a well-formed, self-consistent entry descriptor; else CorruptHeaderError."""
+    _parse(obj)
+    return obj
+
+
+def descriptor_trimmable(descriptor: Any) -> bool:
+    """Whether the entry can be rebuilt at a shorter prefix."""
+    return trimmable(_parse(descriptor).records)
+
+
+def descriptor_min_offset(descriptor: Any) -> int:
+    """The shortest prefix the entry can be rebuilt at."""
+    return minimum_reusable_offset(_parse(descriptor).records)
+
+
+def descriptor_tokens(descriptor: Any) -> int:
+    """The entry's cache offset (0 when no cache counts tokens, e.g. SSM only)."""
+    return records_offset(_parse(descriptor).records)
+
+
+def _prefix(entry: _Entry, prefix_len: int | None) -> list[CacheRecord]:
+    """The records cut to ``prefix_len``; ValueError for untrimmable entries or bad lengths."""
+    if prefix_len is None:
+        return entry.records
+    if not trimmable(entry.records):
+        raise ValueError("entry is not trimmable: prefix_len must be None")
+    return truncate_records(entry.records, prefix_len)
+
+
+def _unique(refs: Sequence[BlockRef]) -> list[BlockRef]:
+    seen: dict[str, BlockRef] = {}
+    for r in refs:
+        seen.setdefault(r.name, r)
+    return list(seen.values())
+
+
+def blocks_for_prefix(descriptor: Any, prefix_len: int | None) -> list[BlockRef]:
+    """Blocks needed to rebuild at ``prefix_len`` (None: all): the token blocks
+    covering [0, prefix_len) and every state block, unique by name."""
+    entry = _parse(descriptor)
+    _prefix(entry, prefix_len)
+    token = entry.token_refs if prefix_len is None else [r for r in entry.token_refs if r.start < prefix_len]
+    return _unique(token + entry.state_refs)
+
+
+# ---------------------------------------------------------------- rebuild
+
+
+def _payload(payloads: Mapping[str, bytes | memoryview], ref: BlockRef) -> memoryview:
+    try:
+        data = payloads[ref.name]
+    except KeyError:
+        raise BlockMissingError(f"block {ref.name} is not among the payloads") from None
+    view = memoryview(data).cast("B")
+    if view.nbytes != ref.raw_bytes:
+        raise CorruptBlockError(f"block {ref.name} has {view.nbytes} bytes, expected {ref.raw_bytes}")
+    return view
+
+
+def _from_payload(payload: memoryview, part: Part, offset: int = 0) -> np.ndarray:
+    dtype, shape = part
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(payload, DTYPES[dtype][1], count, offset).reshape(shape)
+
+
+def rebuild(
+    descriptor: Any,
+    payloads: Mapping[str, bytes | memoryview],
+    prefix_len: int | None = None,
+) -> tuple[list[Any], dict[str, mx.array]]:
+    """Real mlx-lm caches (at ``prefix_len`` if given) and the attachments,
+    reading only the blocks ``blocks_for_prefix`` names. Each tensor is filled
+    into one preallocated host buffer, then becomes one ``mx.array``."""
+    entry = _parse(descriptor)
+    records = _prefix(entry, prefix_len)
+    full = [t for t in _present(entry.records) if t.token_axis]
+    cut = [t for t in _present(records) if t.token_axis]
+    buffers = [np.empty(t.shape, DTYPES[t.dtype][1]) for t in cut]
+    for ref in entry.token_refs:
+        if prefix_len is not None and ref.start >= prefix_len:
+            break
+        payload, offset = _payload(payloads, ref), 0
+        for i, a, b in _block_parts(full, ref.start, ref.stop):
+            part = _rows_part(full[i], a, b)
+            end = min(b, cut[i].shape[-2])
+            if end > a:
+                buffers[i][..., a:end, :] = _from_payload(payload, part, offset)[..., : end - a, :]
+            offset += _part_nbytes(part)
+    state_tensors = [t for t in _present(entry.records) if not t.token_axis] + list(entry.attachments.values())
+    state = iter([_from_payload(_payload(payloads, r), (t.dtype, t.shape)) for r, t in zip(entry.state_refs, state_tensors)])
+    token = iter(buffers)
+    filled = map_tensors(records, lambda t: replace(t, data=next(token) if t.token_axis else next(state)))
+    attachments = {k: to_device(next(state), t.dtype) for k, t in entry.attachments.items()}
+    return decode_caches(filled), attachments
+
+
+# ---------------------------------------------------------------- block frame
+
+
+def encode_block(block: Block, compression: str | None = None) -> list[bytes | memoryview]:
+    """The block's on-disk frame as buffers to write in order (raw parts are not copied)."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {list(COMPRESSIONS)}, got {compression!r}")
+    layout = _layout_bytes(block.layout)
+    header = _HEADER.pack(MAGIC, FRAME_VERSION, COMPRESSIONS[compression], 0, block.ref.raw_bytes, len(layout))
+    if compression is None:
+        return [header, layout, *(_bytes_view(p) for p in block.parts)]
+    shuffled = np.empty(block.ref.raw_bytes, np.uint8)
+    offset = 0
+    for part, p in zip(block.layout, block.parts):
+        n, size = p.nbytes, DTYPES[part[0]][1].itemsize
+        shuffled[offset : offset + n].reshape(size, -1)[:] = np.frombuffer(_bytes_view(p), np.uint8).reshape(-1, size).T
+        offset += n
+    return [header, layout, zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(shuffled)]
+
+
+def _corrupt(name: str, what: str) -> CorruptBlockError:
+    return CorruptBlockError(f"block {name[:64]}: {what}")
+
+
+def _parse_layout(name: str, raw: memoryview) -> list[Part]:
+    try:
+        obj = json.loads(bytes(raw))
+    except (ValueError, RecursionError):
+        raise _corrupt(name, "layout is not JSON") from None
+    if not isinstance(obj, list) or len(obj) > MAX_LAYOUT_BYTES:
+        raise _corrupt(name, "layout must be a list")
+    layout = []
+    for item in obj:
+        if not isinstance(item, list) or len(item) != 2:
+            raise _corrupt(name, "bad layout part")
+        try:
+            t = tensor_from_descriptor({"dtype": item[0], "shape": item[1], "token_axis": False, "token_start": 0})
+        except CorruptHeaderError as e:
+            raise _corrupt(name, f"bad layout part: {e}") from None
+        layout.append((t.dtype, t.shape))
+    return layout
+
+
+def decode_block(name: str, data: bytes | memoryview) -> memoryview:
+    """The canonical payload of a framed block, verified against ``name``.
+
+    Every declared size is bounded by the data actually present, so garbage
+    raises CorruptBlockError without a large allocation."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < _HEADER.size:
+        raise _corrupt(name, "shorter than its header")
+    magic, version, comp, reserved, raw, layout_len = _HEADER.unpack_from(view)
+    if magic != MAGIC or version != FRAME_VERSION or reserved != 0 or comp not in COMPRESSIONS.values():
+        raise _corrupt(name, "bad magic, version or compression id")
+    body = _HEADER.size + layout_len
+    if layout_len > MAX_LAYOUT_BYTES or body > view.nbytes or raw > MAX_RAW_BYTES:
+        raise _corrupt(name, "declared sizes exceed the data")
+    layout_raw, stored = view[_HEADER.size : body], view[body:]
+    layout = _parse_layout(name, layout_raw)
+    if sum(_part_nbytes(p) for p in layout) != raw:
+        raise _corrupt(name, "layout does not add up to the raw length")
+    if comp == COMPRESSIONS[None]:
+        if stored.nbytes != raw:
+            raise _corrupt(name, "payload length differs from the raw length")
+        payload = stored
+    else:
+        payload = _unshuffle(name, stored, raw, layout)
+    h = blake3(bytes(layout_raw))
+    h.update(payload)
+    if h.hexdigest() != name:
+        raise _corrupt(name, "content does not hash to the name")
+    return payload
+
+
+def _unshuffle(name: str, stored: memoryview, raw: int, layout: list[Part]) -> memoryview:
+    if raw > stored.nbytes * _ZSTD_MAX_RATIO:
+        raise _corrupt(name, "raw length impossible for this much zstd data")
+    try:
+        if zstandard.frame_content_size(stored) != raw:
+            raise _corrupt(name, "zstd frame size differs from the raw length")
+        plain = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw)
+    except zstandard.ZstdError as e:
+        raise _corrupt(name, f"zstd: {e}") from None
+    if len(plain) != raw:
+        raise _corrupt(name, "zstd output differs from the raw length")
+    src = np.frombuffer(plain, np.uint8)
+    out = np.empty(raw, np.uint8)
+    offset = 0
+    for part in layout:
+        n, size = _part_nbytes(part), DTYPES[part[0]][1].itemsize
+        out[offset : offset + n].reshape(-1, size)[:] = src[offset : offset + n].reshape(size, -1).T
+        offset += n
+    return memoryview(out)

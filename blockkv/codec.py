@@ -1,0 +1,657 @@
+"""mlx-lm cache objects <-> canonical records of raw tensor bits plus small meta.
+
+A record keeps only the live part of a cache (never the pre-allocated tail past
+``offset``) and marks which tensors have a token axis (axis -2), so the block
+layer can cut them at absolute token positions and share common prefixes.
+Decoding goes back through each class's own ``from_state``/state protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from blockkv.errors import CorruptHeaderError
+
+# mlx dtype name -> (mlx dtype, numpy dtype holding the same raw bits).
+DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
+    "bool": (mx.bool_, np.dtype(np.bool_)),
+    "uint8": (mx.uint8, np.dtype(np.uint8)),
+    "uint16": (mx.uint16, np.dtype(np.uint16)),
+    "uint32": (mx.uint32, np.dtype(np.uint32)),
+    "uint64": (mx.uint64, np.dtype(np.uint64)),
+    "int8": (mx.int8, np.dtype(np.int8)),
+    "int16": (mx.int16, np.dtype(np.int16)),
+    "int32": (mx.int32, np.dtype(np.int32)),
+    "int64": (mx.int64, np.dtype(np.int64)),
+    "float16": (mx.float16, np.dtype(np.uint16)),
+    "bfloat16": (mx.bfloat16, np.dtype(np.uint16)),
+    "float32": (mx.float32, np.dtype(np.uint32)),
+    "float64": (mx.float64, np.dtype(np.uint64)),
+    "complex64": (mx.complex64, np.dtype(np.complex64)),
+}
+_NAME_OF: dict[mx.Dtype, str] = {mxd: name for name, (mxd, _) in DTYPES.items()}
+# Integer view used to move float bits through numpy untouched (no NaN canonicalising).
+_BITS_VIEW: dict[str, mx.Dtype] = {
+    "float16": mx.uint16,
+    "bfloat16": mx.uint16,
+    "float32": mx.uint32,
+    "float64": mx.uint64,
+}
+
+# Bounds for untrusted descriptors: far above any real cache, far below a DoS.
+MAX_NDIM = 8
+MAX_DIM = 1 << 31
+MAX_TENSOR_BYTES = 1 << 40
+MAX_RECORDS = 1 << 14
+MAX_TENSORS_PER_RECORD = 64
+MAX_DEPTH = 4
+MAX_META_KEYS = 32
+MAX_STR = 256
+MAX_INT = 1 << 53
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """The canonical name of an mlx dtype (TypeError for dtypes blockkv cannot store)."""
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported mlx dtype {dtype}") from None
+
+
+def to_host(a: mx.array) -> np.ndarray:
+    """The raw bits of ``a`` as a C-contiguous numpy array of the same itemsize."""
+    name = dtype_name(a.dtype)
+    view = _BITS_VIEW.get(name)
+    return np.ascontiguousarray(np.array(a.view(view) if view is not None else a))
+
+
+def to_device(data: np.ndarray, dtype: str) -> mx.array:
+    """Rebuild an mlx array of ``dtype`` from raw bits made by ``to_host`` (one copy)."""
+    mx_dtype, host = DTYPES[dtype]
+    if data.dtype != host:
+        raise TypeError(f"{dtype} needs host dtype {host}, got {data.dtype}")
+    out = mx.array(data)
+    return out.view(mx_dtype) if dtype in _BITS_VIEW else out
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One stored tensor: its dtype, live shape, token-axis flag and raw bits."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    token_axis: bool
+    token_start: int = 0
+    data: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the raw bits, computed from the shape (works without data)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype][1].itemsize
+
+    @property
+    def token_stop(self) -> int:
+        """One past the last absolute token position held (token-axis tensors)."""
+        return self.token_start + self.shape[-2]
+
+    def array(self) -> mx.array:
+        """The tensor as an mlx array (needs data)."""
+        if self.data is None:
+            raise ValueError("descriptor-only TensorRecord has no data")
+        return to_device(self.data, self.dtype)
+
+    def cut(self, stop: int) -> TensorRecord:
+        """This token-axis tensor limited to absolute positions below ``stop``."""
+        rows = max(0, min(stop, self.token_stop) - self.token_start)
+        shape = (*self.shape[:-2], rows, self.shape[-1])
+        data = None if self.data is None else np.ascontiguousarray(self.data[..., :rows, :])
+        return dataclasses.replace(self, shape=shape, data=data)
+
+
+@dataclass(frozen=True)
+class CacheRecord:
+    """One cache object: codec name, JSON-safe meta, tensor slots, nested children."""
+
+    kind: str
+    meta: dict[str, Any]
+    tensors: tuple[TensorRecord | None, ...]
+    children: tuple[CacheRecord, ...] = ()
+
+
+class CacheCodec(Protocol):
+    """How one cache class maps to a record and back, and how far it can be cut."""
+
+    def encode(self, cache: Any, data: bool = True) -> CacheRecord:
+        """The record of ``cache``; ``data=False`` gives a descriptor-only record."""
+        ...
+
+    def decode(self, record: CacheRecord) -> Any:
+        """A real cache object from a record with data."""
+        ...
+
+    def check(self, record: CacheRecord) -> None:
+        """Raise ValueError if the record's meta or tensors are inconsistent."""
+        ...
+
+    def trimmable(self, record: CacheRecord) -> bool:
+        """Whether the cache can be cut back to a shorter prefix."""
+        ...
+
+    def minimum_reusable_offset(self, record: CacheRecord) -> int:
+        """The smallest prefix length the cache can be cut back to."""
+        ...
+
+    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
+        """The record cut back to ``offset`` tokens (trimmable records only)."""
+        ...
+
+    def offset(self, record: CacheRecord) -> int | None:
+        """Tokens the cache has seen, or None if it does not count them."""
+        ...
+
+
+_BY_TYPE: dict[type, tuple[str, CacheCodec]] = {}
+_BY_NAME: dict[str, CacheCodec] = {}
+
+
+def register_codec(cls: type, codec: CacheCodec, name: str | None = None) -> None:
+    """Register ``codec`` for instances of exactly ``cls`` under ``name`` (default: class name)."""
+    if not isinstance(cls, type):
+        raise TypeError(f"register_codec needs a class, got {cls!r}")
+    name = cls.__name__ if name is None else name
+    if not isinstance(name, str) or not name or len(name) > MAX_STR:
+        raise ValueError(f"codec name must be a non-empty str, got {name!r}")
+    _BY_TYPE[cls] = (name, codec)
+    _BY_NAME[name] = codec
+
+
+def codec_for(cache: Any) -> tuple[str, CacheCodec]:
+    """The registered (name, codec) for ``cache``'s exact class; TypeError if none."""
+    try:
+        return _BY_TYPE[type(cache)]
+    except KeyError:
+        raise TypeError(f"no blockkv codec registered for cache class {type(cache).__name__}") from None
+
+
+def _codec_named(kind: str) -> CacheCodec:
+    try:
+        return _BY_NAME[kind]
+    except KeyError:
+        raise ValueError(f"unknown cache kind {kind!r}") from None
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _tensor(a: mx.array, token_axis: bool, data: bool, token_start: int = 0) -> TensorRecord:
+    """A TensorRecord of ``a``; batch must be 1 so blocks stay shareable."""
+    if a.ndim >= 1 and a.shape[0] != 1:
+        raise ValueError(f"batch size {a.shape[0]} > 1 is not supported (tensor shape {a.shape})")
+    if token_axis and a.ndim < 2:
+        raise ValueError(f"token-axis tensor needs >= 2 dims, got shape {a.shape}")
+    return TensorRecord(
+        dtype=dtype_name(a.dtype),
+        shape=tuple(a.shape),
+        token_axis=token_axis,
+        token_start=token_start,
+        data=to_host(a) if data else None,
+    )
+
+
+def _opt_array(t: TensorRecord | None) -> mx.array | None:
+    return None if t is None else t.array()
+
+
+def _rows(a: mx.array, stop: int) -> mx.array:
+    return a[..., :stop, :]
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def _check_tokens(record: CacheRecord, count: int, start: int = 0) -> None:
+    """Token tensors are all present or all absent and hold rows [start, offset)."""
+    _require(len(record.tensors) == count, f"{record.kind} needs {count} tensors")
+    present = [t for t in record.tensors if t is not None]
+    _require(len(present) in (0, count), f"{record.kind} has partial tensors")
+    for t in present:
+        _require(t.token_axis, f"{record.kind} tensors must be token-axis")
+        _require(t.token_start == start, f"{record.kind} token_start {t.token_start} != {start}")
+        _require(
+            t.token_stop == record.meta["offset"],
+            f"{record.kind} holds tokens up to {t.token_stop}, offset is {record.meta['offset']}",
+        )
+
+
+def _int_meta(record: CacheRecord, *keys: str) -> None:
+    for k in keys:
+        v = record.meta.get(k)
+        _require(type(v) is int and 0 <= v <= MAX_INT, f"{record.kind} meta {k!r} must be a non-negative int")
+
+
+def _truncate_offset(record: CacheRecord, offset: int, **meta: int) -> CacheRecord:
+    tensors = tuple(None if t is None else t.cut(offset) for t in record.tensors)
+    return dataclasses.replace(record, meta={**record.meta, "offset": offset, **meta}, tensors=tensors)
+
+
+# ---------------------------------------------------------------- built-in codecs
+
+
+class _KVLike:
+    """Shared rules of caches whose keys/values grow along the token axis from 0."""
+
+    def check(self, record: CacheRecord) -> None:
+        _int_meta(record, "offset")
+        _check_tokens(record, 2)
+
+    def trimmable(self, record: CacheRecord) -> bool:
+        return True
+
+    def minimum_reusable_offset(self, record: CacheRecord) -> int:
+        return 0
+
+    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
+        return _truncate_offset(record, offset)
+
+    def offset(self, record: CacheRecord) -> int | None:
+        return record.meta["offset"]
+
+
+class KVCacheCodec(_KVLike):
+    """KVCache: keys/values[..., :offset, :] (the 256-step tail is dropped)."""
+
+    def encode(self, cache: KVCache, data: bool = True) -> CacheRecord:
+        off = cache.offset
+        if cache.keys is None:
+            return CacheRecord("KVCache", {"offset": off}, (None, None))
+        return CacheRecord(
+            "KVCache",
+            {"offset": off},
+            (_tensor(_rows(cache.keys, off), True, data), _tensor(_rows(cache.values, off), True, data)),
+        )
+
+    def decode(self, record: CacheRecord) -> KVCache:
+        k, v = record.tensors
+        return KVCache.from_state((_opt_array(k), _opt_array(v), record.meta["offset"]))
+
+
+class ConcatenateKVCacheCodec(_KVLike):
+    """ConcatenateKVCache: its arrays may hold rows past ``offset`` after a trim."""
+
+    def encode(self, cache: ConcatenateKVCache, data: bool = True) -> CacheRecord:
+        off = cache.offset
+        if cache.keys is None:
+            return CacheRecord("ConcatenateKVCache", {"offset": off}, (None, None))
+        return CacheRecord(
+            "ConcatenateKVCache",
+            {"offset": off},
+            (_tensor(_rows(cache.keys, off), True, data), _tensor(_rows(cache.values, off), True, data)),
+        )
+
+    def decode(self, record: CacheRecord) -> ConcatenateKVCache:
+        k, v = record.tensors
+        if k is None or v is None:
+            return ConcatenateKVCache()
+        return ConcatenateKVCache.from_state((k.array(), v.array()))
+
+
+class QuantizedKVCacheCodec(_KVLike):
+    """QuantizedKVCache: each of keys/values is a tuple (w, scales[, biases])."""
+
+    def encode(self, cache: QuantizedKVCache, data: bool = True) -> CacheRecord:
+        off = cache.offset
+        meta = {"offset": off, "group_size": cache.group_size, "bits": cache.bits}
+        if cache.keys is None:
+            return CacheRecord("QuantizedKVCache", {**meta, "parts": 0}, ())
+        parts = [*cache.keys, *cache.values]
+        meta["parts"] = len(cache.keys)
+        return CacheRecord("QuantizedKVCache", meta, tuple(_tensor(_rows(a, off), True, data) for a in parts))
+
+    def check(self, record: CacheRecord) -> None:
+        _int_meta(record, "offset", "group_size", "bits", "parts")
+        _require(record.meta["parts"] <= 3, "QuantizedKVCache has at most 3 parts per tensor")
+        _check_tokens(record, 2 * record.meta["parts"])
+        _require(None not in record.tensors, "QuantizedKVCache tensors cannot be empty slots")
+
+    def decode(self, record: CacheRecord) -> QuantizedKVCache:
+        m = record.meta
+        n = m["parts"]
+        arrays = [t.array() for t in record.tensors if t is not None]
+        keys, values = (tuple(arrays[:n]), tuple(arrays[n:])) if n else (None, None)
+        return QuantizedKVCache.from_state((keys, values, m["offset"], m["group_size"], m["bits"]))
+
+
+class RotatingKVCacheCodec:
+    """RotatingKVCache: token-axis while ``offset < max_size`` (buffer still in
+    temporal order), the whole ring as state tensors once it has wrapped."""
+
+    def encode(self, cache: RotatingKVCache, data: bool = True) -> CacheRecord:
+        off = cache.offset
+        meta = {"offset": off, "keep": cache.keep, "max_size": cache.max_size, "_idx": cache._idx}
+        if cache.keys is None:
+            return CacheRecord("RotatingKVCache", meta, (None, None))
+        if off < cache.max_size:
+            pair = (_rows(cache.keys, off), _rows(cache.values, off))
+            return CacheRecord("RotatingKVCache", meta, tuple(_tensor(a, True, data) for a in pair))
+        pair = (cache.keys, cache.values)
+        return CacheRecord("RotatingKVCache", meta, tuple(_tensor(a, False, data) for a in pair))
+
+    def decode(self, record: CacheRecord) -> RotatingKVCache:
+        k, v = record.tensors
+        m = record.meta
+        state = (_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"], m["_idx"])
+        return RotatingKVCache.from_state(state)
+
+    def check(self, record: CacheRecord) -> None:
+        _int_meta(record, "offset", "keep", "max_size", "_idx")
+        if self.trimmable(record):
+            _require(record.meta["_idx"] == record.meta["offset"], "unwrapped RotatingKVCache needs _idx == offset")
+            _check_tokens(record, 2)
+        else:
+            _require(len(record.tensors) == 2, "RotatingKVCache needs 2 tensors")
+            _require(all(t is not None and not t.token_axis for t in record.tensors), "wrapped ring is state")
+
+    def trimmable(self, record: CacheRecord) -> bool:
+        return record.meta["offset"] < record.meta["max_size"]
+
+    def minimum_reusable_offset(self, record: CacheRecord) -> int:
+        return 0
+
+    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
+        return _truncate_offset(record, offset, _idx=offset)
+
+    def offset(self, record: CacheRecord) -> int | None:
+        return record.meta["offset"]
+
+
+class ChunkedKVCacheCodec(_KVLike):
+    """ChunkedKVCache: rows [start_position, offset); the dropped front is gone."""
+
+    def encode(self, cache: ChunkedKVCache, data: bool = True) -> CacheRecord:
+        off, start = cache.offset, cache.start_position
+        meta = {"offset": off, "chunk_size": cache.chunk_size, "start_position": start}
+        if cache.keys is None:
+            return CacheRecord("ChunkedKVCache", meta, (None, None))
+        pair = (_rows(cache.keys, off - start), _rows(cache.values, off - start))
+        return CacheRecord("ChunkedKVCache", meta, tuple(_tensor(a, True, data, start) for a in pair))
+
+    def decode(self, record: CacheRecord) -> ChunkedKVCache:
+        k, v = record.tensors
+        m = record.meta
+        state = (_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"], m["start_position"])
+        return ChunkedKVCache.from_state(state)
+
+    def check(self, record: CacheRecord) -> None:
+        _int_meta(record, "offset", "chunk_size", "start_position")
+        _require(record.meta["chunk_size"] > 0, "ChunkedKVCache chunk_size must be positive")
+        _require(record.meta["start_position"] <= record.meta["offset"], "start_position past offset")
+        _check_tokens(record, 2, record.meta["start_position"])
+
+    def minimum_reusable_offset(self, record: CacheRecord) -> int:
+        # The next token attends to its whole chunk [p//C*C, p]: that chunk must
+        # not begin before the first position still held.
+        m = record.meta
+        return min(m["offset"], -(-m["start_position"] // m["chunk_size"]) * m["chunk_size"])
+
+
+class ArraysCacheCodec:
+    """ArraysCache: recurrent state tensors (None slots kept), then left_padding
+    and lengths. No token axis, so it can never be cut back."""
+
+    def encode(self, cache: ArraysCache, data: bool = True) -> CacheRecord:
+        slots = [None if a is None else _tensor(a, False, data) for a in cache.cache]
+        for extra in (cache.left_padding, cache.lengths):
+            if extra is not None and extra.size != 1:
+                raise ValueError(f"batch size {extra.size} > 1 is not supported (ArraysCache padding)")
+            slots.append(None if extra is None else _tensor(extra, False, data))
+        return CacheRecord("ArraysCache", {"size": len(cache.cache)}, tuple(slots))
+
+    def decode(self, record: CacheRecord) -> ArraysCache:
+        arrays = [_opt_array(t) for t in record.tensors]
+        return ArraysCache.from_state((arrays[:-2], arrays[-2], arrays[-1]))
+
+    def check(self, record: CacheRecord) -> None:
+        _int_meta(record, "size")
+        _require(len(record.tensors) == record.meta["size"] + 2, "ArraysCache needs size + 2 slots")
+        _require(all(t is None or not t.token_axis for t in record.tensors), "ArraysCache holds state only")
+
+    def trimmable(self, record: CacheRecord) -> bool:
+        return False
+
+    def minimum_reusable_offset(self, record: CacheRecord) -> int:
+        return 0
+
+    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
+        raise ValueError("ArraysCache cannot be cut back")
+
+    def offset(self, record: CacheRecord) -> int | None:
+        return None
+
+
+class CacheListCodec:
+    """CacheList: no tensors of its own; each child is a nested record."""
+
+    def encode(self, cache: CacheList, data: bool = True) -> CacheRecord:
+        return CacheRecord("CacheList", {}, (), tuple(encode_cache(c, data) for c in cache.caches))
+
+    def decode(self, record: CacheRecord) -> CacheList:
+        return CacheList(*(decode_cache(c) for c in record.children))
+
+    def check(self, record: CacheRecord) -> None:
+        _require(not record.tensors and record.children, "CacheList needs children and no tensors")
+
+    def trimmable(self, record: CacheRecord) -> bool:
+        return all(_codec_named(c.kind).trimmable(c) for c in record.children)
+
+    def minimum_reusable_offset(self, record: CacheRecord) -> int:
+        return max(_codec_named(c.kind).minimum_reusable_offset(c) for c in record.children)
+
+    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
+        children = tuple(_codec_named(c.kind).truncate(c, offset) for c in record.children)
+        return dataclasses.replace(record, children=children)
+
+    def offset(self, record: CacheRecord) -> int | None:
+        offsets = [o for c in record.children if (o := _codec_named(c.kind).offset(c)) is not None]
+        return max(offsets, default=None)
+
+
+register_codec(KVCache, KVCacheCodec())
+register_codec(ConcatenateKVCache, ConcatenateKVCacheCodec())
+register_codec(QuantizedKVCache, QuantizedKVCacheCodec())
+register_codec(RotatingKVCache, RotatingKVCacheCodec())
+register_codec(ChunkedKVCache, ChunkedKVCacheCodec())
+register_codec(ArraysCache, ArraysCacheCodec())
+register_codec(CacheList, CacheListCodec())
+
+
+# ---------------------------------------------------------------- public API
+
+
+def encode_cache(cache: Any, data: bool = True) -> CacheRecord:
+    """The record of one cache object, stamped with its registered name."""
+    name, codec = codec_for(cache)
+    record = codec.encode(cache, data)
+    return record if record.kind == name else dataclasses.replace(record, kind=name)
+
+
+def decode_cache(record: CacheRecord) -> Any:
+    """A real mlx-lm cache object from a record with data."""
+    return _codec_named(record.kind).decode(record)
+
+
+def encode_caches(caches: Sequence[Any]) -> list[CacheRecord]:
+    """Records (with raw bits) of a prompt cache list."""
+    return [encode_cache(c) for c in caches]
+
+
+def decode_caches(records: Sequence[CacheRecord]) -> list[Any]:
+    """mlx-lm cache objects from records with data."""
+    return [decode_cache(r) for r in records]
+
+
+def _as_records(items: Sequence[Any]) -> list[CacheRecord]:
+    """Records (descriptor-only for live caches: no tensor copy) of caches or records."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"expected a list of caches or records, got {type(items).__name__}")
+    return [x if isinstance(x, CacheRecord) else encode_cache(x, data=False) for x in items]
+
+
+def trimmable(caches_or_records: Sequence[Any]) -> bool:
+    """Whether every cache can be cut back to a shorter prefix (True for [])."""
+    return all(_codec_named(r.kind).trimmable(r) for r in _as_records(caches_or_records))
+
+
+def minimum_reusable_offset(caches_or_records: Sequence[Any]) -> int:
+    """The smallest prefix length all caches can be cut back to together."""
+    records = _as_records(caches_or_records)
+    return max((_codec_named(r.kind).minimum_reusable_offset(r) for r in records), default=0)
+
+
+def records_offset(records: Sequence[CacheRecord]) -> int:
+    """Tokens the caches have seen (max offset; 0 if none counts tokens, e.g. SSM only)."""
+    offsets = [o for r in records if (o := _codec_named(r.kind).offset(r)) is not None]
+    return max(offsets, default=0)
+
+
+def truncate_records(records: Sequence[CacheRecord], offset: int) -> list[CacheRecord]:
+    """The records cut back to ``offset`` tokens; ValueError if they cannot be."""
+    if not trimmable(records):
+        raise ValueError("these caches are not trimmable")
+    low, high = minimum_reusable_offset(records), records_offset(records)
+    if type(offset) is not int or not low <= offset <= high:
+        raise ValueError(f"prefix length {offset!r} outside the reusable range [{low}, {high}]")
+    return [_codec_named(r.kind).truncate(r, offset) for r in records]
+
+
+def walk_tensors(records: Sequence[CacheRecord]) -> list[TensorRecord | None]:
+    """Every tensor slot in canonical order: a record's tensors, then its children's."""
+    out: list[TensorRecord | None] = []
+    for r in records:
+        out.extend(r.tensors)
+        out.extend(walk_tensors(r.children))
+    return out
+
+
+def map_tensors(
+    records: Sequence[CacheRecord], fn: Callable[[TensorRecord], TensorRecord]
+) -> list[CacheRecord]:
+    """The records with ``fn`` applied to every present tensor, in ``walk_tensors`` order."""
+    return [
+        dataclasses.replace(
+            r,
+            tensors=tuple(None if t is None else fn(t) for t in r.tensors),
+            children=tuple(map_tensors(r.children, fn)),
+        )
+        for r in records
+    ]
+
+
+# ---------------------------------------------------------------- descriptors
+
+
+def tensor_to_descriptor(t: TensorRecord) -> dict[str, Any]:
+    """The JSON-safe description of a tensor (no data)."""
+    return {"dtype": t.dtype, "shape": list(t.shape), "token_axis": t.token_axis, "token_start": t.token_start}
+
+
+def _record_to_descriptor(r: CacheRecord) -> dict[str, Any]:
+    return {
+        "kind": r.kind,
+        "meta": dict(r.meta),
+        "tensors": [None if t is None else tensor_to_descriptor(t) for t in r.tensors],
+        "children": [_record_to_descriptor(c) for c in r.children],
+    }
+
+
+def records_to_descriptor(records: Sequence[CacheRecord]) -> list[dict[str, Any]]:
+    """JSON-safe descriptions of records, without data."""
+    return [_record_to_descriptor(r) for r in records]
+
+
+def _bad(what: str) -> CorruptHeaderError:
+    return CorruptHeaderError(f"bad cache descriptor: {what}")
+
+
+def _is_int(v: Any, low: int = 0, high: int = MAX_INT) -> bool:
+    return type(v) is int and low <= v <= high
+
+
+def tensor_from_descriptor(obj: Any) -> TensorRecord:
+    """A descriptor-only TensorRecord, bounds-checked; CorruptHeaderError otherwise."""
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "token_axis", "token_start"}:
+        raise _bad("tensor must be a dict with dtype, shape, token_axis, token_start")
+    dtype, shape, token_axis, start = obj["dtype"], obj["shape"], obj["token_axis"], obj["token_start"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _bad(f"unknown dtype {str(dtype)[:MAX_STR]!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(d, 0, MAX_DIM) for d in shape):
+        raise _bad("shape must be a list of at most 8 bounded non-negative ints")
+    if type(token_axis) is not bool or not _is_int(start) or (token_axis and len(shape) < 2):
+        raise _bad("token_axis must be a bool (with >= 2 dims) and token_start a non-negative int")
+    if not token_axis and start != 0:
+        raise _bad("a state tensor has token_start 0")
+    t = TensorRecord(dtype, tuple(shape), token_axis, start)
+    if t.nbytes > MAX_TENSOR_BYTES:
+        raise _bad(f"tensor of {t.nbytes} bytes is too large")
+    return t
+
+
+def _meta_from(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, dict) or len(obj) > MAX_META_KEYS:
+        raise _bad("meta must be a small dict")
+    for k, v in obj.items():
+        if not isinstance(k, str) or len(k) > MAX_STR:
+            raise _bad("meta keys must be short strings")
+        ok = v is None or type(v) in (bool, float) or _is_int(v, -MAX_INT) or (isinstance(v, str) and len(v) <= MAX_STR)
+        if not ok:
+            raise _bad(f"meta {k!r} must be a small scalar")
+    return dict(obj)
+
+
+def _record_from(obj: Any, depth: int, budget: list[int]) -> CacheRecord:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_DEPTH:
+        raise _bad("too many or too deeply nested records")
+    if not isinstance(obj, dict) or set(obj) != {"kind", "meta", "tensors", "children"}:
+        raise _bad("record must be a dict with kind, meta, tensors, children")
+    kind, tensors, children = obj["kind"], obj["tensors"], obj["children"]
+    if not isinstance(kind, str) or kind not in _BY_NAME:
+        raise _bad(f"unknown cache kind {str(kind)[:MAX_STR]!r}")
+    if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS_PER_RECORD:
+        raise _bad("tensors must be a list of at most 64 slots")
+    if not isinstance(children, list):
+        raise _bad("children must be a list")
+    record = CacheRecord(
+        kind,
+        _meta_from(obj["meta"]),
+        tuple(None if t is None else tensor_from_descriptor(t) for t in tensors),
+        tuple(_record_from(c, depth + 1, budget) for c in children),
+    )
+    try:
+        _BY_NAME[kind].check(record)
+    except (ValueError, TypeError, KeyError) as e:
+        raise _bad(str(e)) from None
+    return record
+
+
+def records_from_descriptor(obj: Any) -> list[CacheRecord]:
+    """Descriptor-only records from untrusted JSON, bounded before anything is allocated."""
+    if not isinstance(obj, list) or len(obj) > MAX_RECORDS:
+        raise _bad("records must be a list")
+    budget = [MAX_RECORDS]
+    return [_record_from(r, 0, budget) for r in obj]
