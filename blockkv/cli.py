@@ -145,15 +145,14 @@ def select_fingerprints(
     """The fingerprints a command works on: those named (exact config fingerprint,
     directory name, or unique prefix of either), else all. A ``mutating`` command
     must name them or say ``--all`` so it never touches another model by default."""
+    if mutating and not (wanted or everything):
+        raise UsageError(
+            f"{mutating} changes the store: name a fingerprint with -f/--fingerprint or pass --all"
+        )
     from blockkv.store import list_fingerprints
 
     known = list_fingerprints(root)
     if not wanted:
-        if mutating and not everything:
-            raise UsageError(
-                f"{mutating} changes the store: name a fingerprint with "
-                "-f/--fingerprint or pass --all"
-            )
         return known
     chosen: list[Identity] = []
     for want in wanted:
@@ -500,6 +499,7 @@ def load_bench() -> Any:
     if not path.is_file() or spec is None or spec.loader is None:
         raise UsageError(f"bench needs a source checkout: {path} not found")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
