@@ -4,6 +4,7 @@ exception, a hang or an allocation out of proportion to the input."""
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import tracemalloc
@@ -15,6 +16,10 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from blockkv.blocks import _HEADER as _BLOCK_HEADER
+from blockkv.blocks import _ZSTD_MAX_RATIO, COMPRESSIONS, FRAME_VERSION, decode_block, encode_block
+from blockkv.blocks import MAGIC as BLOCK_MAGIC
+from blockkv.blocks import split_entry, validate_descriptor
 from blockkv.errors import CorruptError
 from blockkv.header import MAGIC, VERSION, Header, Identity, decode_header, encode_header
 
@@ -31,9 +36,9 @@ def _sealed(body: bytes) -> bytes:
     return body + blake3.blake3(body).digest()
 
 
-def _bounded(parse: Callable[[bytes], object], data: bytes) -> None:
+def _bounded(parse: Callable[[bytes], object], data: bytes, ratio: int = 8) -> None:
     """``parse(data)`` either succeeds or says corrupt, and its peak allocation
-    stays proportional to the input (no trusting a declared size)."""
+    stays proportional to the input (``ratio`` times it: no trusting a declared size)."""
     tracemalloc.start()
     try:
         parse(data)
@@ -42,7 +47,7 @@ def _bounded(parse: Callable[[bytes], object], data: bytes) -> None:
     finally:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    assert peak <= 8 * len(data) + (1 << 20), f"peak {peak} bytes for a {len(data)}-byte input"
+    assert peak <= ratio * len(data) + (1 << 20), f"peak {peak} bytes for a {len(data)}-byte input"
 
 
 json_values = st.recursive(
@@ -92,3 +97,85 @@ def test_sealed_header_with_hostile_metadata_is_parsed_or_corrupt(meta: Any) -> 
     meta_bytes = json.dumps(meta).encode()
     body = _FIXED.pack(MAGIC, VERSION, 0, len(meta_bytes), 0) + meta_bytes
     _bounded(decode_header, _sealed(body))
+
+
+# -- blocks --------------------------------------------------------------------
+
+_NAME = "ab" * 32
+
+
+@functools.cache
+def _real_blocks(compression: str | None) -> tuple[tuple[str, bytes], ...]:
+    """Framed blocks of a real llama cache (several token blocks and a layout)."""
+    from blockkv.testing.strategies import make_caches
+
+    layout = split_entry(make_caches("llama", list(range(9))), block_tokens=4)
+    return tuple((b.ref.name, b"".join(bytes(p) for p in encode_block(b, compression))) for b in layout.blocks)
+
+
+def _bounded_block(name: str, data: bytes) -> None:
+    """A block decodes or is corrupt, allocating at most what zstd could legally
+    expand its input to (the block layer's own ratio bound)."""
+    _bounded(lambda d: decode_block(name, d), data, ratio=_ZSTD_MAX_RATIO)
+
+
+@given(st.binary(max_size=512))
+def test_random_bytes_are_a_corrupt_block(data: bytes) -> None:
+    _bounded_block(_NAME, data)
+
+
+@given(st.sampled_from((None, "zstd")), st.data())
+def test_truncated_flipped_or_misnamed_block_is_corrupt(compression: str | None, data: st.DataObject) -> None:
+    name, good = data.draw(st.sampled_from(_real_blocks(compression)))
+    decode_block(name, good)
+    cut = data.draw(st.integers(0, len(good) - 1))
+    _bounded_block(name, good[:cut])
+    flipped = bytearray(good)
+    at = data.draw(st.integers(0, len(good) - 1))
+    flipped[at] ^= data.draw(st.integers(1, 255))
+    for bad_name, bad in ((name, bytes(flipped)), (_NAME, good)):
+        try:
+            decode_block(bad_name, bad)
+        except CorruptError:
+            continue
+        raise AssertionError(f"decode_block accepted damaged input (flip at {at})")
+
+
+@given(
+    st.sampled_from((None, "zstd")),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 2**32 - 1),
+    st.binary(max_size=128),
+)
+def test_block_frame_declaring_huge_sizes_is_corrupt(
+    compression: str | None, raw: int, layout_len: int, tail: bytes
+) -> None:
+    frame = _BLOCK_HEADER.pack(BLOCK_MAGIC, FRAME_VERSION, COMPRESSIONS[compression], 0, raw, layout_len)
+    _bounded_block(_NAME, frame + tail)
+
+
+@given(json_values)
+def test_hostile_descriptor_is_valid_or_corrupt(obj: Any) -> None:
+    try:
+        validate_descriptor(obj)
+    except CorruptError:
+        pass
+
+
+@given(st.data())
+def test_mutated_real_descriptor_is_valid_or_corrupt(data: st.DataObject) -> None:
+    """Replace one leaf of a real descriptor with a hostile value."""
+    from blockkv.testing.strategies import make_caches
+
+    desc = json.loads(json.dumps(split_entry(make_caches("cachelist", list(range(6))), 4).descriptor))
+    node: Any = desc
+    while isinstance(node, (dict, list)) and node:
+        key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+        if not isinstance(node[key], (dict, list)) or not node[key] or data.draw(st.booleans()):
+            node[key] = data.draw(json_values)
+            break
+        node = node[key]
+    try:
+        validate_descriptor(desc)
+    except CorruptError:
+        pass
