@@ -130,11 +130,11 @@ def _token_ranges(tensors: Sequence[TensorRecord], block_tokens: int) -> list[tu
     spans = [(t.token_start, t.token_stop) for t in tensors if t.token_stop > t.token_start]
     if not spans:
         return []
-    first = min(a for a, _ in spans) // block_tokens
-    last = -(-max(b for _, b in spans) // block_tokens)
+    end = max(b for _, b in spans)
+    first, last = min(a for a, _ in spans) // block_tokens, -(-end // block_tokens)
     if last - first > MAX_BLOCKS:
         raise CorruptHeaderError(f"entry spans {last - first} token blocks (max {MAX_BLOCKS})")
-    ranges = [(k * block_tokens, (k + 1) * block_tokens) for k in range(first, last)]
+    ranges = [(k * block_tokens, min((k + 1) * block_tokens, end)) for k in range(first, last)]
     return [(a, b) for a, b in ranges if any(s < b and a < e for s, e in spans)]
 
 
@@ -460,7 +460,7 @@ def _unshuffle(name: str, stored: memoryview, raw: int, layout: list[Part]) -> m
     try:
         if zstandard.frame_content_size(stored) != raw:
             raise _corrupt(name, "zstd frame size differs from the raw length")
-        plain = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw)
+        plain = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise _corrupt(name, f"zstd: {e}") from None
     if len(plain) != raw:
