@@ -1,0 +1,894 @@
+"""blockkv benchmark (issue #5): limits, mlx-lm baselines, blockkv, agent workload.
+
+Every figure is measured in this run and every ratio is against a baseline
+measured in this run. Caches are real mlx-lm ``KVCache`` objects of realistic
+shapes holding random bf16 contents; prefixes share the exact same bytes so
+deduplication is real.
+
+    python tools/bench.py            # full mode: writes docs/benchmarks.{md,png,json}
+    python tools/bench.py --quick --out DIR   # CI smoke run (< 1 min), writes only to DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import blake3
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+
+from blockkv import BlockStore
+from blockkv.fs import FileLayer
+from blockkv.header import SUFFIX as HEADER_SUFFIX
+from blockkv.pool import is_block_name
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+ANALYSIS_MARKER = "<!-- analysis: kept across regenerations -->"
+VOCAB = 128_256
+
+
+# --------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The KV geometry of one model: per layer one K and one V of (1, heads, T, head_dim) bf16."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sizes of one benchmark run."""
+
+    mode: str
+    shape: Shape  # single-entry figures and the agent workload
+    prefix_tokens: int  # fresh entry; the shared prefix of the next turn
+    new_tokens: int  # tokens the next turn adds
+    partial_tokens: int  # prefix restored by the partial restore
+    reps: int
+    agent_sessions: int
+    agent_turns: int
+    agent_system_tokens: int
+    agent_turn_tokens: tuple[int, int]  # new tokens per turn, uniform in [lo, hi]
+    index_sizes: tuple[int, int]  # entries at which find/open are measured
+    index_shape: Shape  # the tiny caches of the index benchmark
+    index_tokens: tuple[int, int]  # tokens per index entry, uniform in [lo, hi]
+    find_queries: int
+    pretouch_bytes: int  # scratch written and deleted first (see ``pretouch``)
+    block_tokens: int = 256
+
+
+FULL = Config(
+    mode="full",
+    shape=Shape(layers=16, kv_heads=8, head_dim=64),  # Llama-3.2-1B's KV geometry
+    prefix_tokens=8192,
+    new_tokens=512,
+    partial_tokens=3000,
+    reps=3,
+    agent_sessions=32,
+    agent_turns=4,
+    agent_system_tokens=4096,
+    agent_turn_tokens=(128, 512),
+    index_sizes=(1_000, 10_000),
+    index_shape=Shape(layers=1, kv_heads=1, head_dim=8),
+    index_tokens=(48, 160),
+    find_queries=2_000,
+    pretouch_bytes=4 << 30,
+)
+
+QUICK = Config(
+    mode="quick",
+    shape=Shape(layers=4, kv_heads=2, head_dim=64),
+    prefix_tokens=1024,
+    new_tokens=256,
+    partial_tokens=300,
+    reps=1,
+    agent_sessions=3,
+    agent_turns=2,
+    agent_system_tokens=512,
+    agent_turn_tokens=(64, 256),
+    index_sizes=(20, 60),
+    index_shape=Shape(layers=1, kv_heads=1, head_dim=8),
+    index_tokens=(48, 160),
+    find_queries=100,
+    pretouch_bytes=64 * MIB,
+)
+
+STORE_IDENTITY = {
+    "model_id": "bench/llama-3.2-1b-shaped",
+    "config_fingerprint": "bench-bf16",
+    "tokenizer_hash": "bench-tokenizer",
+}
+
+
+# --------------------------------------------------------------------------
+# cache builders
+
+
+def kv_cache(keys: mx.array, values: mx.array) -> KVCache:
+    """A real mlx-lm ``KVCache`` holding exactly ``keys.shape[2]`` tokens, as after a prefill."""
+    cache = KVCache()
+    cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+    return cache
+
+
+class KVSource:
+    """Random bf16 K/V for a token stream; ``caches(n)`` is its first ``n`` tokens,
+    sharing the same bytes as every longer prefix (so dedup is real)."""
+
+    def __init__(self, shape: Shape, keys: list[mx.array], values: list[mx.array], tokens: list[int]):
+        self.shape, self.keys, self.values, self.tokens = shape, keys, values, tokens
+
+    @classmethod
+    def random(cls, shape: Shape, n_tokens: int, seed: int) -> KVSource:
+        """``n_tokens`` tokens of fresh random K/V and token ids."""
+        key = mx.random.key(seed)
+        dims = (1, shape.kv_heads, n_tokens, shape.head_dim)
+        keys, values = [], []
+        for layer_key in mx.random.split(key, shape.layers):
+            k_key, v_key = mx.random.split(layer_key)
+            keys.append(mx.random.normal(dims, key=k_key).astype(mx.bfloat16))
+            values.append(mx.random.normal(dims, key=v_key).astype(mx.bfloat16))
+        mx.eval(keys, values)
+        tokens = np.random.default_rng(seed).integers(0, VOCAB, n_tokens).tolist()
+        return cls(shape, keys, values, tokens)
+
+    def extended(self, tail: KVSource) -> KVSource:
+        """This stream followed by ``tail``: the prefix bytes are this stream's bytes."""
+        keys = [mx.concatenate([a, b], axis=2) for a, b in zip(self.keys, tail.keys)]
+        values = [mx.concatenate([a, b], axis=2) for a, b in zip(self.values, tail.values)]
+        mx.eval(keys, values)
+        return KVSource(self.shape, keys, values, self.tokens + tail.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def caches(self, n: int | None = None) -> list[KVCache]:
+        """Real mlx-lm caches of the first ``n`` tokens (all when None)."""
+        n = len(self) if n is None else n
+        return [kv_cache(k[:, :, :n, :], v[:, :, :n, :]) for k, v in zip(self.keys, self.values)]
+
+    def raw_bytes(self, n: int | None = None) -> bytes:
+        """The K/V bytes of the first ``n`` tokens, concatenated (for the limits)."""
+        parts = [np.asarray(x.view(mx.uint16)).tobytes() for c in self.caches(n) for x in (c.keys, c.values)]
+        return b"".join(parts)
+
+
+def eval_caches(caches: Sequence[Any]) -> None:
+    """Force every array of restored caches to be materialised."""
+    mx.eval([c.state for c in caches])
+
+
+# --------------------------------------------------------------------------
+# measurement helpers
+
+
+def io_counters() -> dict[str, int]:
+    """This process's /proc/self/io (write_bytes counts pages dirtied for the disk)."""
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+@contextmanager
+def io_delta(out: dict[str, int]) -> Iterator[None]:
+    """Add this block's /proc/self/io deltas into ``out``."""
+    before = io_counters()
+    yield
+    after = io_counters()
+    for k, v in after.items():
+        out[k] = out.get(k, 0) + v - before[k]
+
+
+def median_time(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> float:
+    """Median wall seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each)."""
+    times = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def disk_usage(root: Path) -> int:
+    """Bytes allocated on disk under ``root`` (st_blocks, like ``du``)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+# --------------------------------------------------------------------------
+# limits and mlx-lm baselines
+
+
+def pretouch(work: Path, nbytes: int) -> dict[str, float]:
+    """Write, fsync and delete ``nbytes`` of scratch, then sync.
+
+    On thin-provisioned virtual disks the first write to a disk block is several
+    times slower than a rewrite; without this the figures depend on which side
+    of a comparison happens to land on fresh blocks first. Returns the
+    first-touch write rate."""
+    chunk = os.urandom(64 * MIB)
+    path = work / "pretouch.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(max(1, nbytes // len(chunk))):
+            os.write(fd, chunk)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    written = path.stat().st_size
+    path.unlink()
+    os.sync()  # commit the unlink so the freed blocks can be reused
+    return {"bytes": written, "first_touch_write_gbps": written / seconds / 1e9}
+
+
+def bench_limits(data: bytes, work: Path, reps: int) -> dict[str, float]:
+    """Raw durable write (blockkv.fs atomic write: tmp, write, fsync, rename, fsync dir),
+    page-cache read and blake3 throughput of ``data``, in GB/s."""
+    fs = FileLayer()
+    path = work / "limits.bin"
+    n = len(data)
+    t_write = median_time(lambda: fs.write_atomic(path, [data]), reps)
+    buf = bytearray(n)
+
+    def read() -> None:
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+
+    read()  # warm: the figure is a page-cache read
+    t_read = median_time(read, reps)
+    path.unlink()
+    t_b3_1 = median_time(lambda: blake3.blake3(data).digest(), reps)
+    t_b3_all = median_time(lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(), reps)
+    return {
+        "bytes": n,
+        "write_fsync_s": t_write,
+        "write_fsync_gbps": n / t_write / 1e9,
+        "read_page_cache_gbps": n / t_read / 1e9,
+        "blake3_1thread_gbps": n / t_b3_1 / 1e9,
+        "blake3_all_gbps": n / t_b3_all / 1e9,
+    }
+
+
+def mlx_save_fsync(path: Path, caches: list[KVCache]) -> None:
+    """mlx-lm's own save, then fsync the file."""
+    save_prompt_cache(str(path), caches)
+    fsync_path(path)
+
+
+def bench_mlx(src: KVSource, n_fresh: int, work: Path, reps: int) -> dict[str, float]:
+    """mlx-lm save + fsync of the fresh entry and of the whole next-turn cache; warm load + eval."""
+    path = work / "mlx.safetensors"
+    unlink = lambda: path.unlink(missing_ok=True)  # noqa: E731
+    t_save_fresh = median_time(lambda: mlx_save_fsync(path, src.caches(n_fresh)), reps, unlink)
+    t_save_whole = median_time(lambda: mlx_save_fsync(path, src.caches()), reps, unlink)
+    size = path.stat().st_size
+    eval_caches(load_prompt_cache(str(path)))  # warm the page cache
+    t_load = median_time(lambda: eval_caches(load_prompt_cache(str(path))), reps)
+    rss = child_peak_rss({"kind": "mlx", "path": str(path)})
+    path.unlink()
+    return {
+        "save_fsync_fresh_s": t_save_fresh,
+        "save_fsync_whole_s": t_save_whole,
+        "file_bytes_whole": size,
+        "load_eval_s": t_load,
+        "load_eval_gbps": size / t_load / 1e9,
+        "load_peak_rss_delta": rss,
+    }
+
+
+# --------------------------------------------------------------------------
+# peak RSS of one restore, in a child process
+
+
+def child_peak_rss(spec: dict[str, Any]) -> int:
+    """Run one restore (blockkv) or load (mlx-lm) in a fresh process; its peak RSS
+    growth in bytes (VmHWM after, with the peak reset just before, minus VmRSS before)."""
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--rss-child", json.dumps(spec)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_delta"])
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def rss_child(spec: dict[str, Any]) -> int:
+    """The child side of ``child_peak_rss``: prints ``{"peak_delta": bytes}``."""
+    if spec["kind"] == "mlx":
+        run: Callable[[], Any] = lambda: eval_caches(load_prompt_cache(spec["path"]))  # noqa: E731
+    else:
+        store = open_store(Path(spec["root"]), spec["block_tokens"])
+        match = store.find_exact(tuple(spec["tokens"]))
+        assert match is not None, "rss child: entry not found"
+
+        def run() -> None:
+            loaded = store.restore(match.entry)
+            assert loaded is not None
+            eval_caches(loaded.caches)
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    rss_before = _status_kib("VmRSS")
+    run()
+    print(json.dumps({"peak_delta": (_status_kib("VmHWM") - rss_before) * 1024}))
+    return 0
+
+
+# --------------------------------------------------------------------------
+# blockkv
+
+
+class CountingFileLayer(FileLayer):
+    """The store's file layer, counting the block files it reads."""
+
+    def __init__(self) -> None:
+        self.block_reads: list[str] = []
+
+    def read(self, path: Path) -> bytes:
+        data = super().read(path)
+        if is_block_name(path.name):
+            self.block_reads.append(path.name)
+        return data
+
+
+def open_store(root: Path, block_tokens: int, fs: FileLayer | None = None, **identity: str) -> BlockStore:
+    """A store with no practical byte cap, verify on, no compression."""
+    return BlockStore(
+        root,
+        max_bytes=1 << 50,
+        block_tokens=block_tokens,
+        fs=fs,
+        **(identity or STORE_IDENTITY),
+    )
+
+
+def bench_blockkv(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
+    """Fresh store, next-turn store, full and partial restore, peak RSS of a restore."""
+    n0, n1 = cfg.prefix_tokens, cfg.prefix_tokens + cfg.new_tokens
+    out: dict[str, Any] = {}
+
+    fresh: list[float] = []
+    for rep in range(cfg.reps):
+        root = work / f"fresh{rep}"
+        with open_store(root, cfg.block_tokens) as store:
+            caches = src.caches(n0)
+            t0 = time.perf_counter()
+            ok = store.store(src.tokens[:n0], caches)
+            fresh.append(time.perf_counter() - t0)
+            assert ok, "fresh store refused"
+        shutil.rmtree(root)
+    out["fresh_store_s"] = statistics.median(fresh)
+
+    nxt: list[float] = []
+    written: list[dict[str, int]] = []
+    root = work / "nextturn"
+    for rep in range(cfg.reps):
+        shutil.rmtree(root, ignore_errors=True)
+        with open_store(root, cfg.block_tokens) as store:
+            assert store.store(src.tokens[:n0], src.caches(n0)), "prefix store refused"
+            caches = src.caches(n1)
+            io: dict[str, int] = {}
+            stats_before = store.stats["bytes_written"]
+            with io_delta(io):
+                t0 = time.perf_counter()
+                ok = store.store(src.tokens[:n1], caches)
+                nxt.append(time.perf_counter() - t0)
+            assert ok, "next-turn store refused"
+            written.append({"stats": store.stats["bytes_written"] - stats_before, **io})
+    out["next_turn_store_s"] = statistics.median(nxt)
+    out["next_turn_bytes_written"] = written[-1]["stats"]
+    out["next_turn_proc_write_bytes"] = written[-1]["write_bytes"]
+    out["next_turn_proc_wchar"] = written[-1]["wchar"]
+    out["header_bytes"] = max(p.stat().st_size for p in header_files(root))
+
+    with open_store(root, cfg.block_tokens) as store:
+        match = store.find_exact(src.tokens[:n1])
+        assert match is not None, "stored entry not found"
+        entry = match.entry
+        out["entry_nbytes"] = entry.nbytes
+
+        def restore(prefix: int | None = None) -> list[Any]:
+            loaded = store.restore(entry, prefix)
+            assert loaded is not None, "restore failed"
+            eval_caches(loaded.caches)
+            return loaded.caches
+
+        check_restored(restore(), src, n1)  # also warms the page cache
+        out["full_restore_s"] = median_time(restore, cfg.reps)
+        out["partial_restore_s"] = median_time(lambda: restore(cfg.partial_tokens), cfg.reps)
+
+    counting = CountingFileLayer()
+    with open_store(root, cfg.block_tokens, fs=counting) as store:
+        match = store.find_exact(src.tokens[:n1])
+        assert match is not None
+        io = {}
+        with io_delta(io):
+            loaded = store.restore(match.entry, cfg.partial_tokens)
+            assert loaded is not None
+            eval_caches(loaded.caches)
+        check_restored(loaded.caches, src, cfg.partial_tokens)
+    out["partial_blocks_read"] = len(counting.block_reads)
+    out["partial_blocks_expected"] = math.ceil(cfg.partial_tokens / cfg.block_tokens)
+    out["partial_rchar"] = io["rchar"]
+
+    out["restore_peak_rss_delta"] = child_peak_rss(
+        {"kind": "blockkv", "root": str(root), "block_tokens": cfg.block_tokens, "tokens": src.tokens[:n1]}
+    )
+    shutil.rmtree(root)
+    return out
+
+
+def header_files(root: Path) -> list[Path]:
+    """Every header file under a store root."""
+    return list(root.rglob(f"*{HEADER_SUFFIX}"))
+
+
+def drop_index(root: Path) -> None:
+    """Delete the LMDB accelerator so the next open rebuilds it from the files."""
+    for data in list(root.rglob("data.mdb")):
+        shutil.rmtree(data.parent)
+
+
+def check_restored(caches: Sequence[Any], src: KVSource, n: int) -> None:
+    """The restored caches hold exactly the source's first ``n`` tokens (bit for bit)."""
+    assert len(caches) == src.shape.layers
+    for c, k, v in zip(caches, src.keys, src.values):
+        assert c.offset == n, f"restored {c.offset} tokens, expected {n}"
+        assert mx.array_equal(c.keys[:, :, :n], k[:, :, :n]).item()
+        assert mx.array_equal(c.values[:, :, :n], v[:, :, :n]).item()
+
+
+# --------------------------------------------------------------------------
+# agent workload: N sessions x T turns sharing one system prompt
+
+
+def bench_agent(cfg: Config, work: Path) -> dict[str, Any]:
+    """Store every turn of every session in blockkv and, as whole mlx-lm files, in a
+    file-per-entry baseline; footprint and bytes written after each session."""
+    shape, bpt = cfg.shape, cfg.shape.bytes_per_token
+    rng = np.random.default_rng(5)
+    system = KVSource.random(shape, cfg.agent_system_tokens, seed=1000)
+    root, fpe_file = work / "agent", work / "fpe.safetensors"
+    fpe_bytes = fpe_io = bk_io = unique_tokens = 0
+    bk_stats: dict[str, int] = {}
+    points: list[dict[str, int]] = []
+    entries = 0
+    t_store: list[float] = []
+    with open_store(root, cfg.block_tokens) as store:
+        for s in range(cfg.agent_sessions):
+            turns = rng.integers(cfg.agent_turn_tokens[0], cfg.agent_turn_tokens[1] + 1, cfg.agent_turns)
+            session = system.extended(KVSource.random(shape, int(turns.sum()), seed=2000 + s))
+            unique_tokens += int(turns.sum())
+            for n in (cfg.agent_system_tokens + np.cumsum(turns)).tolist():
+                caches = session.caches(n)
+                io: dict[str, int] = {}
+                written = store.stats["bytes_written"]
+                with io_delta(io):
+                    t0 = time.perf_counter()
+                    assert store.store(session.tokens[:n], caches), "agent store refused"
+                    t_store.append(time.perf_counter() - t0)
+                bk_stats["bytes_written"] = bk_stats.get("bytes_written", 0) + store.stats["bytes_written"] - written
+                bk_io += io["write_bytes"]
+                io = {}
+                with io_delta(io):
+                    save_prompt_cache(str(fpe_file), caches)
+                fpe_io += io["write_bytes"]
+                fpe_bytes += fpe_file.stat().st_blocks * 512
+                fpe_file.unlink()  # its footprint is counted; keep the disk free
+                entries += 1
+            points.append(
+                {
+                    "sessions": s + 1,
+                    "entries": entries,
+                    "ideal_bytes": (cfg.agent_system_tokens + unique_tokens) * bpt,
+                    "blockkv_footprint": disk_usage(root),
+                    "blockkv_total_bytes": store.total_bytes,
+                    "blockkv_bytes_written": bk_stats["bytes_written"],
+                    "blockkv_proc_write_bytes": bk_io,
+                    "fpe_footprint": fpe_bytes,
+                    "fpe_proc_write_bytes": fpe_io,
+                }
+            )
+            del session
+    shutil.rmtree(root)
+    last = points[-1]
+    return {
+        "points": points,
+        "store_p50_s": percentile(t_store, 50),
+        "store_p99_s": percentile(t_store, 99),
+        "footprint_vs_ideal": last["blockkv_footprint"] / last["ideal_bytes"],
+        "footprint_vs_fpe": last["blockkv_footprint"] / last["fpe_footprint"],
+        "written_vs_fpe": last["blockkv_bytes_written"] / last["fpe_proc_write_bytes"],
+        "written_vs_ideal": last["blockkv_bytes_written"] / last["ideal_bytes"],
+    }
+
+
+# --------------------------------------------------------------------------
+# index: find latency and open time at many small entries
+
+
+INDEX_IDENTITY = {
+    "model_id": "bench/index",
+    "config_fingerprint": "bench-index-bf16",
+    "tokenizer_hash": "bench-tokenizer",
+}
+
+
+def bench_index(cfg: Config, work: Path) -> dict[str, Any]:
+    """``find`` latency at each of ``cfg.index_sizes`` entries; open time at the largest
+    with a valid index and with a forced rebuild. Entries share 1 of 64 prompt heads."""
+    rng = np.random.default_rng(7)
+    heads = [rng.integers(0, VOCAB, 32).tolist() for _ in range(64)]
+    total = cfg.index_sizes[-1]
+    lo, hi = cfg.index_tokens
+    pool = KVSource.random(cfg.index_shape, total * hi, seed=3)  # each entry slices its own bytes
+    root = work / "index"
+    out: dict[str, Any] = {}
+    stored: list[list[int]] = []
+    t_store: list[float] = []
+    with open_store(root, cfg.block_tokens, **INDEX_IDENTITY) as store:
+        for size in cfg.index_sizes:
+            while len(stored) < size:
+                i = len(stored)
+                n = int(rng.integers(lo, hi + 1))
+                tokens = heads[i % len(heads)] + rng.integers(0, VOCAB, n - 32).tolist()
+                caches = [
+                    kv_cache(k[:, :, i * hi : i * hi + n], v[:, :, i * hi : i * hi + n])
+                    for k, v in zip(pool.keys, pool.values)
+                ]
+                t0 = time.perf_counter()
+                assert store.store(tokens, caches), "index store refused"
+                t_store.append(time.perf_counter() - t0)
+                stored.append(tokens)
+            out[f"find_{size}"] = time_finds(store, stored, heads, cfg.find_queries, rng)
+    out["tiny_store_p50_s"] = percentile(t_store, 50)
+    out["entries"] = total
+
+    def reopen() -> None:
+        with open_store(root, cfg.block_tokens, **INDEX_IDENTITY) as store:
+            assert len(store) == total, f"open indexed {len(store)} of {total} entries"
+
+    out["open_valid_s"] = median_time(reopen, cfg.reps)
+    out["open_rebuild_s"] = median_time(reopen, cfg.reps, setup=lambda: drop_index(root))
+    shutil.rmtree(root)
+    return out
+
+
+def time_finds(
+    store: BlockStore, stored: list[list[int]], heads: list[list[int]], queries: int, rng: np.random.Generator
+) -> dict[str, float]:
+    """Latency of ``find``: half hits (a stored entry plus new tokens), half prompts that
+    share only a head (the match is shorter than any entry, or none)."""
+    times: list[float] = []
+    hits = 0
+    for q in range(queries):
+        if q % 2 == 0:
+            prompt = stored[int(rng.integers(len(stored)))] + rng.integers(0, VOCAB, 64).tolist()
+        else:
+            prompt = heads[int(rng.integers(len(heads)))] + rng.integers(0, VOCAB, 96).tolist()
+        t0 = time.perf_counter()
+        match = store.find(prompt)
+        times.append(time.perf_counter() - t0)
+        hits += q % 2 == 0 and match is not None
+    assert hits == (queries + 1) // 2, "a stored entry was not found"
+    return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3}
+
+
+# --------------------------------------------------------------------------
+# targets, report, plot
+
+
+@dataclass(frozen=True)
+class Target:
+    """One issue-#5 target: ``value`` compared with ``bound``."""
+
+    name: str
+    value: float
+    op: str  # ">=" or "<=" or "<"
+    bound: float
+    unit: str
+
+    @property
+    def met(self) -> bool:
+        return {">=": self.value >= self.bound, "<=": self.value <= self.bound, "<": self.value < self.bound}[self.op]
+
+
+def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
+    """The issue's targets, each a ratio or bound computed from this run's figures."""
+    bk, ml, ag, ix = r["blockkv"], r["mlx"], r["agent"], r["index"]
+    bpt, big = cfg.shape.bytes_per_token, cfg.index_sizes[-1]
+    block = cfg.block_tokens * bpt
+    return [
+        Target("fresh store (fsync'd) speed vs mlx-lm save + fsync", ml["save_fsync_fresh_s"] / bk["fresh_store_s"], ">=", 1.0, "x"),
+        Target("next-turn store speed vs mlx-lm save + fsync of the whole cache", ml["save_fsync_whole_s"] / bk["next_turn_store_s"], ">=", 10.0, "x"),
+        Target(
+            "next-turn bytes written / (new tokens' bytes + 2 blocks + header)",
+            bk["next_turn_bytes_written"] / (cfg.new_tokens * bpt + 2 * block + bk["header_bytes"]),
+            "<=",
+            1.0,
+            "x",
+        ),
+        Target("full restore (verify, warm) speed vs mlx-lm load + eval", ml["load_eval_s"] / bk["full_restore_s"], ">=", 0.5, "x"),
+        Target(
+            f"partial restore of {cfg.partial_tokens} tokens: block files read",
+            bk["partial_blocks_read"],
+            "<=",
+            bk["partial_blocks_expected"],
+            "blocks",
+        ),
+        Target("agent footprint vs ideal unique bytes", ag["footprint_vs_ideal"], "<=", 1.15, "x"),
+        Target("agent footprint vs file-per-entry", ag["footprint_vs_fpe"], "<=", 0.2, "x"),
+        Target(f"find p99 at {big} entries", ix[f"find_{big}"]["p99_ms"], "<", 2.0, "ms"),
+        Target(f"open at {big} entries, valid index", ix["open_valid_s"], "<", 1.0, "s"),
+        Target("open: rebuild time / valid-index time", ix["open_rebuild_s"] / ix["open_valid_s"], ">=", 10.0, "x"),
+        Target(
+            "restore peak RSS / (2 x entry bytes + 100 MiB)",
+            bk["restore_peak_rss_delta"] / (2 * bk["entry_nbytes"] + 100 * MIB),
+            "<=",
+            1.0,
+            "x",
+        ),
+    ]
+
+
+def machine() -> dict[str, Any]:
+    """Machine, filesystem and versions of this run."""
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fstype = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", tempfile.gettempdir()], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    versions = {p: metadata.version(p) for p in ("mlx", "mlx-lm", "numpy", "blake3", "zstandard", "lmdb")}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem / (1 << 30), 1),
+        "filesystem": fstype,
+        "python": platform.python_version(),
+        "blockkv_commit": commit,
+        **versions,
+    }
+
+
+def gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s"
+
+
+def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
+    """docs/benchmarks.md: machine, workload, figures with their same-run baselines,
+    targets; the hand-written analysis after ``ANALYSIS_MARKER`` in ``old`` is kept."""
+    m, lim, ml, bk, ag, ix = r["machine"], r["limits"], r["mlx"], r["blockkv"], r["agent"], r["index"]
+    sh, bpt = cfg.shape, cfg.shape.bytes_per_token
+    n0, n1 = cfg.prefix_tokens, cfg.prefix_tokens + cfg.new_tokens
+    b0, b1 = n0 * bpt, n1 * bpt
+    small, big = cfg.index_sizes
+    lines = [
+        "# blockkv benchmarks",
+        "",
+        f"Generated by `python tools/bench.py{' --quick' if cfg.mode == 'quick' else ''}` ({cfg.mode} mode) on {m['date']}; "
+        "raw figures in `benchmarks.json`. Every ratio is against a baseline measured in the same run.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in m.items()),
+        "",
+        "## Workload",
+        "",
+        f"Real mlx-lm `KVCache` objects, random bf16 contents: {sh.layers} layers x {sh.kv_heads} KV heads x "
+        f"head_dim {sh.head_dim} ({bpt // 1024} KiB per token). Fresh entry {n0} tokens ({b0 / MIB:.0f} MiB); "
+        f"next turn {n0} shared + {cfg.new_tokens} new tokens ({b1 / MIB:.0f} MiB); block_tokens {cfg.block_tokens}, "
+        f"verify on, no compression. Median of {cfg.reps} runs. Agent workload: {cfg.agent_sessions} sessions x "
+        f"{cfg.agent_turns} turns over a {cfg.agent_system_tokens}-token system prompt, {cfg.agent_turn_tokens[0]}-"
+        f"{cfg.agent_turn_tokens[1]} new tokens per turn (every turn stored). Index: {big} entries of "
+        f"{cfg.index_tokens[0]}-{cfg.index_tokens[1]} tokens with tiny caches.",
+        "",
+        "## Figures",
+        "",
+        "| figure | value | same-run baseline | ratio |",
+        "|---|---|---|---|",
+        f"| first-touch disk write + fsync (never-written blocks) | {r['pretouch']['first_touch_write_gbps']:.2f} GB/s | | |",
+        f"| raw durable write (write + fsync + rename) | {lim['write_fsync_gbps']:.2f} GB/s | | |",
+        f"| raw read, page cache | {lim['read_page_cache_gbps']:.2f} GB/s | | |",
+        f"| blake3, 1 thread / all | {lim['blake3_1thread_gbps']:.2f} / {lim['blake3_all_gbps']:.2f} GB/s | | |",
+        f"| mlx-lm save + fsync, {n0} tokens | {ml['save_fsync_fresh_s'] * 1e3:.0f} ms ({gbps(b0, ml['save_fsync_fresh_s'])}) "
+        f"| raw write {lim['write_fsync_s'] * 1e3 * b0 / lim['bytes']:.0f} ms | {lim['write_fsync_s'] * b0 / lim['bytes'] / ml['save_fsync_fresh_s']:.2f}x of limit |",
+        f"| mlx-lm load + eval, {n1} tokens (warm) | {ml['load_eval_s'] * 1e3:.0f} ms ({gbps(b1, ml['load_eval_s'])}) | | |",
+        f"| **blockkv fresh store**, {n0} tokens, fsync'd | {bk['fresh_store_s'] * 1e3:.0f} ms ({gbps(b0, bk['fresh_store_s'])}) "
+        f"| mlx-lm save + fsync {ml['save_fsync_fresh_s'] * 1e3:.0f} ms | {ml['save_fsync_fresh_s'] / bk['fresh_store_s']:.2f}x |",
+        f"| **blockkv next-turn store**, +{cfg.new_tokens} tokens | {bk['next_turn_store_s'] * 1e3:.0f} ms "
+        f"| mlx-lm save + fsync of {n1} tokens {ml['save_fsync_whole_s'] * 1e3:.0f} ms | {ml['save_fsync_whole_s'] / bk['next_turn_store_s']:.1f}x |",
+        f"| next-turn bytes written (store stats / /proc write_bytes) | {bk['next_turn_bytes_written'] / MIB:.2f} / "
+        f"{bk['next_turn_proc_write_bytes'] / MIB:.2f} MiB | new tokens {cfg.new_tokens * bpt / MIB:.2f} MiB | "
+        f"{bk['next_turn_bytes_written'] / (cfg.new_tokens * bpt):.2f}x |",
+        f"| **blockkv full restore**, {n1} tokens, verify, warm | {bk['full_restore_s'] * 1e3:.0f} ms ({gbps(b1, bk['full_restore_s'])}) "
+        f"| mlx-lm load {ml['load_eval_s'] * 1e3:.0f} ms | {ml['load_eval_s'] / bk['full_restore_s']:.2f}x |",
+        f"| **blockkv partial restore**, {cfg.partial_tokens} tokens | {bk['partial_restore_s'] * 1e3:.0f} ms, "
+        f"{bk['partial_blocks_read']} block files read, {bk['partial_rchar'] / MIB:.1f} MiB read | "
+        f"ceil({cfg.partial_tokens}/{cfg.block_tokens}) = {bk['partial_blocks_expected']} blocks | |",
+        f"| restore peak RSS growth ({n1} tokens) | {bk['restore_peak_rss_delta'] / MIB:.0f} MiB | mlx-lm load "
+        f"{ml['load_peak_rss_delta'] / MIB:.0f} MiB; entry {bk['entry_nbytes'] / MIB:.0f} MiB | "
+        f"{bk['restore_peak_rss_delta'] / bk['entry_nbytes']:.2f}x entry |",
+        f"| find p50 / p99, {small} entries | {ix[f'find_{small}']['p50_ms']:.3f} / {ix[f'find_{small}']['p99_ms']:.3f} ms | | |",
+        f"| find p50 / p99, {big} entries | {ix[f'find_{big}']['p50_ms']:.3f} / {ix[f'find_{big}']['p99_ms']:.3f} ms | | |",
+        f"| store of a tiny entry (p50, into {big}) | {ix['tiny_store_p50_s'] * 1e3:.2f} ms | | |",
+        f"| open at {big} entries, valid index | {ix['open_valid_s'] * 1e3:.0f} ms | forced rebuild "
+        f"{ix['open_rebuild_s'] * 1e3:.0f} ms | {ix['open_rebuild_s'] / ix['open_valid_s']:.1f}x faster |",
+        f"| agent workload footprint | {ag['points'][-1]['blockkv_footprint'] / MIB:.0f} MiB | ideal "
+        f"{ag['points'][-1]['ideal_bytes'] / MIB:.0f} MiB; file-per-entry {ag['points'][-1]['fpe_footprint'] / MIB:.0f} MiB "
+        f"| {ag['footprint_vs_ideal']:.3f}x ideal; {ag['footprint_vs_fpe']:.3f}x fpe |",
+        f"| agent workload bytes written | {ag['points'][-1]['blockkv_bytes_written'] / MIB:.0f} MiB | file-per-entry "
+        f"{ag['points'][-1]['fpe_proc_write_bytes'] / MIB:.0f} MiB | {ag['written_vs_fpe']:.3f}x fpe; {ag['written_vs_ideal']:.3f}x ideal |",
+        f"| agent store latency p50 / p99 | {ag['store_p50_s'] * 1e3:.0f} / {ag['store_p99_s'] * 1e3:.0f} ms | | |",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | bound | met |",
+        "|---|---|---|---|",
+        *(f"| {t.name} | {t.value:.3f} {t.unit} | {t.op} {t.bound:g} | {'yes' if t.met else '**no**'} |" for t in targets(cfg, r)),
+        "",
+        "## Agent workload by number of sessions",
+        "",
+        "![footprint and bytes written vs sessions](benchmarks.png)",
+        "",
+        "| sessions | entries | ideal MiB | blockkv footprint MiB | blockkv written MiB | file-per-entry MiB |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {p['sessions']} | {p['entries']} | {p['ideal_bytes'] / MIB:.0f} | {p['blockkv_footprint'] / MIB:.0f} | "
+            f"{p['blockkv_bytes_written'] / MIB:.0f} | {p['fpe_footprint'] / MIB:.0f} |"
+            for p in ag["points"]
+        ),
+        "",
+        "Footprints are allocated bytes on disk (st_blocks, like `du`; blockkv's includes headers and the LMDB index). "
+        "File-per-entry writes each entry whole with mlx-lm's `save_prompt_cache`, counts its allocated size and "
+        "/proc/self/io write_bytes, then deletes it to keep the disk free.",
+        "",
+    ]
+    kept = old.split(ANALYSIS_MARKER, 1)[1] if ANALYSIS_MARKER in old else "\n## Analysis\n\n(none yet)\n"
+    return "\n".join(lines) + "\n" + ANALYSIS_MARKER + kept
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    """Footprint and bytes written vs sessions: blockkv, file-per-entry, ideal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = r["agent"]["points"]
+    xs = [p["sessions"] for p in pts]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for ax, (title, bk_key, fpe_key) in zip(
+        axes,
+        (("disk footprint", "blockkv_footprint", "fpe_footprint"), ("bytes written", "blockkv_bytes_written", "fpe_proc_write_bytes")),
+    ):
+        ax.plot(xs, [p[fpe_key] / MIB for p in pts], "s-", label="file-per-entry (mlx-lm)")
+        ax.plot(xs, [p[bk_key] / MIB for p in pts], "o-", label="blockkv")
+        ax.plot(xs, [p["ideal_bytes"] / MIB for p in pts], "k--", label="ideal (unique bytes)")
+        ax.set(title=title, xlabel="sessions", ylabel="MiB", yscale="log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("agent workload: sessions sharing one system prompt")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------
+# main
+
+
+def run(cfg: Config, out: Path, workdir: Path | None) -> dict[str, Any]:
+    """Every section of one benchmark run; writes benchmarks.{json,md,png} into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="blockkv-bench-", dir=workdir))
+    t_start = time.perf_counter()
+    try:
+        src = KVSource.random(cfg.shape, cfg.prefix_tokens + cfg.new_tokens, seed=0)
+        r: dict[str, Any] = {"mode": cfg.mode, "config": asdict(cfg), "machine": machine()}
+        sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+            ("pretouch", lambda: pretouch(work, cfg.pretouch_bytes)),
+            ("limits", lambda: bench_limits(src.raw_bytes(cfg.prefix_tokens), work, cfg.reps)),
+            ("mlx", lambda: bench_mlx(src, cfg.prefix_tokens, work, cfg.reps)),
+            ("blockkv", lambda: bench_blockkv(cfg, src, work)),
+            ("agent", lambda: bench_agent(cfg, work)),
+            ("index", lambda: bench_index(cfg, work)),
+        ]
+        for name, fn in sections:
+            t0 = time.perf_counter()
+            r[name] = fn()
+            print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    r["targets"] = [{**asdict(t), "met": t.met} for t in targets(cfg, r)]
+    r["wall_s"] = time.perf_counter() - t_start
+    (out / "benchmarks.json").write_text(json.dumps(r, indent=2) + "\n")
+    md = out / "benchmarks.md"
+    md.write_text(render_markdown(cfg, r, md.read_text() if md.exists() else ""))
+    plot(r, out / "benchmarks.png")
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tools/bench.py [--quick] [--out DIR] [--workdir DIR]``; also ``blockkv bench``."""
+    parser = argparse.ArgumentParser(prog="blockkv bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, < 1 min (CI); needs --out")
+    parser.add_argument("--out", type=Path, help="output directory (full mode default: docs/)")
+    parser.add_argument("--workdir", type=Path, help="where the scratch stores live (default: system temp)")
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rss_child:
+        return rss_child(json.loads(args.rss_child))
+    if args.quick and args.out is None:
+        parser.error("--quick writes only to --out DIR")
+    cfg = QUICK if args.quick else FULL
+    r = run(cfg, args.out or REPO / "docs", args.workdir)
+    for t in r["targets"]:
+        print(f"{'ok  ' if t['met'] else 'MISS'} {t['name']}: {t['value']:.3f} {t['unit']} ({t['op']} {t['bound']:g})")
+    print(f"wall {r['wall_s']:.0f} s; wrote {args.out or REPO / 'docs'}/benchmarks.{{md,json,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
