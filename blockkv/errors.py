@@ -23,6 +23,3 @@ class CorruptHeaderError(CorruptError):
 class BlockMissingError(BlockKVError, FileNotFoundError):
     """A block an entry references is not in the pool (removed by another process)."""
 
-
-class ForeignEntryError(BlockKVError, ValueError):
-    """A header written for another model, tokenizer, fingerprint or codec."""

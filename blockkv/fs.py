@@ -128,3 +128,15 @@ class FileLayer:
                 yield from it
         except (FileNotFoundError, NotADirectoryError):
             return
+
+    def shard_files(self, directory: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """(subdirectory name, regular file) for every file one level down.
+
+        Symlinks and anything that is not a plain file or directory are skipped:
+        the store never follows a link out of its root."""
+        for shard in self.scandir(directory):
+            if not shard.is_dir(follow_symlinks=False):
+                continue
+            for f in self.scandir(Path(shard.path)):
+                if f.is_file(follow_symlinks=False):
+                    yield shard.name, f

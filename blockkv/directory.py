@@ -1,0 +1,111 @@
+"""One fingerprint directory's files: where things live and how to read them.
+
+Mechanism only (python-diskcache's ``Disk``): naming, listing, reading and
+verifying headers. The store owns policy (what to keep, when to delete);
+``gc.inspect`` uses this class alone, so a tool can report on a directory
+without opening it as a store and changing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import blake3
+import numpy as np
+
+from . import blocks as blk
+from .errors import CorruptError
+from .fs import TMP_SUFFIX, FileLayer
+from .header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
+from .index import EntryRecord
+from .pool import BlobPool
+
+CODEC_ID = f"blockkv-blocks-{blk.FORMAT}"
+_UUID = re.compile(r"[0-9a-f]{32}")
+_NS_DIR = re.compile(r"[0-9a-f]{16}")
+
+
+def fingerprint_dirname(config_fingerprint: str) -> str:
+    """A safe, stable directory name for the caller's fingerprint string."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", config_fingerprint).strip("._")[:40]
+    digest = blake3.blake3(config_fingerprint.encode()).hexdigest()[:16]
+    return f"{readable}-{digest}" if readable else digest
+
+
+def ns_dirname(ns: str) -> str:
+    return blake3.blake3(ns.encode()).hexdigest()[:16]
+
+
+def read_identity(path: Path) -> Identity:
+    """The identity recorded in a fingerprint directory's IDENTITY file."""
+    try:
+        meta = json.loads((path / "IDENTITY").read_text())
+        identity = Identity(meta["model_id"], meta["config_fingerprint"], meta["tokenizer_hash"], CODEC_ID)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FileNotFoundError(f"{path} is not a blockkv fingerprint directory ({exc})") from None
+    if fingerprint_dirname(identity.config_fingerprint) != path.name:
+        raise ValueError(f"{path}: IDENTITY names the fingerprint of another directory")
+    return identity
+
+
+class Directory:
+    def __init__(self, path: Path, identity: Identity, fs: FileLayer) -> None:
+        self.path = path
+        self.identity = identity
+        self.fs = fs
+        self.pool = BlobPool(path / "blobs", fs)
+        self.entries_dir = path / "entries"
+        self.index_dir = path / "index"
+
+    def header_path(self, ns: str, entry_id: str) -> Path:
+        return self.entries_dir / ns_dirname(ns) / f"{entry_id}{SUFFIX}"
+
+    def rel(self, path: Path) -> str:
+        return str(path.relative_to(self.path))
+
+    def header_files(self) -> Iterator[tuple[str, Path]]:
+        """(entry id, path) of every file named like our header; nothing else is touched."""
+        for shard, f in self.fs.shard_files(self.entries_dir):
+            stem = f.name[: -len(SUFFIX)]
+            if f.name.endswith(SUFFIX) and _UUID.fullmatch(stem) and _NS_DIR.fullmatch(shard):
+                yield stem, Path(f.path)
+
+    def tmp_files(self) -> Iterator[tuple[Path, float]]:
+        """Write orphans (ours by their dot-prefixed ``.tmp`` names) with their mtimes."""
+        for top in (self.entries_dir, self.pool.directory):
+            for _, f in self.fs.shard_files(top):
+                if f.name.startswith(".") and f.name.endswith(TMP_SUFFIX):
+                    try:
+                        yield Path(f.path), f.stat(follow_symlinks=False).st_mtime
+                    except OSError:
+                        continue
+
+    def read_header(self, path: Path) -> Header:
+        """Read and verify a header (checksum, bounds, descriptor); CorruptError otherwise."""
+        size = path.stat().st_size
+        if size > MAX_HEADER_BYTES:
+            raise CorruptError(f"{path.name}: {size} bytes is not a plausible header")
+        header = decode_header(self.fs.read(path))
+        blk.validate_descriptor(header.descriptor)
+        return header
+
+    def record(self, entry_id: str, path: Path, header: Header, header_bytes: int) -> EntryRecord:
+        """The index record a header implies."""
+        attachments = tuple(header.descriptor["attachments"])
+        return EntryRecord(
+            id=entry_id, ns=header.ns, path=self.rel(path), header_bytes=header_bytes,
+            blocks=tuple(dict.fromkeys(r.name for r in blk.blocks_for_prefix(header.descriptor, None))),
+            trimmable=not attachments and blk.descriptor_trimmable(header.descriptor),
+            minimum_reusable_offset=blk.descriptor_min_offset(header.descriptor),
+            checkpoint=header.checkpoint, attachments=attachments,
+            foreign=header.identity != self.identity, tokens=np.array(header.tokens, dtype=np.uint32),
+        )
+
+    def unlink_quietly(self, path: Path) -> None:
+        try:
+            self.fs.unlink(path)
+        except FileNotFoundError:
+            pass

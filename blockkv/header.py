@@ -1,0 +1,112 @@
+"""Header files: the entry itself, small, self-checking, parsed with bounds.
+
+Layout (all integers little-endian)::
+
+    0   8  magic  b"BKVHDR\\x00\\x00"
+    8   2  u16 format version (1)
+    10  2  u16 reserved, 0
+    12  4  u32 meta_len  (bytes of the JSON object below)
+    16  4  u32 n_tokens
+    20  meta_len          UTF-8 JSON object (identity, ns, descriptor, checkpoint)
+    ..  4 * n_tokens      tokens, u32
+    ..  32                blake3 digest of every byte before it
+
+The JSON object holds no tensor data and no numbers that grow with the
+prompt: tokens are binary. The digest covers the whole file, so a torn or
+bit-flipped header is detected before anything in it is trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import numpy as np
+
+from .errors import CorruptHeaderError
+
+MAGIC = b"BKVHDR\x00\x00"
+VERSION = 1
+SUFFIX = ".bkv"
+_FIXED = struct.Struct("<8sHHII")
+_DIGEST = 32
+MAX_META_BYTES = 16 << 20
+MAX_TOKENS = 1 << 24
+MAX_HEADER_BYTES = _FIXED.size + MAX_META_BYTES + 4 * MAX_TOKENS + _DIGEST
+_IDENTITY_KEYS = ("model_id", "config_fingerprint", "tokenizer_hash", "codec")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who may read an entry: a header naming anything else is foreign."""
+
+    model_id: str
+    config_fingerprint: str
+    tokenizer_hash: str
+    codec: str
+
+
+@dataclass(frozen=True)
+class Header:
+    identity: Identity
+    ns: str
+    tokens: np.ndarray  # uint32, read-only
+    descriptor: dict[str, Any]  # the block layer's entry layout (records + block refs)
+    checkpoint: dict[str, Any] | None = None
+
+
+def encode_header(header: Header) -> bytes:
+    meta = {
+        **{k: getattr(header.identity, k) for k in _IDENTITY_KEYS},
+        "ns": header.ns,
+        "descriptor": header.descriptor,
+        "checkpoint": header.checkpoint,
+    }
+    meta_bytes = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
+    tokens = np.ascontiguousarray(header.tokens, dtype="<u4")
+    if len(meta_bytes) > MAX_META_BYTES or len(tokens) > MAX_TOKENS:
+        raise ValueError("header too large: too many tokens or blocks for one entry")
+    body = b"".join(
+        (_FIXED.pack(MAGIC, VERSION, 0, len(meta_bytes), len(tokens)), meta_bytes, tokens.tobytes())
+    )
+    return body + blake3.blake3(body).digest()
+
+
+def decode_header(data: bytes) -> Header:
+    """Parse and verify a header; anything malformed raises CorruptHeaderError."""
+    if len(data) < _FIXED.size + _DIGEST:
+        raise CorruptHeaderError(f"header truncated ({len(data)} bytes)")
+    magic, version, _, meta_len, n_tokens = _FIXED.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptHeaderError("not a blockkv header (bad magic)")
+    if version != VERSION:
+        raise CorruptHeaderError(f"unsupported header version {version}")
+    if meta_len > MAX_META_BYTES or n_tokens > MAX_TOKENS:
+        raise CorruptHeaderError("header declares absurd sizes")
+    if len(data) != _FIXED.size + meta_len + 4 * n_tokens + _DIGEST:
+        raise CorruptHeaderError("header length does not match its declared sizes")
+    body = memoryview(data)[:-_DIGEST]
+    if blake3.blake3(body).digest() != data[-_DIGEST:]:
+        raise CorruptHeaderError("header checksum mismatch")
+    try:
+        meta = json.loads(bytes(body[_FIXED.size : _FIXED.size + meta_len]))
+        identity = Identity(*(_str(meta, k) for k in _IDENTITY_KEYS))
+        ns = _str(meta, "ns")
+        descriptor = meta["descriptor"]
+        checkpoint = meta.get("checkpoint")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptHeaderError(f"header metadata unreadable: {exc}") from None
+    if not isinstance(descriptor, dict) or not (checkpoint is None or isinstance(checkpoint, dict)):
+        raise CorruptHeaderError("header metadata has the wrong shape")
+    tokens = np.frombuffer(body, dtype="<u4", count=n_tokens, offset=_FIXED.size + meta_len)
+    return Header(identity, ns, tokens, descriptor, checkpoint)
+
+
+def _str(meta: dict[str, Any], key: str) -> str:
+    value = meta[key]
+    if not isinstance(value, str):
+        raise TypeError(f"{key} is not a string")
+    return value

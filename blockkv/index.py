@@ -1,0 +1,471 @@
+"""The LMDB accelerator: what the files say, kept where it is fast to ask.
+
+Five tables in one environment (``<fingerprint dir>/index/``):
+
+- ``entries``: entry id → record (ns, header path, header bytes, block names,
+  trim facts, checkpoint, tokens). Open and ``find`` never read a header.
+- ``lastuse``: entry id → f64 last use (small, rewritten on every restore).
+- ``blocks``: block name → (refcount u32, stored bytes u64, zero_since f64).
+- ``pending``: entry id → the references a store took before its header
+  became durable. A crash leaves a record here; recovery gives them back.
+- ``log``: u64 sequence → ``+id`` / ``-id``: other processes replay it to keep
+  their in-memory index current without re-reading the table.
+- ``meta``: format version, boot id, last sequence, total bytes.
+
+Nothing here is the truth: the header and block files are. The order of the
+store's operations makes every crash leave refcounts too high (a leak that
+``check(repair=True)`` reclaims), never too low. Transactions are not synced
+(a process crash never loses a committed transaction); after an OS crash the
+boot id differs and the store rebuilds the tables from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+import numpy as np
+
+from .errors import CorruptError
+
+FORMAT = b"blockkv-index-1"
+_BLOCK = struct.Struct("<IQd")
+_U64 = struct.Struct(">Q")
+_F64 = struct.Struct("<d")
+_LOG_KEEP = 50_000
+R = TypeVar("R")
+
+
+def boot_id() -> str:
+    """Changes on every OS boot; '' where unknown (then transactions are synced)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class EntryRecord:
+    id: str
+    ns: str
+    path: str  # header path relative to the fingerprint directory
+    header_bytes: int
+    blocks: tuple[str, ...]
+    trimmable: bool
+    minimum_reusable_offset: int
+    checkpoint: dict[str, Any] | None
+    attachments: tuple[str, ...]
+    foreign: bool
+    tokens: np.ndarray  # uint32
+
+    def pack(self) -> bytes:
+        meta = json.dumps(
+            {
+                "ns": self.ns,
+                "path": self.path,
+                "hdr": self.header_bytes,
+                "blocks": list(self.blocks),
+                "trim": self.trimmable,
+                "mro": self.minimum_reusable_offset,
+                "ckpt": self.checkpoint,
+                "att": list(self.attachments),
+                "foreign": self.foreign,
+            },
+            separators=(",", ":"),
+        ).encode()
+        return struct.pack("<I", len(meta)) + meta + np.ascontiguousarray(self.tokens, "<u4").tobytes()
+
+    @classmethod
+    def unpack(cls, entry_id: str, data: bytes) -> EntryRecord:
+        try:
+            (n,) = struct.unpack_from("<I", data)
+            m = json.loads(data[4 : 4 + n])
+            tokens = np.frombuffer(data, "<u4", offset=4 + n).copy()
+            return cls(
+                entry_id, m["ns"], m["path"], int(m["hdr"]), tuple(m["blocks"]), bool(m["trim"]),
+                int(m["mro"]), m["ckpt"], tuple(m["att"]), bool(m["foreign"]), tokens,
+            )
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
+            raise CorruptError(f"index record {entry_id} unreadable: {exc}") from None
+
+
+@dataclass(frozen=True)
+class BlockRow:
+    refs: int
+    size: int
+    zero_since: float
+
+
+class Index:
+    """One fingerprint directory's LMDB environment."""
+
+    _DBS = (b"meta", b"entries", b"lastuse", b"blocks", b"pending", b"log")
+
+    def __init__(self, path: Path, *, map_size: int = 256 << 20) -> None:
+        self.path = path
+        self._boot = boot_id()
+        self._env = _open_env(path, map_size, sync=not self._boot)
+        self._resize_lock = threading.Lock()
+        (self._meta, self._entries, self._lastuse, self._blocks, self._pending, self._log) = (
+            self._env.open_db(name) for name in self._DBS
+        )
+
+    def close(self) -> None:
+        _release_env(self.path, self._env)
+
+    # -- transactions -------------------------------------------------------
+    def _write(self, fn: Callable[[lmdb.Transaction], R]) -> R:
+        """Run ``fn`` in a write transaction; grow the map when it is full."""
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                with self._resize_lock:
+                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+
+    def _read(self, fn: Callable[[lmdb.Transaction], R]) -> R:
+        while True:
+            try:
+                with self._env.begin() as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+
+    # -- meta ---------------------------------------------------------------
+    def is_trusted(self) -> bool:
+        """Written by this format, and not across an OS crash we cannot see into."""
+
+        def get(txn: lmdb.Transaction) -> tuple[bytes | None, bytes | None]:
+            return txn.get(b"format", db=self._meta), txn.get(b"boot", db=self._meta)
+
+        fmt, boot = self._read(get)
+        return fmt == FORMAT and boot == self._boot.encode()
+
+    def seq(self) -> int:
+        return self._read(lambda txn: _u64(txn.get(b"seq", db=self._meta)))
+
+    def total_bytes(self) -> int:
+        return self._read(lambda txn: _u64(txn.get(b"bytes", db=self._meta)))
+
+    # -- reads --------------------------------------------------------------
+    def entries(self) -> list[EntryRecord]:
+        """Every record, in the order they were added (their log sequence)."""
+
+        def read(txn: lmdb.Transaction) -> list[tuple[int, EntryRecord]]:
+            seqs = {v[1:].decode(): _U64.unpack(k)[0] for k, v in txn.cursor(db=self._log)}
+            out = []
+            for k, v in txn.cursor(db=self._entries):
+                entry_id = k.decode()
+                out.append((seqs.get(entry_id, 0), EntryRecord.unpack(entry_id, v)))
+            return out
+
+        return [r for _, r in sorted(self._read(read), key=lambda t: t[0])]
+
+    def entry(self, entry_id: str) -> EntryRecord | None:
+        raw = self._read(lambda txn: txn.get(entry_id.encode(), db=self._entries))
+        return EntryRecord.unpack(entry_id, raw) if raw is not None else None
+
+    def last_use(self) -> dict[str, float]:
+        return self._read(
+            lambda txn: {k.decode(): _F64.unpack(v)[0] for k, v in txn.cursor(db=self._lastuse)}
+        )
+
+    def blocks(self) -> dict[str, BlockRow]:
+        return self._read(
+            lambda txn: {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in txn.cursor(db=self._blocks)}
+        )
+
+    def block(self, name: str) -> BlockRow | None:
+        raw = self._read(lambda txn: txn.get(name.encode(), db=self._blocks))
+        return BlockRow(*_BLOCK.unpack(raw)) if raw is not None else None
+
+    def changes_since(self, seq: int) -> tuple[int, list[tuple[str, str]]] | None:
+        """(new seq, [(op, id)...]) since ``seq``; None when the log no longer reaches back."""
+
+        def read(txn: lmdb.Transaction) -> tuple[int, list[tuple[str, str]]] | None:
+            last = _u64(txn.get(b"seq", db=self._meta))
+            if last == seq:
+                return last, []
+            floor = _u64(txn.get(b"log_floor", db=self._meta))
+            if seq < floor or seq > last:
+                return None
+            cur = txn.cursor(db=self._log)
+            ops = []
+            if cur.set_range(_U64.pack(seq + 1)):
+                for _, v in cur:
+                    ops.append((chr(v[0]), v[1:].decode()))
+            return last, ops
+
+        return self._read(read)
+
+    def pending(self) -> dict[str, dict[str, Any]]:
+        return self._read(lambda txn: {k.decode(): json.loads(v) for k, v in txn.cursor(db=self._pending)})
+
+    # -- mutations ------------------------------------------------------------
+    def take_refs(self, entry_id: str, path: str, sizes: Mapping[str, int]) -> None:
+        """Reference every block of a new entry, remembering it as pending."""
+
+        def fn(txn: lmdb.Transaction) -> None:
+            self._ref(txn, sizes)
+            txn.put(
+                entry_id.encode(), json.dumps({"path": path, "blocks": list(sizes)}).encode(), db=self._pending
+            )
+
+        self._write(fn)
+
+    def add_entry(self, record: EntryRecord, last_use: float) -> int:
+        """Make a durable header's entry visible; returns its log sequence."""
+
+        def fn(txn: lmdb.Transaction) -> int:
+            key = record.id.encode()
+            txn.put(key, record.pack(), db=self._entries)
+            txn.put(key, _F64.pack(last_use), db=self._lastuse)
+            txn.delete(key, db=self._pending)
+            _add_bytes(txn, self._meta, record.header_bytes)
+            return self._append_log(txn, b"+" + key)
+
+        return self._write(fn)
+
+    def add_scanned(self, record: EntryRecord, sizes: Mapping[str, int], last_use: float) -> int:
+        """A header found on disk that the table did not know: reference and add it."""
+
+        def fn(txn: lmdb.Transaction) -> int:
+            self._ref(txn, sizes)
+            key = record.id.encode()
+            txn.put(key, record.pack(), db=self._entries)
+            txn.put(key, _F64.pack(last_use), db=self._lastuse)
+            _add_bytes(txn, self._meta, record.header_bytes)
+            return self._append_log(txn, b"+" + key)
+
+        return self._write(fn)
+
+    def _ref(self, txn: lmdb.Transaction, sizes: Mapping[str, int]) -> None:
+        added = 0
+        for name, size in sizes.items():
+            row = _block(txn, self._blocks, name)
+            refs = row.refs + 1 if row else 1
+            if refs == 1:
+                added += size
+            txn.put(name.encode(), _BLOCK.pack(refs, size, 0.0), db=self._blocks)
+        _add_bytes(txn, self._meta, added)
+
+    def _unref(self, txn: lmdb.Transaction, names: Iterable[str], now: float) -> None:
+        freed = 0
+        for name in names:
+            row = _block(txn, self._blocks, name)
+            if row is None or row.refs == 0:
+                continue  # already low: never go below zero
+            refs = row.refs - 1
+            if refs == 0:
+                freed += row.size
+            txn.put(name.encode(), _BLOCK.pack(refs, row.size, now if refs == 0 else 0.0), db=self._blocks)
+        _add_bytes(txn, self._meta, -freed)
+
+    def remove_entry(self, entry_id: str, now: float) -> EntryRecord | None:
+        """Drop an entry whose header is already gone, and its references."""
+
+        def fn(txn: lmdb.Transaction) -> EntryRecord | None:
+            key = entry_id.encode()
+            raw = txn.get(key, db=self._entries)
+            if raw is None:
+                return None
+            record = EntryRecord.unpack(entry_id, raw)
+            txn.delete(key, db=self._entries)
+            txn.delete(key, db=self._lastuse)
+            self._unref(txn, dict.fromkeys(record.blocks), now)
+            _add_bytes(txn, self._meta, -record.header_bytes)
+            self._append_log(txn, b"-" + key)
+            return record
+
+        return self._write(fn)
+
+    def rollback_pending(self, entry_id: str, now: float) -> None:
+        def fn(txn: lmdb.Transaction) -> None:
+            raw = txn.get(entry_id.encode(), db=self._pending)
+            if raw is not None:
+                self._unref(txn, json.loads(raw)["blocks"], now)
+                txn.delete(entry_id.encode(), db=self._pending)
+
+        self._write(fn)
+
+    def touch(self, entry_id: str, now: float) -> None:
+        def fn(txn: lmdb.Transaction) -> None:
+            key = entry_id.encode()
+            if txn.get(key, db=self._lastuse) is not None:
+                txn.put(key, _F64.pack(now), db=self._lastuse)
+
+        self._write(fn)
+
+    def drop_blocks(self, names: Iterable[str]) -> None:
+        """Forget rows of blocks that gc deleted (only while still unreferenced)."""
+
+        def fn(txn: lmdb.Transaction) -> None:
+            for name in names:
+                row = _block(txn, self._blocks, name)
+                if row is not None and row.refs == 0:
+                    txn.delete(name.encode(), db=self._blocks)
+
+        self._write(fn)
+
+    def set_refcounts(self, truth: Mapping[str, tuple[int, int]], now: float) -> None:
+        """Repair: make every block row say what the headers say (refs, size)."""
+
+        def fn(txn: lmdb.Transaction) -> None:
+            total = 0
+            for k, v in list(txn.cursor(db=self._blocks)):
+                if k.decode() not in truth:
+                    row = BlockRow(*_BLOCK.unpack(v))
+                    txn.put(k, _BLOCK.pack(0, row.size, row.zero_since or now), db=self._blocks)
+            for name, (refs, size) in truth.items():
+                row = _block(txn, self._blocks, name)
+                zero_since = (row.zero_since or now) if refs == 0 and row else (now if refs == 0 else 0.0)
+                txn.put(name.encode(), _BLOCK.pack(refs, size, zero_since), db=self._blocks)
+                total += size if refs else 0
+            for _, v in txn.cursor(db=self._entries):
+                (n,) = struct.unpack_from("<I", v)
+                total += int(json.loads(v[4 : 4 + n])["hdr"])
+            txn.put(b"bytes", _U64.pack(total), db=self._meta)
+
+        self._write(fn)
+
+    def rebuild(self, records: Iterable[tuple[EntryRecord, float]], sizes: Mapping[str, int]) -> None:
+        """Replace every table with what the files say."""
+
+        def fn(txn: lmdb.Transaction) -> None:
+            for db in (self._entries, self._lastuse, self._blocks, self._pending, self._log, self._meta):
+                txn.drop(db, delete=False)
+            txn.put(b"format", FORMAT, db=self._meta)
+            txn.put(b"boot", self._boot.encode(), db=self._meta)
+            refs: dict[str, int] = {}
+            total = 0
+            seq = 0
+            for record, last_use in records:
+                key = record.id.encode()
+                txn.put(key, record.pack(), db=self._entries)
+                txn.put(key, _F64.pack(last_use), db=self._lastuse)
+                seq += 1
+                txn.put(_U64.pack(seq), b"+" + key, db=self._log)
+                total += record.header_bytes
+                for name in dict.fromkeys(record.blocks):
+                    refs[name] = refs.get(name, 0) + 1
+            for name, n in refs.items():
+                txn.put(name.encode(), _BLOCK.pack(n, sizes[name], 0.0), db=self._blocks)
+                total += sizes[name]
+            txn.put(b"seq", _U64.pack(seq), db=self._meta)
+            txn.put(b"bytes", _U64.pack(total), db=self._meta)
+
+        self._write(fn)
+
+    def trim_log(self) -> None:
+        def fn(txn: lmdb.Transaction) -> None:
+            last = _u64(txn.get(b"seq", db=self._meta))
+            floor = max(0, last - _LOG_KEEP)
+            if floor <= _u64(txn.get(b"log_floor", db=self._meta)):
+                return
+            live = {k for k, _ in txn.cursor(db=self._entries)}
+            cur = txn.cursor(db=self._log)
+            cur.first()
+            while cur.key() and _U64.unpack(cur.key())[0] <= floor:
+                if cur.value()[1:] in live and cur.value()[:1] == b"+":
+                    cur.next()  # keep the add record of a live entry: it orders the entries
+                else:
+                    cur.delete()
+            txn.put(b"log_floor", _U64.pack(floor), db=self._meta)
+
+        self._write(fn)
+
+    def _append_log(self, txn: lmdb.Transaction, op: bytes) -> int:
+        seq = _u64(txn.get(b"seq", db=self._meta)) + 1
+        txn.put(_U64.pack(seq), op, db=self._log)
+        txn.put(b"seq", _U64.pack(seq), db=self._meta)
+        return seq
+
+
+def _u64(raw: bytes | None) -> int:
+    return _U64.unpack(raw)[0] if raw else 0
+
+
+def _block(txn: lmdb.Transaction, db: Any, name: str) -> BlockRow | None:
+    raw = txn.get(name.encode(), db=db)
+    return BlockRow(*_BLOCK.unpack(raw)) if raw is not None else None
+
+
+def _add_bytes(txn: lmdb.Transaction, meta: Any, delta: int) -> None:
+    if delta:
+        total = max(0, _u64(txn.get(b"bytes", db=meta)) + delta)
+        txn.put(b"bytes", _U64.pack(total), db=meta)
+
+
+# LMDB forbids opening one environment twice in a process; handles share one.
+_ENVS: dict[tuple[str, int, int], tuple[lmdb.Environment, int]] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _env_key(path: Path) -> tuple[str, int, int]:
+    st = os.stat(path / "data.mdb")
+    return (str(path.resolve()), st.st_dev, st.st_ino)
+
+
+def _open_env(path: Path, map_size: int, *, sync: bool) -> lmdb.Environment:
+    with _ENVS_LOCK:
+        try:
+            key = _env_key(path)
+        except FileNotFoundError:
+            key = None
+        if key is not None and key in _ENVS:
+            env, n = _ENVS[key]
+            _ENVS[key] = (env, n + 1)
+            return env
+        path.mkdir(mode=0o700, exist_ok=True)
+        env = lmdb.open(
+            str(path), map_size=map_size, max_dbs=len(Index._DBS), max_readers=1024,
+            sync=sync, metasync=sync, readahead=False, mode=0o600,
+        )
+        env.reader_check()
+        _ENVS[_env_key(path)] = (env, 1)
+        return env
+
+
+def _release_env(path: Path, env: lmdb.Environment) -> None:
+    with _ENVS_LOCK:
+        for key, (e, n) in list(_ENVS.items()):
+            if e is env:
+                if n > 1:
+                    _ENVS[key] = (e, n - 1)
+                else:
+                    del _ENVS[key]
+                    env.close()
+                return
+
+
+
+def read_only_block_rows(path: Path) -> dict[str, BlockRow] | None:
+    """Block rows of an index, opened read-only without taking its lock (for
+    reports that must change nothing); None if there is no usable index."""
+    if not (path / "data.mdb").is_file():
+        return None
+    try:
+        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=len(Index._DBS))
+    except lmdb.Error:
+        return None
+    try:
+        with env.begin() as txn:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            if txn.get(b"format", db=meta) != FORMAT:
+                return None
+            blocks = env.open_db(b"blocks", txn=txn, create=False)
+            return {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in txn.cursor(db=blocks)}
+    except (lmdb.Error, struct.error, UnicodeDecodeError):
+        return None
+    finally:
+        env.close()

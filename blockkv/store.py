@@ -1,0 +1,897 @@
+"""BlockStore: the SSD cold tier for MLX prompt/KV caches.
+
+Layout of one fingerprint directory (everything else under the root belongs
+to other models and is never read, counted or deleted)::
+
+    <root>/.blockkv                      marker: this is a blockkv root
+    <root>/<fingerprint dir>/
+        IDENTITY                          JSON: model_id, config_fingerprint, tokenizer_hash
+        LOCK                              flock(2) target for every mutation
+        entries/<ns hash>/<uuid>.bkv      header files (see header.py) — the entries
+        blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py)
+        index/                            LMDB accelerator (see index.py)
+
+Write order of a store (docs/design.md says why each step is where it is):
+blocks (tmp → fsync → rename → fsync dir) → references (LMDB, recorded as
+pending) → header (tmp → fsync → rename → fsync dir) → entry visible → success.
+Delete order: unlink header → fsync dir → drop references; a block whose
+count reaches zero is deleted by ``gc`` after a grace period. Every mutation
+holds the directory lock, so a dedup hit and a gc delete never interleave.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+import lmdb
+import numpy as np
+
+from . import blocks as blk
+from . import gc
+from .directory import CODEC_ID, Directory, fingerprint_dirname, read_identity
+from .errors import BlockKVError, CorruptBlockError, CorruptError
+from .fs import FileLayer
+from .header import Header, Identity, encode_header
+from .index import EntryRecord, Index
+from .prefix_index import PrefixIndex
+
+log = logging.getLogger("blockkv")
+
+ROOT_MARKER = ".blockkv"
+CHECKPOINT_NS = "__generation_checkpoint__:"
+_MAX_TOKEN = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class GenerationCheckpoint:
+    """An in-flight generation: ``tokens`` = prompt + output so far."""
+
+    key: str
+    original_prompt_tokens: int
+    cache_ns: str = ""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "original_prompt_tokens": self.original_prompt_tokens,
+                "cache_ns": self.cache_ns, "meta": dict(self.meta)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GenerationCheckpoint:
+        return cls(str(d["key"]), int(d["original_prompt_tokens"]), str(d.get("cache_ns", "")),
+                   dict(d.get("meta") or {}))
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One stored prompt cache, as the index knows it (no tensors)."""
+
+    id: str
+    ns: str
+    token_array: np.ndarray = field(repr=False)
+    nbytes: int  # header + every block it references
+    header_bytes: int
+    blocks: tuple[str, ...]
+    last_use: float
+    trimmable: bool
+    minimum_reusable_offset: int
+    checkpoint: GenerationCheckpoint | None
+    attachments: tuple[str, ...]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self.token_array.tolist())
+
+    @property
+    def length(self) -> int:
+        return len(self.token_array)
+
+
+@dataclass(frozen=True)
+class Match:
+    entry: Entry
+    prefix_len: int
+
+
+@dataclass
+class Loaded:
+    caches: list[Any]
+    tokens: tuple[int, ...]
+    attachments: dict[str, Any]
+    checkpoint: GenerationCheckpoint | None
+
+
+@dataclass(frozen=True)
+class FingerprintDir:
+    path: Path
+    model_id: str
+    config_fingerprint: str
+    tokenizer_hash: str
+
+
+def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
+    """The fingerprint directories under a blockkv root (read-only)."""
+    out = []
+    for d in sorted(Path(root).iterdir()):
+        if d.is_dir() and not d.is_symlink() and (d / "IDENTITY").is_file():
+            try:
+                ident = read_identity(d)
+            except (FileNotFoundError, ValueError) as exc:
+                log.warning("blockkv: %s; skipped", exc)
+                continue
+            out.append(FingerprintDir(d, ident.model_id, ident.config_fingerprint, ident.tokenizer_hash))
+    return out
+
+
+class _DirLock:
+    """flock(2) on LOCK for other processes, an RLock for this one's threads.
+
+    flock is released by the kernel when a process dies, so a SIGKILLed
+    writer never wedges the directory (unlike LMDB's POSIX semaphores)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._thread = threading.RLock()
+        self._depth = 0
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._thread:
+            if self._depth == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class BlockStore:
+    """Prompt/KV caches on disk as header files over a deduplicated block pool.
+
+    Safe across threads and across processes sharing one root. Every failure
+    on the serving path degrades to "no hit" or "not stored" with a warning;
+    only wrong arguments raise.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        model_id: str,
+        config_fingerprint: str,
+        tokenizer_hash: str,
+        max_bytes: int,
+        limit: Callable[[], int] | None = None,
+        block_tokens: int = blk.DEFAULT_BLOCK_TOKENS,
+        compression: str | None = None,
+        verify: bool = True,
+        fs: FileLayer | None = None,
+        clock: Callable[[], float] = time.time,
+        gc_grace: float = 60.0,
+        tmp_grace: float = 3600.0,
+        index_map_size: int = 256 << 20,
+    ) -> None:
+        for name, value in (("model_id", model_id), ("config_fingerprint", config_fingerprint),
+                            ("tokenizer_hash", tokenizer_hash)):
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"{name} must be a non-empty str, got {value!r}")
+        _check_size("max_bytes", max_bytes)
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
+            raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        if compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        if limit is not None and not callable(limit):
+            raise TypeError("limit must be a callable returning the live byte cap")
+        for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        self.root = Path(root)
+        self.identity = Identity(model_id, config_fingerprint, tokenizer_hash, CODEC_ID)
+        self.directory = self.root / fingerprint_dirname(config_fingerprint)
+        self.block_tokens = block_tokens
+        self.compression = compression
+        self.verify = verify
+        self.gc_grace = float(gc_grace)
+        self.tmp_grace = float(tmp_grace)
+        self._max_bytes = max_bytes
+        self._limit = limit
+        self._fs = fs or FileLayer()
+        self._clock = clock
+        self._map_size = index_map_size
+        self._dir = Directory(self.directory, self.identity, self._fs)
+        self._pool = self._dir.pool
+        self.recovery: list[str] = []  # what the last scan() had to fix
+        self._warned: set[str] = set()
+        self.stats: dict[str, float] = dict.fromkeys(
+            ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
+        self._mutex = threading.RLock()  # in-memory index of this handle
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._make_directory()
+        self._lock = _DirLock(self.directory / "LOCK")
+        self._index = Index(self.directory / "index", map_size=index_map_size)
+        self.scan()
+
+    @classmethod
+    def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
+                 **kwargs: Any) -> BlockStore:
+        """Open an existing fingerprint directory with the identity it records (for tools)."""
+        d = Path(directory)
+        ident = read_identity(d)
+        return cls(d.parent, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
+                   tokenizer_hash=ident.tokenizer_hash, max_bytes=max_bytes if max_bytes is not None else 1 << 62,
+                   **kwargs)
+
+    # -- lifecycle ------------------------------------------------------------
+    def _make_directory(self) -> None:
+        self._fs.makedirs(self.root)
+        marker = self.root / ROOT_MARKER
+        if not marker.exists():
+            self._fs.write_atomic(marker, [b"blockkv cache root\n"])
+        self._fs.makedirs(self.directory / "entries")
+        self._fs.makedirs(self.directory / "blobs")
+        ident = self.directory / "IDENTITY"
+        if not ident.exists():
+            body = {"format": 1, "model_id": self.identity.model_id,
+                    "config_fingerprint": self.identity.config_fingerprint,
+                    "tokenizer_hash": self.identity.tokenizer_hash}
+            self._fs.write_atomic(ident, [json.dumps(body, indent=1).encode()])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._index.close()
+        self._lock.close()
+
+    def __enter__(self) -> BlockStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- recovery ---------------------------------------------------------------
+    def scan(self) -> int:
+        """Recover and index: reap stale tmp files, trust or rebuild the LMDB
+        tables, reconcile them with a directory listing, reclaim unreferenced
+        blocks. What had to be fixed is left in ``self.recovery``. Returns the
+        number of entries indexed."""
+        self.recovery = []
+        with self._lock.held():
+            self._reap_tmp()
+            try:
+                if self._index.is_trusted():
+                    self._roll_back_pending()
+                    self._reconcile()
+                else:
+                    self._note("index missing, from another format or from before an OS restart: rebuilt")
+                    self._rebuild()
+            except (lmdb.Error, CorruptError) as exc:
+                self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
+                self._note(f"index unreadable ({exc}): rebuilt")
+                self._reset_index()
+                self._rebuild()
+            self._sweep_orphans()
+            self._load()
+        return len(self)
+
+    def rebuild_index(self) -> int:
+        """Throw the LMDB tables away and rebuild them from the header files."""
+        with self._lock.held():
+            self._rebuild()
+            self._load()
+        return len(self)
+
+    def _note(self, finding: str) -> None:
+        self.recovery.append(finding)
+
+    def _reset_index(self) -> None:
+        """Move a broken environment aside (never delete it in place: another
+        process may still map it) and open a fresh one."""
+        try:
+            self._index.close()
+        except lmdb.Error:
+            pass
+        aside = self._dir.index_dir.with_name(f".index-broken-{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(self._dir.index_dir, aside)
+        except FileNotFoundError:
+            pass
+        self._index = Index(self._dir.index_dir, map_size=self._map_size)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def _reap_tmp(self) -> None:
+        """Remove write orphans older than ``tmp_grace``: a live writer's tmp file is younger."""
+        cutoff = self._clock() - self.tmp_grace
+        for path, mtime in self._dir.tmp_files():
+            if mtime < cutoff:
+                self._dir.unlink_quietly(path)
+                self._note(f"reaped write orphan {self._dir.rel(path)}")
+
+    def _scan_header(self, entry_id: str, path: Path, block_files: Mapping[str, int]) -> EntryRecord | None:
+        """Index-worthy record of a header file, or None. A corrupt header is
+        unlinked (its uuid name in our directory makes it ours); a foreign one
+        is kept and counted for its references, never served or deleted."""
+        try:
+            header = self._dir.read_header(path)
+            record = self._dir.record(entry_id, path, header, path.stat().st_size)
+        except FileNotFoundError:
+            return None
+        except (CorruptError, OSError) as exc:
+            self._warn("corrupt-header", f"removing corrupt header {path.name}: {exc}")
+            self._note(f"removed corrupt header {self._dir.rel(path)}")
+            self._dir.unlink_quietly(path)
+            return None
+        if not record.foreign and any(n not in block_files for n in record.blocks):
+            self._warn("dangling", f"removing entry {entry_id}: some of its blocks are gone")
+            self._note(f"removed dangling entry {entry_id}")
+            self._dir.unlink_quietly(path)
+            return None
+        return record
+
+    def _rebuild(self) -> None:
+        sizes = {f.name: f.size for f in self._pool.files()}
+        now = self._clock()
+        records = []
+        for entry_id, path in self._dir.header_files():
+            record = self._scan_header(entry_id, path, sizes)
+            if record is not None:
+                try:
+                    records.append((record, min(path.stat().st_mtime, now)))
+                except FileNotFoundError:
+                    continue
+        self._index.rebuild(records, sizes)
+
+    def _roll_back_pending(self) -> None:
+        """References taken by a store that died before its entry became visible."""
+        now = self._clock()
+        known = {r.id for r in self._index.entries()}
+        for entry_id, rec in self._index.pending().items():
+            self._index.rollback_pending(entry_id, now)
+            self._note(f"rolled back the references of an unfinished store ({entry_id})")
+            path = self.directory / rec["path"]
+            if entry_id not in known and path.exists():  # header landed, entry never indexed
+                sizes = {f.name: f.size for f in self._pool.files()}
+                record = self._scan_header(entry_id, path, sizes)
+                if record is not None:
+                    self._index.add_scanned(record, {n: sizes[n] for n in record.blocks}, now)
+
+    def _reconcile(self) -> None:
+        """Headers added or removed behind the index's back, and blocks deleted behind it."""
+        now = self._clock()
+        on_disk = dict(self._dir.header_files())
+        records = {r.id: r for r in self._index.entries()}
+        files = {f.name: f.size for f in self._pool.files()}
+        for entry_id, record in records.items():
+            dangling = not record.foreign and any(n not in files for n in record.blocks)
+            if entry_id not in on_disk:
+                self._note(f"header of entry {entry_id} vanished: dropped")
+            elif dangling:
+                self._warn("dangling", f"removing entry {entry_id}: its blocks are gone")
+                self._note(f"removed dangling entry {entry_id}")
+                self._dir.unlink_quietly(self.directory / record.path)
+            else:
+                continue
+            self._index.remove_entry(entry_id, now)
+        for entry_id, path in on_disk.items():
+            if entry_id not in records:
+                record = self._scan_header(entry_id, path, files)
+                if record is not None:
+                    self._note(f"indexed header {self._dir.rel(path)} found on disk")
+                    self._index.add_scanned(record, {n: files[n] for n in record.blocks}, now)
+
+    def _sweep_orphans(self) -> int:
+        """Delete blocks nothing references once they are older than the grace period."""
+        cutoff = self._clock() - self.gc_grace
+        rows = self._index.blocks()
+        doomed = [name for name, row in rows.items() if row.refs == 0 and row.zero_since <= cutoff]
+        doomed += [f.name for f in self._pool.files() if f.name not in rows and f.mtime <= cutoff]
+        for name in doomed:
+            self._fs.crash_point("gc:block-unlinked")
+            self._pool.delete(name)
+        self._index.drop_blocks(doomed)
+        return len(doomed)
+
+    # -- the in-memory index ------------------------------------------------------
+    def _load(self) -> None:
+        with self._mutex:
+            self._seq = self._index.seq()
+            self._entries: dict[str, Entry] = {}
+            self._tries: dict[str, PrefixIndex[Entry]] = {}
+            self._exact: dict[tuple[str, bytes], str] = {}
+            last_use = self._index.last_use()
+            sizes = {n: row.size for n, row in self._index.blocks().items()}
+            for record in self._index.entries():
+                self._add_memory(record, last_use.get(record.id, 0.0), sizes)
+
+    def _add_memory(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
+        if record.foreign:
+            return
+        checkpoint = GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None
+        entry = Entry(
+            id=record.id, ns=record.ns, token_array=record.tokens,
+            nbytes=record.header_bytes + sum(sizes.get(n, 0) for n in record.blocks),
+            header_bytes=record.header_bytes, blocks=record.blocks, last_use=last_use,
+            trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
+            checkpoint=checkpoint, attachments=record.attachments,
+        )
+        self._entries[entry.id] = entry
+        self._tries.setdefault(entry.ns, PrefixIndex()).add(entry, entry.token_array)
+        self._exact[(entry.ns, entry.token_array.tobytes())] = entry.id
+
+    def _drop_memory(self, entry_id: str) -> None:
+        entry = self._entries.pop(entry_id, None)
+        if entry is None:
+            return
+        self._tries[entry.ns].remove(entry_id)
+        key = (entry.ns, entry.token_array.tobytes())
+        if self._exact.get(key) == entry_id:
+            del self._exact[key]
+
+    def _refresh(self) -> None:
+        """Replay what other handles changed since we last looked (cheap when nothing did)."""
+        with self._mutex:
+            changes = self._index.changes_since(self._seq)
+            if changes is None:
+                self._load()
+                return
+            seq, ops = changes
+            if not ops:
+                return
+            sizes: dict[str, int] | None = None
+            for op, entry_id in ops:
+                if op == "-":
+                    self._drop_memory(entry_id)
+                elif entry_id not in self._entries:
+                    record = self._index.entry(entry_id)
+                    if record is not None:
+                        if sizes is None:
+                            sizes = {n: row.size for n, row in self._index.blocks().items()}
+                        self._add_memory(record, self._clock(), sizes)
+            self._seq = seq
+
+    # -- queries (pure index lookups) ------------------------------------------------
+    def __len__(self) -> int:
+        self._refresh()
+        return len(self._entries)
+
+    @property
+    def total_bytes(self) -> int:
+        """Headers plus every referenced block, each counted once."""
+        return self._index.total_bytes()
+
+    @property
+    def max_bytes(self) -> int:
+        return self._limit() if self._limit is not None else self._max_bytes
+
+    @property
+    def block_count(self) -> int:
+        return sum(1 for row in self._index.blocks().values() if row.refs > 0)
+
+    @property
+    def logical_bytes(self) -> int:
+        """What one self-contained file per entry would take (no sharing)."""
+        return sum(e.nbytes for e in self.entries())
+
+    def entries(self) -> list[Entry]:
+        self._refresh()
+        with self._mutex:
+            return list(self._entries.values())
+
+    @property
+    def longest_durable_prefix_tokens(self) -> int:
+        return max((e.length for e in self.entries()), default=0)
+
+    def token_prefixes(self) -> Iterator[tuple[int, ...]]:
+        for entry in self.entries():
+            yield entry.tokens
+
+    def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
+        arr = _tokens(tokens)
+        _check_ns(ns)
+        self._refresh()
+        with self._mutex:
+            trie = self._tries.get(ns)
+            return trie is not None and trie.has_durable_prefix(arr)
+
+    def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
+        arr = _tokens(prompt)
+        _check_ns(ns)
+        self._refresh()
+        with self._mutex:
+            trie = self._tries.get(ns)
+            found = trie.find(arr) if trie is not None else None
+        return Match(*found) if found else None
+
+    def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
+        arr = _tokens(tokens)
+        _check_ns(ns)
+        self._refresh()
+        with self._mutex:
+            entry_id = self._exact.get((ns, arr.tobytes()))
+            entry = self._entries.get(entry_id) if entry_id else None
+        return Match(entry, len(arr)) if entry is not None else None
+
+    def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
+        arr = _tokens(prompt)
+        best: Entry | None = None
+        for entry in self.entries():
+            cp = entry.checkpoint
+            if cp is None or cp.key != key or cp.cache_ns != cache_ns or entry.ns != CHECKPOINT_NS + key:
+                continue
+            if cp.original_prompt_tokens != len(arr) or entry.length <= len(arr):
+                continue
+            if not np.array_equal(entry.token_array[: len(arr)], arr):
+                continue
+            if best is None or entry.length > best.length:
+                best = entry
+        return best
+
+    # -- restore ---------------------------------------------------------------------
+    def restore(self, entry: Entry, prefix_len: int | None = None) -> Loaded | None:
+        """Rebuild an entry's caches (cut to ``prefix_len`` tokens when given).
+
+        Reads only the blocks that cover the prefix. Any failure (a block gone,
+        a hash mismatch, a damaged header) warns, drops the entry and returns
+        None: never wrong tensors."""
+        if not isinstance(entry, Entry):
+            raise TypeError(f"restore takes an Entry from find/find_exact, got {type(entry).__name__}")
+        p = _prefix_len(entry, prefix_len)
+        cut = None if p == entry.length else p
+        t0 = time.perf_counter()
+        reading = ""
+        try:
+            header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
+            if header.identity != self.identity or header.ns != entry.ns:
+                raise CorruptError("the header on disk is not the one indexed")
+            payloads = {}
+            for ref in blk.blocks_for_prefix(header.descriptor, cut):
+                reading = ref.name
+                payloads[ref.name] = blk.decode_block(ref.name, self._pool.read(ref.name), verify=self.verify)
+            reading = ""
+            caches, attachments = blk.rebuild(header.descriptor, payloads, cut)
+        except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
+            self._restore_failed(entry, exc, reading if isinstance(exc, CorruptBlockError) else "")
+            return None
+        try:
+            self._index.touch(entry.id, self._clock())
+        except lmdb.Error:
+            pass
+        self.stats["restores"] += 1
+        self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
+        return Loaded(caches, tuple(header.tokens[:p].tolist()), attachments, entry.checkpoint)
+
+    def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
+        _prefix_len(entry, prefix_len)
+        return self._pool_executor().submit(self.restore, entry, prefix_len)
+
+    def _restore_failed(self, entry: Entry, exc: BaseException, corrupt_block: str) -> None:
+        self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
+        try:
+            with self._lock.held():
+                self._refresh()
+                if corrupt_block:  # quarantine: the next store of this block writes a good copy
+                    self._pool.delete(corrupt_block)
+                if entry.id in self._entries:
+                    self._remove_locked(entry.id)
+        except (OSError, lmdb.Error, BlockKVError) as exc2:
+            self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
+
+    # -- store --------------------------------------------------------------------------
+    def store(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
+              attachments: Mapping[str, Any] | None = None) -> bool:
+        """Persist a prompt cache. Returns False (with one warning) on any disk failure."""
+        job = self._prepare(tokens, caches, ns, attachments, None)
+        return self._commit(*job)
+
+    def store_async(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
+                    attachments: Mapping[str, Any] | None = None) -> Future[bool]:
+        """Snapshot the caches now (the caller may keep using them), write in the background."""
+        job = self._prepare(tokens, caches, ns, attachments, None)
+        return self._pool_executor().submit(self._commit, *job)
+
+    def store_generation_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any],
+                                    checkpoint: GenerationCheckpoint) -> bool:
+        """Persist an in-flight generation; older checkpoints of its key go only once it is durable."""
+        if not isinstance(checkpoint, GenerationCheckpoint):
+            raise TypeError("checkpoint must be a GenerationCheckpoint")
+        job = self._prepare(tokens, caches, CHECKPOINT_NS + checkpoint.key, None, checkpoint)
+        return self._commit(*job)
+
+    def remove_generation_checkpoints(self, key: str) -> None:
+        with self._lock.held():
+            self._refresh()
+            for entry in list(self._entries.values()):
+                if entry.checkpoint is not None and entry.checkpoint.key == key:
+                    self._remove_quietly(entry.id)
+
+    def _pool_executor(self) -> ThreadPoolExecutor:
+        with self._mutex:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockkv")
+            return self._executor
+
+    def _prepare(self, tokens: Sequence[int], caches: Sequence[Any], ns: str,
+                 attachments: Mapping[str, Any] | None,
+                 checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, blk.EntryLayout, GenerationCheckpoint | None]:
+        """Validate arguments and snapshot tensors on the caller's thread (bad input raises here)."""
+        arr = _tokens(tokens)
+        _check_ns(ns)
+        if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
+            raise TypeError(f"caches must be a list of mlx-lm cache objects, got {type(caches).__name__}")
+        if attachments is not None and not isinstance(attachments, Mapping):
+            raise TypeError("attachments must be a mapping of name to mx.array")
+        layout = blk.split_entry(list(caches), self.block_tokens, attachments)
+        return arr, ns, layout, checkpoint
+
+    def _commit(self, tokens: np.ndarray, ns: str, layout: blk.EntryLayout,
+                checkpoint: GenerationCheckpoint | None) -> bool:
+        entry_id = uuid.uuid4().hex
+        path = self._dir.header_path(ns, entry_id)
+        refs_taken = False
+        try:
+            header = encode_header(Header(self.identity, ns, tokens, layout.descriptor,
+                                          checkpoint.to_json() if checkpoint else None))
+            new, sizes = self._encode_new_blocks(layout)
+            entry_bytes = len(header) + sum(sizes.values())
+            if entry_bytes > self.max_bytes:
+                self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {self.max_bytes}-byte cap",
+                           once=False)
+                return False
+            written = 0
+            for name, frame in new.items():  # outside the lock: the slow part
+                written += self._pool.write(name, frame)
+            self._fs.crash_point("store:blocks-written")
+            by_name = {b.ref.name: b for b in layout.blocks}
+            with self._lock.held():
+                for name in sizes:  # gc may have taken a block we meant to reuse
+                    if name not in new and not self._pool.exists(name):
+                        frame = blk.encode_block(by_name[name], self.compression)
+                        sizes[name] = sum(len(memoryview(p).cast("B")) for p in frame)
+                        written += self._pool.write(name, frame)
+                        new[name] = frame
+                for name in sizes:
+                    if name not in new:
+                        self._pool.freshen(name)
+                self._index.take_refs(entry_id, self._dir.rel(path), sizes)
+                refs_taken = True
+                self._fs.crash_point("store:refs-taken")
+                self._fs.makedirs(path.parent)
+                written += self._fs.write_atomic(path, [header])
+                self._fs.crash_point("store:header-written")
+                attachments = tuple(layout.descriptor["attachments"])
+                record = EntryRecord(
+                    id=entry_id, ns=ns, path=self._dir.rel(path), header_bytes=len(header), blocks=tuple(sizes),
+                    trimmable=not attachments and blk.descriptor_trimmable(layout.descriptor),
+                    minimum_reusable_offset=blk.descriptor_min_offset(layout.descriptor),
+                    checkpoint=checkpoint.to_json() if checkpoint else None, attachments=attachments,
+                    foreign=False, tokens=tokens,
+                )
+                self._index.add_entry(record, self._clock())
+                refs_taken = False
+                self._refresh()
+                self._apply_store_rules(self._entries[entry_id])
+                self.evict_to_cap()
+        except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
+            if refs_taken:
+                self._undo_store(entry_id, path)
+            self._warn("store", f"store failed (disk full or unwritable?); entry not stored: {exc}")
+            return False
+        self.stats["spills"] += 1
+        self.stats["bytes_written"] += written
+        self.stats["bytes_deduplicated"] += sum(
+            b.ref.raw_bytes for b in layout.blocks if b.ref.name not in new)
+        return True
+
+    def _encode_new_blocks(self, layout: blk.EntryLayout) -> tuple[dict[str, list[Any]], dict[str, int]]:
+        """Encode the blocks the pool lacks; sizes of every block the entry references."""
+        new: dict[str, list[Any]] = {}
+        sizes: dict[str, int] = {}
+        for block in layout.blocks:
+            name = block.ref.name
+            row = self._index.block(name)
+            if row is not None and self._pool.exists(name):
+                sizes[name] = row.size
+                continue
+            frame = blk.encode_block(block, self.compression)
+            new[name] = frame
+            sizes[name] = sum(len(memoryview(p).cast("B")) for p in frame)
+        return new, sizes
+
+    def _undo_store(self, entry_id: str, path: Path) -> None:
+        try:
+            self._dir.unlink_quietly(path)
+            self._index.rollback_pending(entry_id, self._clock())
+        except (OSError, lmdb.Error) as exc:
+            self._warn("undo", f"could not undo a failed store ({exc}); check(repair=True) reclaims it")
+
+    def _apply_store_rules(self, new: Entry) -> None:
+        """Replace an identical entry; let a trimmable entry supersede its prefixes;
+        a checkpoint supersedes older checkpoints of its key (all after it is durable)."""
+        for entry in list(self._entries.values()):
+            if entry is new or entry.ns != new.ns:
+                continue
+            same = entry.length == new.length and np.array_equal(entry.token_array, new.token_array)
+            shadowed = (
+                new.trimmable
+                and new.minimum_reusable_offset <= entry.length < new.length
+                and np.array_equal(new.token_array[: entry.length], entry.token_array)
+            )
+            old_checkpoint = (new.checkpoint is not None and entry.checkpoint is not None
+                              and entry.checkpoint.key == new.checkpoint.key)
+            if same or shadowed or old_checkpoint:
+                self._remove_quietly(entry.id)
+
+    # -- remove, evict, gc --------------------------------------------------------------------
+    def remove(self, entry: Entry) -> None:
+        if not isinstance(entry, Entry):
+            raise TypeError(f"remove takes an Entry, got {type(entry).__name__}")
+        with self._lock.held():
+            self._refresh()
+            self._remove_quietly(entry.id)
+
+    def _remove_quietly(self, entry_id: str) -> None:
+        try:
+            self._remove_locked(entry_id)
+        except (OSError, lmdb.Error, BlockKVError) as exc:
+            self._warn("remove", f"could not remove entry {entry_id}: {exc}")
+
+    def _remove_locked(self, entry_id: str) -> None:
+        """Unlink the header first, then drop its references (a crash between leaks, never dangles)."""
+        record = self._index.entry(entry_id)
+        if record is not None:
+            path = self.directory / record.path
+            try:
+                self._fs.unlink(path)
+            except FileNotFoundError:
+                pass
+            self._fs.fsync_dir(path.parent)
+            self._fs.crash_point("remove:header-unlinked")
+            self._index.remove_entry(entry_id, self._clock())
+        self._refresh()
+        with self._mutex:
+            self._drop_memory(entry_id)
+
+    def evict_plan(self, target_bytes: int) -> list[Entry]:
+        """The entries eviction down to ``target_bytes`` would remove, LRU first. Changes nothing."""
+        _check_size("target_bytes", target_bytes)
+        return self._plan(target_bytes)
+
+    def _plan(self, target_bytes: int) -> list[Entry]:
+        last_use = self._index.last_use()
+        entries = sorted(self.entries(), key=lambda e: last_use.get(e.id, 0.0))
+        refs = {n: row.refs for n, row in self._index.blocks().items()}
+        sizes = {n: row.size for n, row in self._index.blocks().items()}
+        total = self.total_bytes
+        plan = []
+        for entry in entries:
+            if total <= target_bytes:
+                break
+            plan.append(entry)
+            total -= entry.header_bytes
+            for name in entry.blocks:
+                refs[name] -= 1
+                if refs[name] == 0:
+                    total -= sizes[name]
+        return plan
+
+    def evict_to(self, target_bytes: int) -> list[Entry]:
+        """Remove least recently used entries until ``total_bytes <= target_bytes``."""
+        _check_size("target_bytes", target_bytes)
+        with self._lock.held():
+            self._refresh()
+            plan = self._plan(target_bytes)
+            for entry in plan:
+                self._remove_quietly(entry.id)
+            if plan:
+                self._sweep_quietly()
+        return plan
+
+    def evict_to_cap(self) -> None:
+        self.evict_to(self.max_bytes)
+
+    def gc(self) -> int:
+        """Delete blocks unreferenced for longer than the grace period; returns how many."""
+        with self._lock.held():
+            n = self._sweep_orphans()
+            self._index.trim_log()
+        return n
+
+    def _sweep_quietly(self) -> None:
+        try:
+            self._sweep_orphans()
+        except (OSError, lmdb.Error) as exc:
+            self._warn("gc", f"gc failed: {exc}")
+
+    def check(self, repair: bool = False,
+              progress: Callable[[int, int], None] | None = None) -> gc.CheckReport:
+        """Compare the index with the files and verify every block hash.
+
+        Returns findings rather than raising. ``repair=True`` fixes refcounts,
+        removes dangling and corrupt entries, and deletes unreferenced blocks."""
+        with self._lock.held():
+            report = gc.inspect(self._dir, self._index.blocks(), progress)
+            if repair and not report.clean:
+                gc.repair(self._dir, report)
+                self._rebuild()
+                report.actions.append("rebuilt the index from the headers")
+                self._load()
+        return report
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _warn(self, kind: str, message: str, *, once: bool = True) -> None:
+        """One warning per kind of failure: a full disk must not flood the log."""
+        if once and kind in self._warned:
+            log.debug("blockkv: %s", message)
+            return
+        self._warned.add(kind)
+        log.warning("blockkv: %s", message)
+
+
+def _tokens(tokens: Sequence[int]) -> np.ndarray:
+    """Tokens as uint32, or a TypeError/ValueError naming what is wrong."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"tokens must be a 1-D sequence of ints, got an array of {tokens.dtype} {tokens.shape}")
+        arr = tokens
+    else:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"tokens must be ints, got {type(t).__name__} {t!r}")
+        arr = np.array(tokens, dtype=np.int64) if tokens else np.empty(0, np.int64)
+    if len(arr) and (arr.min() < 0 or arr.max() > _MAX_TOKEN):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+def _check_ns(ns: str) -> None:
+    if not isinstance(ns, str):
+        raise TypeError(f"ns must be a str, got {type(ns).__name__}")
+
+
+def _check_size(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of bytes, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _prefix_len(entry: Entry, prefix_len: int | None) -> int:
+    if prefix_len is None:
+        return entry.length
+    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int):
+        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__}")
+    if not 0 < prefix_len <= entry.length:
+        raise ValueError(f"prefix_len must be in [1, {entry.length}], got {prefix_len}")
+    if prefix_len < entry.length and not entry.trimmable:
+        raise ValueError("prefix_len cuts an entry whose caches cannot be trimmed")
+    if prefix_len < entry.minimum_reusable_offset:
+        raise ValueError(f"prefix_len {prefix_len} is below the entry's minimum reusable offset "
+                         f"{entry.minimum_reusable_offset}")
+    return prefix_len
+
+
