@@ -696,7 +696,10 @@ def machine() -> dict[str, Any]:
     )
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     fstype = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", tempfile.gettempdir()], capture_output=True, text=True).stdout.strip()
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    git = ["git", "-C", str(REPO)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if subprocess.run([*git, "status", "--porcelain", "--", "blockkv"], capture_output=True, text=True).stdout.strip():
+        commit += " + uncommitted blockkv/ changes"
     versions = {p: metadata.version(p) for p in ("mlx", "mlx-lm", "numpy", "blake3", "zstandard", "lmdb")}
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -816,6 +819,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     pts = r["agent"]["points"]
     xs = [p["sessions"] for p in pts]
@@ -828,6 +832,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.plot(xs, [p[bk_key] / MIB for p in pts], "o-", label="blockkv")
         ax.plot(xs, [p["ideal_bytes"] / MIB for p in pts], "k--", label="ideal (unique bytes)")
         ax.set(title=title, xlabel="sessions", ylabel="MiB", yscale="log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle("agent workload: sessions sharing one system prompt")
