@@ -22,7 +22,6 @@ from blake3 import blake3
 from blockkv.codec import (
     DTYPES,
     MAX_STR,
-    MAX_TENSOR_BYTES,
     CacheRecord,
     TensorRecord,
     decode_caches,
@@ -423,8 +422,9 @@ def _parse_layout(name: str, raw: memoryview) -> list[Part]:
     return layout
 
 
-def decode_block(name: str, data: bytes | memoryview) -> memoryview:
-    """The canonical payload of a framed block, verified against ``name``.
+def decode_block(name: str, data: bytes | memoryview, verify: bool = True) -> memoryview:
+    """The canonical payload of a framed block, verified against ``name``
+    (``verify=False`` skips only the hash, for stores that opt out of it).
 
     Every declared size is bounded by the data actually present, so garbage
     raises CorruptBlockError without a large allocation."""
@@ -447,6 +447,8 @@ def decode_block(name: str, data: bytes | memoryview) -> memoryview:
         payload = stored
     else:
         payload = _unshuffle(name, stored, raw, layout)
+    if not verify:
+        return payload
     h = blake3(bytes(layout_raw))
     h.update(payload)
     if h.hexdigest() != name:
