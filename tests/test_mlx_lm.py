@@ -1,0 +1,217 @@
+"""PersistentPromptCache with real mlx-lm models, real generation and a real store:
+a new instance on the same directory (a restart) reuses what the old one stored,
+and greedy output is identical to a cold run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+from blockkv.demo import Agent
+from blockkv.identity import KVQuant
+from blockkv.mlx_lm import PersistentPromptCache
+from blockkv.testing.model_dir import build_model_dir, sample_text
+
+MAX_TOKENS = 8
+
+
+class Model:
+    """A tiny model directory, loaded, with a greedy agent on its server-style key."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.model, self.tokenizer = mlx_lm.load(str(root))
+        self.key = (str(root), None, None)
+        self.agent = Agent(self.model, self.tokenizer, self.key, MAX_TOKENS)
+
+    def encode(self, words: int, seed: int) -> list[int]:
+        return list(self.tokenizer.encode(sample_text(words, seed=seed)))
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3", "mamba"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return Model(build_model_dir(tmp_path_factory.mktemp(request.param) / "model", request.param))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return Model(build_model_dir(tmp_path_factory.mktemp("llama") / "model", "llama"))
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "cache"
+
+
+def _live_kv(caches: list[Any]) -> list[np.ndarray]:
+    """The live rows of each KVCache (its buffers run past ``offset``)."""
+    return [np.array(a[..., : c.offset, :]) for c in caches for a in (c.keys, c.values)]
+
+
+def test_is_an_lru_prompt_cache(cache_dir: Path) -> None:
+    with PersistentPromptCache(3, cache_dir=cache_dir) as cache:
+        assert isinstance(cache, LRUPromptCache)
+        assert cache.max_size == 3 and len(cache) == 0 and cache.nbytes == 0
+
+
+def test_restart_reuses_the_stored_prefix_with_identical_output(llama: Model, cache_dir: Path) -> None:
+    """The library acceptance test: generate, drop, reopen, and the next chat
+    with the same system prompt prefills only what is new."""
+    system = {"role": "system", "content": sample_text(120, seed=1)}
+    first = [system, {"role": "user", "content": sample_text(10, seed=2)}]
+    second = [system, {"role": "user", "content": sample_text(12, seed=3)}]
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        llama.agent.ask(first, cache)
+    del cache
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        warm = llama.agent.ask(second, cache)
+        stats = cache.tier_stats
+    cold = llama.agent.ask(second, None)
+    system_tokens = len(llama.tokenizer.apply_chat_template([system]))
+    assert stats["disk_hits"] == 1 and stats["ram_hits"] == 0
+    assert warm.from_disk >= system_tokens
+    assert warm.prefilled < cold.prefilled == cold.prompt_tokens
+    assert warm.generated == cold.generated
+
+
+def test_exact_boundary_reuse_for_every_cache_kind(tiny: Model, cache_dir: Path) -> None:
+    """A conversation's next turn resumes at the stored entry's end, for KVCache,
+    RotatingKVCache (window 32, wrapped) and ArraysCache alike."""
+    prompt = tiny.encode(100, seed=4)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        first = tiny.agent.ask_tokens(prompt, cache)
+    follow_up = prompt + first.generated + tiny.encode(6, seed=5)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        warm = tiny.agent.ask_tokens(follow_up, cache)
+    cold = tiny.agent.ask_tokens(follow_up, None)
+    assert warm.from_disk == len(prompt) + len(first.generated)
+    assert warm.generated == cold.generated
+
+
+def test_only_trimmable_caches_are_cut_on_a_divergent_prompt(tiny: Model, cache_dir: Path) -> None:
+    """A prompt that leaves the stored entry midway reuses the common prefix only
+    if every layer can be trimmed (mlx-lm's rule): a wrapped sliding window or
+    an SSM state cannot be rewound, so those reuse nothing here."""
+    shared = tiny.encode(80, seed=6)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        tiny.agent.ask_tokens(shared + tiny.encode(10, seed=7), cache)
+    divergent = shared + tiny.encode(10, seed=8)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        warm = tiny.agent.ask_tokens(divergent, cache)
+    cold = tiny.agent.ask_tokens(divergent, None)
+    trimmable = tiny.model.model_type == "llama"  # gemma3's window (32) has wrapped by 80 tokens
+    common = next(i for i, (a, b) in enumerate(zip(shared + tiny.encode(10, seed=7), divergent)) if a != b)
+    assert warm.from_disk == (common if trimmable else 0)
+    assert warm.generated == cold.generated
+
+
+def test_system_segment_entries_serve_new_conversations(tiny: Model, cache_dir: Path) -> None:
+    """mlx-lm's server inserts a cache at the end of the system prompt
+    (cache_type="system"); after a restart any new conversation with that system
+    prompt restores exactly it, whatever the cache kind."""
+    system = tiny.encode(90, seed=9)
+    caches, _ = _prefill(tiny, system)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        cache.insert_cache(tiny.key, system, caches, cache_type="system")
+        assert cache.stats_by_type()["system"]["n_sequences"] == 1
+    prompt = system + tiny.encode(7, seed=10)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        warm = tiny.agent.ask_tokens(prompt, cache)
+    cold = tiny.agent.ask_tokens(prompt, None)
+    assert warm.from_disk == len(system)
+    assert warm.generated == cold.generated
+
+
+def _prefill(m: Model, tokens: list[int]) -> tuple[list[Any], mx.array]:
+    caches = make_prompt_cache(m.model)
+    logits = m.model(mx.array(tokens)[None], cache=caches)
+    mx.eval(logits, [c.state for c in caches])
+    return caches, logits
+
+
+def test_ram_hit_wins_over_disk_and_disk_serves_after_trim(llama: Model, cache_dir: Path) -> None:
+    prompt = llama.encode(60, seed=11)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        first = llama.agent.ask_tokens(prompt, cache)
+        follow_up = prompt + first.generated + llama.encode(5, seed=12)
+        from_ram = llama.agent.ask_tokens(follow_up, cache)
+        assert from_ram.from_ram == len(prompt) + len(first.generated) and from_ram.from_disk == 0
+        assert len(cache) == 1 and cache.nbytes > 0  # mlx-lm dropped the trimmable prefix entry
+        cache.trim_to(n_bytes=0)
+        assert len(cache) == 0 and cache.nbytes == 0
+        cache.flush()
+        again = llama.agent.ask_tokens(follow_up + from_ram.generated + [1], cache)
+        assert again.from_disk == len(follow_up) + len(from_ram.generated)
+        assert cache.tier_stats["spills"] >= 2
+
+
+def test_spill_is_a_snapshot_taken_at_insert(llama: Model, cache_dir: Path) -> None:
+    """Write-behind must write the cache as inserted, not as the caller changed it later."""
+    tokens = llama.encode(50, seed=13)
+    caches, _ = _prefill(llama, tokens)
+    expected = _live_kv(caches)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        cache.insert_cache(llama.key, tokens, caches)
+        for c in caches:  # keep using the object, as a server would
+            c.trim(10)
+        llama.model(mx.array(llama.encode(30, seed=14))[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        store = cache.store_for(llama.key)
+        assert store is not None
+        match = store.find_exact(tokens)
+        assert match is not None
+        loaded = store.restore(match.entry)
+        assert loaded is not None
+        restored = _live_kv(loaded.caches)
+    assert len(restored) == len(expected)
+    for a, b in zip(restored, expected):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_models_and_kv_quantisation_never_share_entries(llama: Model, tmp_path: Path, cache_dir: Path) -> None:
+    other = Model(build_model_dir(tmp_path / "other", "llama", seed=1))
+    prompt = llama.encode(40, seed=15)
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        llama.agent.ask_tokens(prompt, cache)
+    probe = prompt + [1, 2, 3]
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        assert other.agent.ask_tokens(probe, cache).from_disk == 0
+    with PersistentPromptCache(cache_dir=cache_dir, kv=KVQuant(bits=8)) as cache:
+        assert llama.agent.ask_tokens(probe, cache).from_disk == 0
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        assert llama.agent.ask_tokens(probe, cache).from_disk > 0
+
+
+def test_unopenable_cache_dir_degrades_to_ram_only(
+    llama: Model, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    prompt = llama.encode(30, seed=16)
+    with caplog.at_level(logging.WARNING, logger="blockkv.mlx_lm"):
+        with PersistentPromptCache(cache_dir=blocker / "cache") as cache:
+            first = llama.agent.ask_tokens(prompt, cache)
+            again = llama.agent.ask_tokens(prompt + first.generated + [1], cache)
+            assert cache.store_for(llama.key) is None
+    assert again.from_ram == len(prompt) + len(first.generated)
+    assert len([r for r in caplog.records if "RAM-only" in r.getMessage()]) == 1
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="cache_dir"):
+        PersistentPromptCache(cache_dir=3)  # type: ignore[arg-type]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="cache_bytes"):
+            PersistentPromptCache(cache_dir=tmp_path, cache_bytes=bad)  # type: ignore[arg-type]
+    with PersistentPromptCache(cache_dir=tmp_path) as cache:
+        with pytest.raises(TypeError, match="model key"):
+            cache.fetch_nearest_cache(12345, [1, 2, 3])
