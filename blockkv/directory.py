@@ -101,7 +101,7 @@ class Directory:
             trimmable=not attachments and blk.descriptor_trimmable(header.descriptor),
             minimum_reusable_offset=blk.descriptor_min_offset(header.descriptor),
             checkpoint=header.checkpoint, attachments=attachments,
-            foreign=header.identity != self.identity, tokens=np.array(header.tokens, dtype=np.uint32),
+            owner=header.identity.digest(), tokens=np.array(header.tokens, dtype=np.uint32),
         )
 
     def unlink_quietly(self, path: Path) -> None:

@@ -67,7 +67,7 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
         except (CorruptError, OSError):
             report.corrupt_headers.append(directory.rel(path))
             continue
-        if record.foreign:
+        if record.owner != directory.identity.digest():
             report.foreign_headers.append(record.path)
         else:
             report.entries += 1

@@ -48,6 +48,11 @@ class Identity:
     tokenizer_hash: str
     codec: str
 
+    def digest(self) -> str:
+        """A short stable name for this identity (the index tags records with it)."""
+        fields = "\x00".join((self.model_id, self.config_fingerprint, self.tokenizer_hash, self.codec))
+        return blake3.blake3(fields.encode()).hexdigest()[:32]
+
 
 @dataclass(frozen=True)
 class Header:

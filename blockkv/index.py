@@ -62,7 +62,7 @@ class EntryRecord:
     minimum_reusable_offset: int
     checkpoint: dict[str, Any] | None
     attachments: tuple[str, ...]
-    foreign: bool
+    owner: str  # Identity.digest() of the header: another identity's entry is kept, never served
     tokens: np.ndarray  # uint32
 
     def pack(self) -> bytes:
@@ -76,7 +76,7 @@ class EntryRecord:
                 "mro": self.minimum_reusable_offset,
                 "ckpt": self.checkpoint,
                 "att": list(self.attachments),
-                "foreign": self.foreign,
+                "owner": self.owner,
             },
             separators=(",", ":"),
         ).encode()
@@ -90,7 +90,7 @@ class EntryRecord:
             tokens = np.frombuffer(data, "<u4", offset=4 + n).copy()
             return cls(
                 entry_id, m["ns"], m["path"], int(m["hdr"]), tuple(m["blocks"]), bool(m["trim"]),
-                int(m["mro"]), m["ckpt"], tuple(m["att"]), bool(m["foreign"]), tokens,
+                int(m["mro"]), m["ckpt"], tuple(m["att"]), str(m["owner"]), tokens,
             )
         except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise CorruptError(f"index record {entry_id} unreadable: {exc}") from None
@@ -338,8 +338,9 @@ class Index:
 
         self._write(fn)
 
-    def rebuild(self, records: Iterable[tuple[EntryRecord, float]], sizes: Mapping[str, int]) -> None:
-        """Replace every table with what the files say."""
+    def rebuild(self, records: Iterable[tuple[EntryRecord, float]], sizes: Mapping[str, int], now: float) -> None:
+        """Replace every table with what the files say. Block files nothing
+        references start their gc grace period now."""
 
         def fn(txn: lmdb.Transaction) -> None:
             for db in (self._entries, self._lastuse, self._blocks, self._pending, self._log, self._meta):
@@ -358,9 +359,10 @@ class Index:
                 total += record.header_bytes
                 for name in dict.fromkeys(record.blocks):
                     refs[name] = refs.get(name, 0) + 1
-            for name, n in refs.items():
-                txn.put(name.encode(), _BLOCK.pack(n, sizes[name], 0.0), db=self._blocks)
-                total += sizes[name]
+            for name, size in sizes.items():
+                n = refs.get(name, 0)
+                txn.put(name.encode(), _BLOCK.pack(n, size, 0.0 if n else now), db=self._blocks)
+                total += size if n else 0
             txn.put(b"seq", _U64.pack(seq), db=self._meta)
             txn.put(b"bytes", _U64.pack(total), db=self._meta)
 

@@ -39,7 +39,9 @@ from typing import Any
 
 import blake3
 import lmdb
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from . import blocks as blk
 from . import gc
@@ -207,6 +209,7 @@ class BlockStore:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
         self.root = Path(root)
         self.identity = Identity(model_id, config_fingerprint, tokenizer_hash, CODEC_ID)
+        self._owner = self.identity.digest()
         self.directory = self.root / fingerprint_dirname(config_fingerprint)
         self.block_tokens = block_tokens
         self.compression = compression
@@ -229,7 +232,11 @@ class BlockStore:
         self._closed = False
         self._make_directory()
         self._lock = _DirLock(self.directory / "LOCK")
-        self._index = Index(self.directory / "index", map_size=index_map_size)
+        try:
+            self._index = Index(self._dir.index_dir, map_size=index_map_size)
+        except lmdb.Error as exc:
+            self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
+            self._index = self._fresh_index()
         self.scan()
 
     @classmethod
@@ -291,7 +298,8 @@ class BlockStore:
             except (lmdb.Error, CorruptError) as exc:
                 self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
                 self._note(f"index unreadable ({exc}): rebuilt")
-                self._reset_index()
+                self._index.close()
+                self._index = self._fresh_index()
                 self._rebuild()
             self._sweep_orphans()
             self._load()
@@ -307,20 +315,16 @@ class BlockStore:
     def _note(self, finding: str) -> None:
         self.recovery.append(finding)
 
-    def _reset_index(self) -> None:
+    def _fresh_index(self) -> Index:
         """Move a broken environment aside (never delete it in place: another
-        process may still map it) and open a fresh one."""
-        try:
-            self._index.close()
-        except lmdb.Error:
-            pass
+        process may still map it) and open a fresh one, to be rebuilt."""
         aside = self._dir.index_dir.with_name(f".index-broken-{uuid.uuid4().hex[:8]}")
         try:
             os.replace(self._dir.index_dir, aside)
         except FileNotFoundError:
             pass
-        self._index = Index(self._dir.index_dir, map_size=self._map_size)
         shutil.rmtree(aside, ignore_errors=True)
+        return Index(self._dir.index_dir, map_size=self._map_size)
 
     def _reap_tmp(self) -> None:
         """Remove write orphans older than ``tmp_grace``: a live writer's tmp file is younger."""
@@ -344,7 +348,7 @@ class BlockStore:
             self._note(f"removed corrupt header {self._dir.rel(path)}")
             self._dir.unlink_quietly(path)
             return None
-        if not record.foreign and any(n not in block_files for n in record.blocks):
+        if record.owner == self._owner and any(n not in block_files for n in record.blocks):
             self._warn("dangling", f"removing entry {entry_id}: some of its blocks are gone")
             self._note(f"removed dangling entry {entry_id}")
             self._dir.unlink_quietly(path)
@@ -362,7 +366,7 @@ class BlockStore:
                     records.append((record, min(path.stat().st_mtime, now)))
                 except FileNotFoundError:
                     continue
-        self._index.rebuild(records, sizes)
+        self._index.rebuild(records, sizes, now)
 
     def _roll_back_pending(self) -> None:
         """References taken by a store that died before its entry became visible."""
@@ -385,7 +389,7 @@ class BlockStore:
         records = {r.id: r for r in self._index.entries()}
         files = {f.name: f.size for f in self._pool.files()}
         for entry_id, record in records.items():
-            dangling = not record.foreign and any(n not in files for n in record.blocks)
+            dangling = record.owner == self._owner and any(n not in files for n in record.blocks)
             if entry_id not in on_disk:
                 self._note(f"header of entry {entry_id} vanished: dropped")
             elif dangling:
@@ -427,7 +431,7 @@ class BlockStore:
                 self._add_memory(record, last_use.get(record.id, 0.0), sizes)
 
     def _add_memory(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
-        if record.foreign:
+        if record.owner != self._owner:
             return
         checkpoint = GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None
         entry = Entry(
@@ -572,6 +576,10 @@ class BlockStore:
                 payloads[ref.name] = blk.decode_block(ref.name, self._pool.read(ref.name), verify=self.verify)
             reading = ""
             caches, attachments = blk.rebuild(header.descriptor, payloads, cut)
+            # materialise here: a lazy array built on a worker thread cannot be
+            # evaluated from the caller's thread (restore_async)
+            mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
+                     if isinstance(v, mx.array)])
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
             self._restore_failed(entry, exc, reading if isinstance(exc, CorruptBlockError) else "")
             return None
@@ -687,7 +695,7 @@ class BlockStore:
                     trimmable=not attachments and blk.descriptor_trimmable(layout.descriptor),
                     minimum_reusable_offset=blk.descriptor_min_offset(layout.descriptor),
                     checkpoint=checkpoint.to_json() if checkpoint else None, attachments=attachments,
-                    foreign=False, tokens=tokens,
+                    owner=self._owner, tokens=tokens,
                 )
                 self._index.add_entry(record, self._clock())
                 refs_taken = False
