@@ -15,7 +15,6 @@ error (bad arguments, missing or foreign root, unknown fingerprint).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -28,13 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:  # the store imports mlx; argument errors should not pay for it
-    from blockkv.store import BlockStore, Identity
+    from blockkv.store import BlockStore, CheckReport, Entry, FingerprintDir
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
-
-MARKER = ".blockkv"
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgtp]?)(?:i?b)?$", re.IGNORECASE)
@@ -58,6 +55,18 @@ def parse_size(text: str) -> int:
         )
     number, unit = match.groups()
     return int(float(number) * _UNITS[unit.lower()])
+
+
+def parse_seconds(text: str) -> float:
+    """A non-negative number of seconds (a negative grace would delete blocks a
+    writer in another process may be about to reference)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"seconds must not be negative, got {text!r}")
+    return value
 
 
 def format_size(n: int) -> str:
@@ -97,23 +106,8 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: s
     return "\n".join([line(headers), *(line(r) for r in rows)])
 
 
-def to_jsonable(value: Any) -> Any:
-    """Store reports are dataclasses, tuples and paths: turn them into plain JSON."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
-
-
 def emit_json(obj: Any) -> None:
-    json.dump(to_jsonable(obj), sys.stdout, indent=2)
+    json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
 
@@ -127,21 +121,23 @@ def show_ns(ns: str) -> str:
 
 def check_root(text: str) -> Path:
     """The root as a Path, or a UsageError if it is missing or not a blockkv root."""
+    from blockkv.store import ROOT_MARKER
+
     path = Path(text)
     if not path.exists():
         raise UsageError(f"{text}: no such directory")
     if not path.is_dir():
         raise UsageError(f"{text}: not a directory")
-    if not (path / MARKER).exists():
+    if not (path / ROOT_MARKER).exists():
         raise UsageError(
-            f"{text}: not a blockkv root (no {MARKER} marker); refusing to touch it"
+            f"{text}: not a blockkv root (no {ROOT_MARKER} marker); refusing to touch it"
         )
     return path
 
 
 def select_fingerprints(
     root: Path, wanted: Sequence[str] | None, everything: bool, *, mutating: str | None
-) -> list[Identity]:
+) -> list[FingerprintDir]:
     """The fingerprints a command works on: those named (exact config fingerprint,
     directory name, or unique prefix of either), else all. A ``mutating`` command
     must name them or say ``--all`` so it never touches another model by default."""
@@ -154,33 +150,71 @@ def select_fingerprints(
     known = list_fingerprints(root)
     if not wanted:
         return known
-    chosen: list[Identity] = []
+    chosen: list[FingerprintDir] = []
     for want in wanted:
-        keys = [(ident, (ident.config_fingerprint, Path(ident.dir).name)) for ident in known]
-        matches = [i for i, names in keys if want in names] or [
-            i for i, names in keys if any(n.startswith(want) for n in names)
+        keys = [(fp, (fp.config_fingerprint, fp.path.name)) for fp in known]
+        matches = [fp for fp, names in keys if want in names] or [
+            fp for fp, names in keys if any(n.startswith(want) for n in names)
         ]
         if not matches:
-            names = ", ".join(Path(i.dir).name for i in known) or "none"
-            raise UsageError(f"no fingerprint {want!r} in {root} (have: {names})")
+            have = ", ".join(fp.path.name for fp in known) or "none"
+            raise UsageError(f"no fingerprint {want!r} in {root} (have: {have})")
         if len(matches) > 1:
-            names = ", ".join(Path(i.dir).name for i in matches)
-            raise UsageError(f"fingerprint {want!r} is ambiguous (matches: {names})")
+            have = ", ".join(fp.path.name for fp in matches)
+            raise UsageError(f"fingerprint {want!r} is ambiguous (matches: {have})")
         if matches[0] not in chosen:
             chosen.append(matches[0])
     return chosen
 
 
 @contextmanager
-def open_store(ident: Identity) -> Iterator[BlockStore]:
+def open_store(fp: FingerprintDir, gc_grace: float | None = None) -> Iterator[BlockStore]:
+    """Open a fingerprint directory so that opening itself deletes nothing (no
+    block or tmp-file sweep), whatever the command: what a command deletes is
+    then exactly what it reports. ``gc_grace`` (None: the store's default) is
+    the grace the command's own gc and eviction then use."""
     from blockkv.store import BlockStore
 
-    with BlockStore.open_dir(ident.dir) as store:
+    never = float("inf")
+    with BlockStore.open_dir(fp.path, gc_grace=never, tmp_grace=never) as store:
+        store.gc_grace = default_gc_grace() if gc_grace is None else gc_grace
         yield store
 
 
-def label(ident: Identity) -> str:
-    return f"{Path(ident.dir).name} ({ident.model_id})"
+def default_gc_grace() -> float:
+    """The store's own default grace, so the CLI never drifts from it."""
+    from blockkv.store import BlockStore
+
+    return float(BlockStore.__init__.__kwdefaults__["gc_grace"])
+
+
+def fp_json(fp: FingerprintDir) -> dict[str, Any]:
+    return {
+        "fingerprint": fp.path.name,
+        "config_fingerprint": fp.config_fingerprint,
+        "model_id": fp.model_id,
+        "tokenizer_hash": fp.tokenizer_hash,
+        "dir": str(fp.path),
+    }
+
+
+def entry_json(e: Entry) -> dict[str, Any]:
+    return {
+        "id": e.id,
+        "ns": e.ns,
+        "tokens": e.length,
+        "nbytes": e.nbytes,
+        "blocks": len(e.blocks),
+        "last_use": e.last_use,
+        "trimmable": e.trimmable,
+        "minimum_reusable_offset": e.minimum_reusable_offset,
+        "checkpoint": e.checkpoint.to_json() if e.checkpoint is not None else None,
+        "attachments": list(e.attachments),
+    }
+
+
+def label(fp: FingerprintDir) -> str:
+    return f"{fp.path.name} ({fp.model_id})"
 
 
 # -- commands -------------------------------------------------------------------
@@ -190,77 +224,29 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Per fingerprint and namespace: what is stored, what it costs, how well it dedups."""
     root = check_root(args.root)
     report: list[dict[str, Any]] = []
-    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
-        with open_store(ident) as store:
+    for fp in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
+        with open_store(fp) as store:
             entries = store.entries()
-            namespaces: dict[str, list[Any]] = {}
-            for e in entries:
-                namespaces.setdefault(e.ns, []).append(e)
-            uses = [e.last_use for e in entries]
-            report.append(
-                {
-                    "dir": str(ident.dir),
-                    "model_id": ident.model_id,
-                    "config_fingerprint": ident.config_fingerprint,
-                    "tokenizer_hash": ident.tokenizer_hash,
-                    "entries": len(entries),
-                    "logical_bytes": store.logical_bytes,
-                    "disk_bytes": store.total_bytes,
-                    "dedup_ratio": (
-                        store.logical_bytes / store.total_bytes if store.total_bytes else None
-                    ),
-                    "blocks": store.block_count,
-                    "oldest_use": min(uses, default=None),
-                    "newest_use": max(uses, default=None),
-                    "cap_bytes": store.max_bytes,
-                    "namespaces": [
-                        {
-                            "ns": ns,
-                            "entries": len(group),
-                            "logical_bytes": sum(e.nbytes for e in group),
-                            "oldest_use": min(e.last_use for e in group),
-                            "newest_use": max(e.last_use for e in group),
-                        }
-                        for ns, group in sorted(namespaces.items())
-                    ],
-                }
-            )
+            disk, logical = store.total_bytes, store.logical_bytes
+            blocks = store.block_count
+        by_ns: dict[str, list[Entry]] = {}
+        for e in entries:
+            by_ns.setdefault(e.ns, []).append(e)
+        report.append(
+            {
+                **fp_json(fp),
+                **usage(entries),
+                "disk_bytes": disk,
+                "logical_bytes": logical,
+                "dedup_ratio": logical / disk if disk else None,
+                "blocks": blocks,
+                "cap_bytes": args.cap,
+                "namespaces": [{"ns": ns, **usage(group)} for ns, group in sorted(by_ns.items())],
+            }
+        )
     if args.json:
         emit_json({"root": str(root), "fingerprints": report})
         return EXIT_OK
-    rows: list[list[str]] = []
-    for fp in report:
-        rows.append(
-            [
-                Path(fp["dir"]).name,
-                fp["model_id"],
-                "*",
-                str(fp["entries"]),
-                format_size(fp["logical_bytes"]),
-                format_size(fp["disk_bytes"]),
-                format_ratio(fp["logical_bytes"], fp["disk_bytes"]),
-                str(fp["blocks"]),
-                format_time(fp["oldest_use"]),
-                format_time(fp["newest_use"]),
-                format_size(fp["cap_bytes"]) if fp["cap_bytes"] is not None else "-",
-            ]
-        )
-        for ns in fp["namespaces"]:
-            rows.append(
-                [
-                    "",
-                    "",
-                    show_ns(ns["ns"]),
-                    str(ns["entries"]),
-                    format_size(ns["logical_bytes"]),
-                    "",
-                    "",
-                    "",
-                    format_time(ns["oldest_use"]),
-                    format_time(ns["newest_use"]),
-                    "",
-                ]
-            )
     logical = sum(fp["logical_bytes"] for fp in report)
     disk = sum(fp["disk_bytes"] for fp in report)
     print(
@@ -268,17 +254,46 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"entries, {format_size(disk)} on disk, {format_size(logical)} logical "
         f"(dedup {format_ratio(logical, disk)})"
     )
+    rows: list[list[str]] = []
+    for fp in report:
+        cap = fp["cap_bytes"]
+        rows.append(
+            [fp["fingerprint"], fp["model_id"], "*", str(fp["entries"]),
+             format_size(fp["logical_bytes"]), format_size(fp["disk_bytes"]),
+             format_ratio(fp["logical_bytes"], fp["disk_bytes"]), str(fp["blocks"]),
+             format_time(fp["oldest_use"]), format_time(fp["newest_use"]),
+             "-" if cap is None else f"{format_size(cap)} ({100 * fp['disk_bytes'] / max(cap, 1):.0f}%)"]
+        )
+        rows.extend(
+            ["", "", show_ns(ns["ns"]), str(ns["entries"]), format_size(ns["logical_bytes"]),
+             "", "", str(ns["blocks"]), format_time(ns["oldest_use"]),
+             format_time(ns["newest_use"]), ""]
+            for ns in fp["namespaces"]
+        )
     if rows:
         print()
         print(
             render_table(
                 ["FINGERPRINT", "MODEL", "NAMESPACE", "ENTRIES", "LOGICAL", "ON DISK",
-                 "DEDUP", "BLOCKS", "OLDEST USE", "NEWEST USE", "CAP"],
+                 "DEDUP", "BLOCKS", "OLDEST USE", "NEWEST USE", "CAP (USED)"],
                 rows,
-                right={3, 4, 5, 6, 7, 10},
+                right={3, 4, 5, 6, 7},
             )
         )
     return EXIT_OK
+
+
+def usage(entries: Sequence[Entry]) -> dict[str, Any]:
+    """Counts shared by a fingerprint's row and its namespaces' rows. Blocks are
+    the distinct blocks referenced (a block shared by two namespaces counts in both)."""
+    uses = [e.last_use for e in entries]
+    return {
+        "entries": len(entries),
+        "logical_bytes": sum(e.nbytes for e in entries),
+        "blocks": len({name for e in entries for name in e.blocks}),
+        "oldest_use": min(uses, default=None),
+        "newest_use": max(uses, default=None),
+    }
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -286,26 +301,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     list is what ``evict`` would remove first."""
     root = check_root(args.root)
     rows: list[dict[str, Any]] = []
-    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
-        with open_store(ident) as store:
-            for e in store.entries():
-                if args.namespace is not None and e.ns not in args.namespace:
-                    continue
-                rows.append(
-                    {
-                        "fingerprint": Path(ident.dir).name,
-                        "model_id": ident.model_id,
-                        "id": e.id,
-                        "ns": e.ns,
-                        "tokens": len(e.tokens),
-                        "nbytes": e.nbytes,
-                        "last_use": e.last_use,
-                        "trimmable": e.trimmable,
-                        "minimum_reusable_offset": e.minimum_reusable_offset,
-                        "checkpoint": e.checkpoint,
-                        "attachments": e.attachments,
-                    }
-                )
+    for fp in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
+        with open_store(fp) as store:
+            entries = store.entries()
+        rows.extend(
+            {"fingerprint": fp.path.name, "model_id": fp.model_id, **entry_json(e)}
+            for e in entries
+            if args.namespace is None or e.ns in args.namespace
+        )
     rows.sort(key=lambda r: r["last_use"])
     if args.json:
         emit_json({"root": str(root), "entries": rows})
@@ -315,16 +318,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             ["FINGERPRINT", "NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE",
              "TRIMMABLE", "CHECKPOINT"],
             [
-                [
-                    r["fingerprint"],
-                    show_ns(r["ns"]),
-                    r["id"],
-                    str(r["tokens"]),
-                    format_size(r["nbytes"]),
-                    format_time(r["last_use"]),
-                    "yes" if r["trimmable"] else "no",
-                    r["checkpoint"].key if r["checkpoint"] is not None else "-",
-                ]
+                [r["fingerprint"], show_ns(r["ns"]), r["id"], str(r["tokens"]),
+                 format_size(r["nbytes"]), format_time(r["last_use"]),
+                 "yes" if r["trimmable"] else "no",
+                 r["checkpoint"]["key"] if r["checkpoint"] else "-"]
                 for r in rows
             ],
             right={3, 4},
@@ -351,28 +348,41 @@ def block_progress(desc: str, enabled: bool | None) -> Iterator[Callable[[int, i
         yield update
 
 
-def findings(report: Any) -> dict[str, list[Any]]:
-    """The report's non-empty finding lists by name (everything but ``actions``)."""
-    out: dict[str, list[Any]] = {}
-    for field in dataclasses.fields(report):
-        value = getattr(report, field.name)
-        if field.name != "actions" and isinstance(value, (list, tuple)) and value:
-            out[field.name] = list(value)
-    return out
+PROBLEMS = ("corrupt_headers", "corrupt_blocks", "dangling", "orphan_blocks", "refcount_mismatches")
+
+
+def check_one(fp: FingerprintDir, repair: bool, progress: Callable[[int, int], None]) -> CheckReport:
+    """Without ``repair``: the store's read-only inspection of the files and a
+    read-only view of the index, so checking changes nothing (the directory is
+    not even opened as a store). With it: the store's own check-and-repair; a
+    missing index, which opening the store rebuilds, is reported as repaired."""
+    from blockkv import gc
+    from blockkv.directory import Directory, read_identity
+    from blockkv.fs import FileLayer
+    from blockkv.index import read_only_block_rows
+
+    directory = Directory(fp.path, read_identity(fp.path), FileLayer())
+    rows = read_only_block_rows(directory.index_dir)
+    if not repair:
+        return gc.inspect(directory, rows, progress)
+    with open_store(fp) as store:
+        report = store.check(repair=True, progress=progress)
+    if rows is None:
+        report.index_missing = True
+        report.actions.insert(0, "rebuilt the missing or unusable index from the headers")
+    return report
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Verify every header and block hash; with ``--repair``, fix what it finds."""
     root = check_root(args.root)
-    idents = select_fingerprints(
+    fps = select_fingerprints(
         root, args.fingerprint, args.all, mutating="check --repair" if args.repair else None
     )
-    results: list[tuple[Identity, Any]] = []
-    for ident in idents:
-        with open_store(ident) as store, block_progress(
-            f"check {Path(ident.dir).name}", args.progress
-        ) as progress:
-            results.append((ident, store.check(repair=args.repair, progress=progress)))
+    results: list[tuple[FingerprintDir, CheckReport]] = []
+    for fp in fps:
+        with block_progress(f"check {fp.path.name}", args.progress) as progress:
+            results.append((fp, check_one(fp, args.repair, progress)))
     problems = any(not report.clean for _, report in results)
     if args.json:
         emit_json(
@@ -381,62 +391,63 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "repair": args.repair,
                 "clean": not problems,
                 "fingerprints": [
-                    {"dir": str(i.dir), "model_id": i.model_id, "clean": r.clean, "report": r}
-                    for i, r in results
+                    {**fp_json(fp), "clean": r.clean, "report": r.to_json()} for fp, r in results
                 ],
             }
         )
         return EXIT_PROBLEMS if problems else EXIT_OK
-    for ident, report in results:
-        found = findings(report)
-        if not found:
-            print(f"{label(ident)}: ok")
-        else:
-            total = sum(len(v) for v in found.values())
-            print(f"{label(ident)}: {total} problem(s)")
-            for name, items in found.items():
-                for item in items:
-                    print(f"  {name.replace('_', ' ')}: {item}")
+    for fp, report in results:
+        found = [(kind, item) for kind in PROBLEMS for item in getattr(report, kind)]
+        count = len(found) + report.index_missing
+        status = "ok" if not count else f"{count} problem(s)"
+        print(f"{label(fp)}: {status} ({report.entries} entries, {report.blocks} blocks verified)")
+        if report.index_missing:
+            print("  index missing or unusable (the files are intact; rebuild-index restores it)")
+        for kind, item in found:
+            print(f"  {kind.replace('_', ' ')}: {item}")
+        for rel in report.foreign_headers:
+            print(f"  foreign header (kept, never served): {rel}")
         for action in report.actions:
             print(f"  repaired: {action}")
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """Delete blocks no entry references (past the store's grace period)."""
+    """Delete blocks no entry references once they are older than the grace period."""
     root = check_root(args.root)
     out: list[dict[str, Any]] = []
-    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating="gc"):
-        with open_store(ident) as store:
-            before = store.total_bytes
+    for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="gc"):
+        with open_store(fp, gc_grace=args.grace) as store:
             deleted = store.gc()
-            out.append(
-                {"dir": str(ident.dir), "model_id": ident.model_id, "blocks_deleted": deleted,
-                 "bytes_freed": before - store.total_bytes, "disk_bytes": store.total_bytes}
-            )
-            if not args.json:
-                print(
-                    f"{label(ident)}: deleted {deleted} unreferenced block(s), freed "
-                    f"{format_size(before - store.total_bytes)}; "
-                    f"{format_size(store.total_bytes)} on disk"
-                )
+            disk = store.total_bytes
+        out.append({**fp_json(fp), "blocks_deleted": deleted, "disk_bytes": disk})
     if args.json:
         emit_json({"root": str(root), "fingerprints": out})
+        return EXIT_OK
+    for fp_out in out:
+        print(
+            f"{fp_out['fingerprint']} ({fp_out['model_id']}): deleted "
+            f"{fp_out['blocks_deleted']} unreferenced block(s); "
+            f"{format_size(fp_out['disk_bytes'])} on disk"
+        )
     return EXIT_OK
 
 
 def cmd_rebuild_index(args: argparse.Namespace) -> int:
-    """Rebuild the LMDB accelerator from the headers and blocks on disk."""
+    """Rebuild the LMDB accelerator from the header and block files on disk."""
     root = check_root(args.root)
     out: list[dict[str, Any]] = []
-    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating="rebuild-index"):
-        with open_store(ident) as store:
-            indexed = store.rebuild_index()
-        out.append({"dir": str(ident.dir), "model_id": ident.model_id, "entries_indexed": indexed})
-        if not args.json:
-            print(f"{label(ident)}: index rebuilt, {indexed} entries indexed")
+    for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="rebuild-index"):
+        with open_store(fp) as store:
+            out.append({**fp_json(fp), "entries_indexed": store.rebuild_index()})
     if args.json:
         emit_json({"root": str(root), "fingerprints": out})
+        return EXIT_OK
+    for fp_out in out:
+        print(
+            f"{fp_out['fingerprint']} ({fp_out['model_id']}): index rebuilt, "
+            f"{fp_out['entries_indexed']} entries indexed"
+        )
     return EXIT_OK
 
 
@@ -445,35 +456,34 @@ def cmd_evict(args: argparse.Namespace) -> int:
     at most ``--to``; ``--dry-run`` lists them and deletes nothing."""
     root = check_root(args.root)
     out: list[dict[str, Any]] = []
-    for ident in select_fingerprints(root, args.fingerprint, args.all, mutating="evict"):
-        with open_store(ident) as store:
+    for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="evict"):
+        with open_store(fp) as store:
             before = store.total_bytes
             gone = store.evict_plan(args.to) if args.dry_run else store.evict_to(args.to)
             after = store.total_bytes
         out.append(
-            {"dir": str(ident.dir), "model_id": ident.model_id, "target_bytes": args.to,
-             "disk_bytes_before": before, "disk_bytes_after": after, "entries": gone}
+            {**fp_json(fp), "target_bytes": args.to, "disk_bytes_before": before,
+             "disk_bytes_after": after, "entries": [entry_json(e) for e in gone]}
         )
     if args.json:
         emit_json({"root": str(root), "dry_run": args.dry_run, "fingerprints": out})
         return EXIT_OK
     verb = "would remove" if args.dry_run else "removed"
-    for ident_out in out:
-        gone = ident_out["entries"]
+    for fp_out in out:
+        gone = fp_out["entries"]
+        after = "" if args.dry_run else f" -> {format_size(fp_out['disk_bytes_after'])}"
         print(
-            f"{Path(ident_out['dir']).name} ({ident_out['model_id']}): {verb} {len(gone)} "
-            f"entries to reach {format_size(args.to)} "
-            f"(on disk {format_size(ident_out['disk_bytes_before'])}"
-            + ("" if args.dry_run else f" -> {format_size(ident_out['disk_bytes_after'])}")
-            + ")"
+            f"{fp_out['fingerprint']} ({fp_out['model_id']}): {verb} {len(gone)} entries to "
+            f"reach {format_size(args.to)} (on disk {format_size(fp_out['disk_bytes_before'])}"
+            f"{after})"
         )
         if gone:
             print(
                 render_table(
                     ["  NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE"],
                     [
-                        ["  " + show_ns(e.ns), e.id, str(len(e.tokens)), format_size(e.nbytes),
-                         format_time(e.last_use)]
+                        ["  " + show_ns(e["ns"]), e["id"], str(e["tokens"]),
+                         format_size(e["nbytes"]), format_time(e["last_use"])]
                         for e in gone
                     ],
                     right={2, 3},
@@ -558,8 +568,10 @@ def build_parser() -> Parser:
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         return p
 
-    command("stats", cmd_stats, "per model and namespace: entries, bytes, dedup, blocks, use",
-            mutating=False)
+    stats = command("stats", cmd_stats,
+                    "per model and namespace: entries, bytes, dedup, blocks, use", mutating=False)
+    stats.add_argument("--cap", type=parse_size, metavar="BYTES",
+                       help="the byte cap your server runs with, to show use against it")
     ls = command("ls", cmd_ls, "list entries, least recently used first", mutating=False)
     ls.add_argument("-n", "--namespace", action="append", metavar="NS",
                     help="only this namespace (repeatable; '' is the default namespace)")
@@ -571,7 +583,10 @@ def build_parser() -> Parser:
                        "(needs -f or --all)")
     check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
-    command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
+    gc = command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
+    gc.add_argument("--grace", type=parse_seconds, metavar="SECONDS",
+                    help="only blocks unreferenced for this long (default: the store's, "
+                    "which protects a writer in another process)")
     command("rebuild-index", cmd_rebuild_index, "rebuild the LMDB index from the files on disk",
             mutating=True)
     evict = command("evict", cmd_evict,
