@@ -1,0 +1,372 @@
+"""The ``blockkv`` console script, run as users run it: a subprocess of the
+installed entry point over a cache root filled by a real BlockStore with real
+mlx-lm caches from two tiny models, then damaged the way disks get damaged."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from blockkv import BlockStore, list_fingerprints
+from blockkv.cli import format_size, parse_size
+
+SCRIPT = Path(sys.executable).with_name("blockkv")
+Command = Sequence[str | os.PathLike[str]]
+LOCKS = {"LOCK", "lock.mdb"}  # lock state, not content: opening a store may rewrite them
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the fixture stored for one model, for the tests to compare against."""
+
+    model_id: str
+    fingerprint: str
+    namespaces: frozenset[str]
+    token_counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Root:
+    path: Path
+    llama: Model
+    mamba: Model
+
+    def fp_dir(self, model: Model) -> Path:
+        (ident,) = [i for i in list_fingerprints(self.path) if i.model_id == model.model_id]
+        return ident.path
+
+
+def run_all(*commands: Command, module: bool = False) -> list[subprocess.CompletedProcess[str]]:
+    """Run independent commands through the real console entry point (or
+    ``python -m blockkv``) at once: each process spends most of its time
+    importing mlx-lm, and two cores halve that."""
+    prefix = [sys.executable, "-m", "blockkv"] if module else [str(SCRIPT)]
+    procs = [
+        subprocess.Popen([*prefix, *map(str, cmd)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for cmd in commands
+    ]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def run(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
+    return run_all(args)[0]
+
+
+def parsed(proc: subprocess.CompletedProcess[str], expect: int = 0) -> dict:
+    assert proc.returncode == expect, (proc.args, proc.stderr)
+    return json.loads(proc.stdout)
+
+
+def run_json(*args: str | os.PathLike[str], expect: int = 0) -> dict:
+    return parsed(run(*args, "--json"), expect)
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Every file under ``path`` by relative name → content digest."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name not in LOCKS
+    }
+
+
+def disk_bytes(fp_dir: Path) -> int:
+    """Headers plus blocks, counted from the files themselves."""
+    return sum(
+        p.stat().st_size
+        for sub in ("entries", "blobs")
+        for p in (fp_dir / sub).rglob("*")
+        if p.is_file() and not p.name.endswith(".tmp")
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Root:
+    """Two models' real caches in one root: llama with shared prefixes in two
+    namespaces and a generation checkpoint (so blocks dedup), mamba alongside."""
+    from blockkv import GenerationCheckpoint
+    from blockkv.testing.models import prefill, random_tokens, tiny_model
+
+    root = tmp_path_factory.mktemp("cli") / "cache"
+    root.mkdir()
+    base = random_tokens(96, seed=1)
+    extra = random_tokens(40, seed=2)
+
+    def fill(kind: str, model_id: str, fingerprint: str, ns_list: Sequence[str]) -> Model:
+        model = tiny_model(kind)
+        with BlockStore(
+            root, model_id=model_id, config_fingerprint=fingerprint,
+            tokenizer_hash=f"tok-{kind}", max_bytes=1 << 30, block_tokens=16,
+        ) as store:
+            cache, _ = prefill(model, base)
+            for ns in ns_list:
+                assert store.store(base, cache, ns=ns)
+            if len(ns_list) > 1:
+                cache, _ = prefill(model, extra, cache=cache)
+                assert store.store(base + extra, cache, ns=ns_list[-1])
+                checkpoint = GenerationCheckpoint(key="req-1", original_prompt_tokens=len(base))
+                assert store.store_generation_checkpoint(base + extra, cache, checkpoint)
+            # What the store itself says it holds is what the CLI must show.
+            entries = store.entries()
+        return Model(model_id, fingerprint, frozenset(e.ns for e in entries),
+                     tuple(sorted(e.length for e in entries)))
+
+    llama = fill("llama", "tiny-llama", "fp-llama-a1b2", ["", "chat"])
+    mamba = fill("mamba", "tiny-mamba", "fp-mamba-c3d4", [""])
+    return Root(root, llama, mamba)
+
+
+@pytest.fixture
+def root(built: Root, tmp_path: Path) -> Root:
+    """A private copy of the built root, so a test may damage it."""
+    copy = tmp_path / "cache"
+    shutil.copytree(built.path, copy)
+    return Root(copy, built.llama, built.mamba)
+
+
+# -- read commands, all at once on the shared root ----------------------------------
+
+
+@dataclass(frozen=True)
+class Reads:
+    results: dict[str, subprocess.CompletedProcess[str]]
+    before: dict[str, str]
+    after: dict[str, str]
+    home: Path
+
+
+@pytest.fixture(scope="module")
+def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
+    """Every read-only and every bad-input command, run concurrently once."""
+    tmp = tmp_path_factory.mktemp("bad")
+    afile = tmp / "not-a-dir"
+    afile.write_text("x")
+    home = tmp / "home"  # somebody's directory, not a cache root
+    home.mkdir()
+    (home / "precious.txt").write_text("keep me")
+    r = built.path
+    commands: dict[str, Command] = {
+        "stats": ["stats", r],
+        "stats_json": ["stats", r, "--json", "--cap", "1G"],
+        "ls_chat": ["ls", r, "-f", built.llama.fingerprint, "-n", "chat", "--json"],
+        "ls_json": ["ls", r, "--json"],
+        "ls_mamba": ["ls", r, "-f", built.mamba.fingerprint[:8]],
+        "check_json": ["check", r, "--json"],
+        "check_progress": ["check", r, "-f", built.mamba.fingerprint, "--progress"],
+        "dry_run": ["evict", r, "--all", "--to", "0", "--dry-run"],
+        # bad input: each must be one line on stderr and exit 2
+        "bad_missing_root": ["stats", tmp / "missing"],
+        "bad_file_root": ["ls", afile],
+        "bad_foreign_root": ["gc", home, "--all", "--grace", "0"],
+        "bad_unknown_fingerprint": ["stats", r, "-f", "no-such-fingerprint"],
+        "bad_ambiguous_fingerprint": ["ls", r, "-f", "fp-"],
+        "bad_negative_size": ["evict", r, "--all", "--to", "-5G"],
+        "bad_size": ["evict", r, "--all", "--to", "lots"],
+        "bad_unnamed_gc": ["gc", r],
+        "bad_unnamed_repair": ["check", r, "--repair"],
+        "bad_command": ["frobnicate", r],
+    }
+    before = tree(r)
+    procs = run_all(*commands.values())
+    [module] = run_all(["stats", r, "--json"], module=True)
+    return Reads({**dict(zip(commands, procs)), "module": module}, before, tree(r), home)
+
+
+BAD = [
+    "bad_missing_root", "bad_file_root", "bad_foreign_root", "bad_unknown_fingerprint",
+    "bad_ambiguous_fingerprint", "bad_negative_size", "bad_size", "bad_unnamed_gc",
+    "bad_unnamed_repair", "bad_command",
+]
+
+
+def test_read_commands_change_nothing(reads: Reads) -> None:
+    assert reads.after == reads.before
+    assert (reads.home / "precious.txt").read_text() == "keep me"
+
+
+def test_stats_reports_each_model_as_the_files_say(built: Root, reads: Reads) -> None:
+    out = parsed(reads.results["stats_json"])
+    by_model = {fp["model_id"]: fp for fp in out["fingerprints"]}
+    assert set(by_model) == {built.llama.model_id, built.mamba.model_id}
+    for model in (built.llama, built.mamba):
+        fp = by_model[model.model_id]
+        fp_dir = built.fp_dir(model)
+        assert fp["config_fingerprint"] == model.fingerprint
+        assert fp["entries"] == len(model.token_counts)
+        assert fp["disk_bytes"] == disk_bytes(fp_dir)
+        assert fp["blocks"] == sum(1 for p in (fp_dir / "blobs").rglob("*") if p.is_file())
+        assert fp["cap_bytes"] == parse_size("1G")
+        assert {ns["ns"] for ns in fp["namespaces"]} == model.namespaces
+        assert sum(ns["entries"] for ns in fp["namespaces"]) == fp["entries"]
+        assert fp["oldest_use"] <= fp["newest_use"]
+    llama = by_model[built.llama.model_id]
+    # Entries over one shared prefix: file-per-entry would take more than the pool.
+    assert llama["logical_bytes"] > llama["disk_bytes"]
+    assert llama["dedup_ratio"] == pytest.approx(llama["logical_bytes"] / llama["disk_bytes"])
+
+    table = reads.results["stats"]
+    assert table.returncode == 0, table.stderr
+    for model in (built.llama, built.mamba):
+        assert model.model_id in table.stdout
+    assert '"chat"' in table.stdout and format_size(llama["disk_bytes"]) in table.stdout
+
+
+def test_python_dash_m_is_the_same_entry_point(reads: Reads) -> None:
+    assert parsed(reads.results["module"])["fingerprints"] == [
+        {**fp, "cap_bytes": None} for fp in parsed(reads.results["stats_json"])["fingerprints"]
+    ]
+
+
+def test_ls_filters_by_fingerprint_and_namespace(built: Root, reads: Reads) -> None:
+    rows = parsed(reads.results["ls_chat"])["entries"]
+    assert {r["ns"] for r in rows} == {"chat"}
+    assert {r["model_id"] for r in rows} == {built.llama.model_id}
+    every = parsed(reads.results["ls_json"])["entries"]
+    uses = [r["last_use"] for r in every]
+    assert uses == sorted(uses)  # eviction order
+    assert sorted(r["tokens"] for r in every) == sorted(
+        built.llama.token_counts + built.mamba.token_counts
+    )
+    assert [r["checkpoint"]["key"] for r in every if r["checkpoint"]] == ["req-1"]
+
+    table = reads.results["ls_mamba"]
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:3] == ["FINGERPRINT", "NAMESPACE", "ENTRY"]
+    assert len(lines) == 1 + len(built.mamba.token_counts)
+
+
+def test_check_of_a_sound_root_is_clean_with_a_progress_bar(built: Root, reads: Reads) -> None:
+    out = parsed(reads.results["check_json"])
+    assert out["clean"] is True and len(out["fingerprints"]) == 2
+    proc = reads.results["check_progress"]
+    assert proc.returncode == 0, proc.stderr
+    blocks = sum(1 for p in (built.fp_dir(built.mamba) / "blobs").rglob("*") if p.is_file())
+    assert f"{blocks}/{blocks}" in proc.stderr and "ok" in proc.stdout
+
+
+def test_evict_dry_run_plans_every_entry_and_deletes_nothing(built: Root, reads: Reads) -> None:
+    proc = reads.results["dry_run"]
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("would remove") == 2
+    assert proc.stdout.count("\n  ") == len(built.llama.token_counts + built.mamba.token_counts) + 2
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_one_line_and_exit_2(reads: Reads, name: str) -> None:
+    proc = reads.results[name]
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+# -- commands that change a root, each on its own copy ------------------------------------
+
+
+def plant_faults(root: Root) -> tuple[Path, Path]:
+    """A flipped byte in a llama block, a valid block nobody in llama references,
+    and mamba's LMDB environment deleted."""
+    llama_dir, mamba_dir = root.fp_dir(root.llama), root.fp_dir(root.mamba)
+    victim = next(p for p in sorted((llama_dir / "blobs").rglob("*")) if p.is_file())
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    # A sound block of the other model: valid bytes under its true name, unreferenced here.
+    stray = next(p for p in sorted((mamba_dir / "blobs").rglob("*")) if p.is_file())
+    orphan = llama_dir / "blobs" / stray.parent.name / stray.name
+    orphan.parent.mkdir(exist_ok=True)
+    shutil.copyfile(stray, orphan)
+    shutil.rmtree(mamba_dir / "index")
+    return victim, orphan
+
+
+def test_check_reports_planted_faults_and_repair_fixes_them(root: Root) -> None:
+    victim, orphan = plant_faults(root)
+    before = tree(root.path)
+    as_json, human = run_all(["check", root.path, "--json"], ["check", root.path])
+    report = parsed(as_json, expect=1)
+    assert report["clean"] is False
+    by_model = {fp["model_id"]: fp["report"] for fp in report["fingerprints"]}
+    llama, mamba = by_model[root.llama.model_id], by_model[root.mamba.model_id]
+    assert llama["corrupt_blocks"] == [victim.name]
+    assert llama["orphan_blocks"] == [orphan.name]
+    assert llama["dangling"]  # the entries that need the corrupt block
+    assert mamba["index_missing"] is True and mamba["clean"] is False
+    assert human.returncode == 1
+    assert victim.name in human.stdout and orphan.name in human.stdout
+    assert "index missing" in human.stdout
+    assert tree(root.path) == before  # check without --repair changed nothing
+
+    mamba_dir = root.fp_dir(root.mamba)
+    fixed = run("check", root.path, "--repair", "-f", root.llama.fingerprint)
+    assert fixed.returncode == 1, fixed.stderr  # problems were found (and repaired)
+    assert "repaired:" in fixed.stdout
+    assert not orphan.exists() and not victim.exists()
+    assert not (mamba_dir / "index").exists()  # only the named fingerprint was touched
+
+    fixed_all = run_json("check", root.path, "--repair", "--all", expect=1)
+    assert all(fp["report"]["actions"] for fp in fixed_all["fingerprints"]
+               if fp["model_id"] == root.mamba.model_id)
+    assert run_json("check", root.path)["clean"] is True
+
+
+def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root) -> None:
+    llama_dir, mamba_dir = root.fp_dir(root.llama), root.fp_dir(root.mamba)
+    mamba_before = tree(mamba_dir)
+    target = disk_bytes(llama_dir) // 2
+    evict = ["evict", root.path, "-f", root.llama.fingerprint, "--to", str(target)]
+    before = tree(root.path)
+    dry, dry_human = run_all([*evict, "--dry-run", "--json"], [*evict, "--dry-run"])
+    assert tree(root.path) == before
+    (plan,) = parsed(dry)["fingerprints"]
+    planned = [e["id"] for e in plan["entries"]]
+    assert planned, "half the bytes cannot fit without removing something"
+    assert "would remove" in dry_human.stdout and all(i in dry_human.stdout for i in planned)
+
+    (done,) = run_json(*evict)["fingerprints"]
+    assert [e["id"] for e in done["entries"]] == planned
+    assert done["disk_bytes_after"] <= target
+    with BlockStore.open_dir(llama_dir) as store:
+        assert {e.id for e in store.entries()}.isdisjoint(planned)
+
+    (gc,) = run_json("gc", root.path, "-f", root.llama.fingerprint, "--grace", "0")["fingerprints"]
+    assert gc["blocks_deleted"] > 0  # the blocks only the evicted entries used
+    assert gc["disk_bytes"] == disk_bytes(llama_dir)
+
+    shutil.rmtree(llama_dir / "index")
+    (rebuilt,) = run_json("rebuild-index", root.path, "-f", root.llama.fingerprint)["fingerprints"]
+    with BlockStore.open_dir(llama_dir) as store:
+        assert rebuilt["entries_indexed"] == len(store) == len(root.llama.token_counts) - len(planned)
+    assert tree(mamba_dir) == mamba_before
+    assert run_json("check", root.path)["clean"] is True
+
+
+# -- sizes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4096", 4096), ("500M", 500 << 20), ("10G", 10 << 30), ("1.5GiB", 3 << 29),
+     ("2kb", 2048), ("0", 0)],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+def test_format_size_reads_back() -> None:
+    for n in (0, 1023, 1 << 20, 3 << 29, 7 << 40):
+        assert parse_size(format_size(n).replace(" ", "")) == pytest.approx(n, rel=0.05)
