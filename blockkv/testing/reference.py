@@ -229,6 +229,12 @@ class ReferenceStore:
         """Rule 7: a successful restore bumps last use."""
         self._entries[entry_id] = replace(self._entries[entry_id], last_use=next(self._ticks))
 
+    def set_lru_order(self, ids: Sequence[str]) -> None:
+        """Re-rank last use, least recent first: for when the store legitimately
+        lost its last-use record (its LMDB accelerator was rebuilt from files)."""
+        for entry_id in ids:
+            self.touch(entry_id)
+
     def remove(self, entry_id: str) -> bool:
         """Drop an entry; False if it was not present."""
         return self._entries.pop(entry_id, None) is not None
