@@ -1,0 +1,129 @@
+"""``blockkv serve``: mlx-lm's own OpenAI-compatible server, with a disk tier.
+
+Nothing of mlx-lm's server is copied. Its ``main`` parses every one of its
+flags as usual; blockkv only takes ``--cache-dir`` and ``--cache-bytes`` off the
+command line first and, for the duration of the call, replaces the two names
+the server looks up when it starts (``run`` and ``LRUPromptCache``) so the
+prompt cache it builds is a ``PersistentPromptCache`` configured with the
+server's own KV-quantisation and chat-template flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from blockkv.cli import parse_size
+from blockkv.identity import KVQuant
+from blockkv.mlx_lm import DEFAULT_CACHE_BYTES, PersistentPromptCache
+
+log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/blockkv`` (``~/.cache/blockkv``): survives restarts, unlike /tmp."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "blockkv"
+
+
+def _own_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blockkv serve",
+        add_help=False,
+        description="mlx-lm's server (every mlx_lm.server flag works) with blockkv as its disk tier.",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
+        help="cache root on local disk (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cache-bytes",
+        type=parse_size,
+        default=DEFAULT_CACHE_BYTES,
+        help="byte cap of the disk tier per model, e.g. 20G (default: 16G)",
+    )
+    return parser
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mlx_lm.server.main`` with the persistent cache; returns its exit status."""
+    import mlx_lm.server as server
+
+    own = _own_parser()
+    args, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "-h" in rest or "--help" in rest:
+        own.print_help()
+        print("\nmlx_lm.server options:\n")
+    try:
+        args.cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        own.exit(2, f"blockkv serve: error: cannot create --cache-dir {args.cache_dir}: {e}\n")
+
+    caches: list[PersistentPromptCache] = []
+    original_run: Callable[..., Any] = server.run
+    original_cache_class = server.LRUPromptCache
+
+    def run(host: str, port: int, model_provider: Any, *more: Any, **kw: Any) -> Any:
+        cli = model_provider.cli_args
+        kv = KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start)
+
+        def make_cache(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
+            cache = PersistentPromptCache(
+                max_size,
+                max_bytes,
+                cache_dir=args.cache_dir,
+                cache_bytes=args.cache_bytes,
+                kv=kv,
+                chat_template=cli.chat_template or None,
+            )
+            caches.append(cache)
+            return cache
+
+        server.LRUPromptCache = make_cache
+        try:
+            return original_run(host, port, model_provider, *more, **kw)
+        finally:
+            server.LRUPromptCache = original_cache_class
+
+    # SIGTERM (systemd, docker stop) shuts down like Ctrl-C, so pending spills are flushed.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        previous_term = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    saved_argv = sys.argv
+    sys.argv = ["blockkv serve", *rest]
+    server.run = run
+    try:
+        server.main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        server.run = original_run
+        sys.argv = saved_argv
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_term)
+        for cache in caches:
+            cache.close()
+            stats = cache.tier_stats
+            log.info(
+                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits",
+                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"],
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
