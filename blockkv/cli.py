@@ -18,16 +18,25 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
+from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
-if TYPE_CHECKING:  # the store imports mlx; argument errors should not pay for it
-    from blockkv.store import BlockStore, CheckReport, Entry, FingerprintDir
+from tqdm import tqdm
+
+from blockkv.directory import Directory, read_identity
+from blockkv.errors import BlockKVError
+from blockkv.fs import FileLayer
+from blockkv.gc import CheckReport
+from blockkv.gc import inspect as inspect_files
+from blockkv.index import read_only_block_rows
+from blockkv.store import ROOT_MARKER, BlockStore, Entry, FingerprintDir, list_fingerprints
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -71,12 +80,14 @@ def parse_seconds(text: str) -> float:
 
 def format_size(n: int) -> str:
     """Human bytes in the same binary units ``parse_size`` reads."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.1f} {unit}"
 
 
 def format_time(t: float | None) -> str:
@@ -121,8 +132,6 @@ def show_ns(ns: str) -> str:
 
 def check_root(text: str) -> Path:
     """The root as a Path, or a UsageError if it is missing or not a blockkv root."""
-    from blockkv.store import ROOT_MARKER
-
     path = Path(text)
     if not path.exists():
         raise UsageError(f"{text}: no such directory")
@@ -145,8 +154,6 @@ def select_fingerprints(
         raise UsageError(
             f"{mutating} changes the store: name a fingerprint with -f/--fingerprint or pass --all"
         )
-    from blockkv.store import list_fingerprints
-
     known = list_fingerprints(root)
     if not wanted:
         return known
@@ -173,8 +180,6 @@ def open_store(fp: FingerprintDir, gc_grace: float | None = None) -> Iterator[Bl
     block or tmp-file sweep), whatever the command: what a command deletes is
     then exactly what it reports. ``gc_grace`` (None: the store's default) is
     the grace the command's own gc and eviction then use."""
-    from blockkv.store import BlockStore
-
     never = float("inf")
     with BlockStore.open_dir(fp.path, gc_grace=never, tmp_grace=never) as store:
         store.gc_grace = default_gc_grace() if gc_grace is None else gc_grace
@@ -183,8 +188,6 @@ def open_store(fp: FingerprintDir, gc_grace: float | None = None) -> Iterator[Bl
 
 def default_gc_grace() -> float:
     """The store's own default grace, so the CLI never drifts from it."""
-    from blockkv.store import BlockStore
-
     return float(BlockStore.__init__.__kwdefaults__["gc_grace"])
 
 
@@ -334,8 +337,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def block_progress(desc: str, enabled: bool | None) -> Iterator[Callable[[int, int], None]]:
     """A tqdm bar on stderr driven by the store's ``progress(done, total)``
     callback; shown on a terminal unless ``enabled`` forces it on or off."""
-    from tqdm import tqdm
-
     with tqdm(
         desc=desc, unit="block", file=sys.stderr, disable=None if enabled is None else not enabled
     ) as bar:
@@ -356,15 +357,10 @@ def check_one(fp: FingerprintDir, repair: bool, progress: Callable[[int, int], N
     read-only view of the index, so checking changes nothing (the directory is
     not even opened as a store). With it: the store's own check-and-repair; a
     missing index, which opening the store rebuilds, is reported as repaired."""
-    from blockkv import gc
-    from blockkv.directory import Directory, read_identity
-    from blockkv.fs import FileLayer
-    from blockkv.index import read_only_block_rows
-
     directory = Directory(fp.path, read_identity(fp.path), FileLayer())
     rows = read_only_block_rows(directory.index_dir)
     if not repair:
-        return gc.inspect(directory, rows, progress)
+        return inspect_files(directory, rows, progress)
     with open_store(fp) as store:
         report = store.check(repair=True, progress=progress)
     if rows is None:
@@ -542,8 +538,6 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> Parser:
-    from importlib.metadata import version
-
     parser = Parser(
         prog="blockkv",
         description="Inspect, verify, repair and shrink a blockkv cache root.",
@@ -583,8 +577,8 @@ def build_parser() -> Parser:
                        "(needs -f or --all)")
     check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
-    gc = command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
-    gc.add_argument("--grace", type=parse_seconds, metavar="SECONDS",
+    gc_cmd = command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
+    gc_cmd.add_argument("--grace", type=parse_seconds, metavar="SECONDS",
                     help="only blocks unreferenced for this long (default: the store's, "
                     "which protects a writer in another process)")
     command("rebuild-index", cmd_rebuild_index, "rebuild the LMDB index from the files on disk",
@@ -606,8 +600,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list and args_list[0] in _PASSTHROUGH:
         return run_passthrough(args_list[0], args_list[1:])
     args = build_parser().parse_args(args_list)
-    from blockkv.errors import BlockKVError
-
     prog = f"blockkv {args.command}"
     try:
         return int(args.run(args))
@@ -615,8 +607,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `blockkv ls | head`: the reader left; stay quiet
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PROBLEMS
     except (BlockKVError, OSError) as exc:

@@ -45,14 +45,16 @@ class Root:
         return ident.path
 
 
-def run_all(*commands: Command, module: bool = False) -> list[subprocess.CompletedProcess[str]]:
+def run_all(
+    *commands: Command, module: bool = False, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
     """Run independent commands through the real console entry point (or
     ``python -m blockkv``) at once: each process spends most of its time
     importing mlx-lm, and two cores halve that."""
     prefix = [sys.executable, "-m", "blockkv"] if module else [str(SCRIPT)]
     procs = [
         subprocess.Popen([*prefix, *map(str, cmd)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, env=env)
         for cmd in commands
     ]
     done = []
@@ -180,10 +182,14 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
         "bad_unnamed_repair": ["check", r, "--repair"],
         "bad_command": ["frobnicate", r],
     }
+    passthrough = {name: [name, "--help"] for name in ("demo", "serve", "bench")}
     before = tree(r)
-    procs = run_all(*commands.values())
+    procs = run_all(*commands.values(), *passthrough.values())
     [module] = run_all(["stats", r, "--json"], module=True)
-    return Reads({**dict(zip(commands, procs)), "module": module}, before, tree(r), home)
+    # Python lists every import on stderr: stats must not pull in mlx-lm's server.
+    [imports] = run_all(["stats", r], env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+    results = {**dict(zip([*commands, *passthrough], procs)), "module": module, "imports": imports}
+    return Reads(results, before, tree(r), home)
 
 
 BAD = [
@@ -264,6 +270,19 @@ def test_evict_dry_run_plans_every_entry_and_deletes_nothing(built: Root, reads:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("would remove") == 2
     assert proc.stdout.count("\n  ") == len(built.llama.token_counts + built.mamba.token_counts) + 2
+
+
+@pytest.mark.parametrize("name", ["demo", "serve", "bench"])
+def test_demo_serve_bench_get_the_rest_of_the_command_line(reads: Reads, name: str) -> None:
+    proc = reads.results[name]
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: blockkv {name}")
+
+
+def test_stats_does_not_import_the_server(reads: Reads) -> None:
+    proc = reads.results["imports"]
+    assert proc.returncode == 0
+    assert "blockkv.store" in proc.stderr and "mlx_lm.server" not in proc.stderr
 
 
 @pytest.mark.parametrize("name", BAD)
