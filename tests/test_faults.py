@@ -55,3 +55,61 @@ def test_persistent_fault_and_crash_point() -> None:
         fs.crash_point("store:refs-taken")
     with pytest.raises(ValueError):
         fs.crash_at("no:such-point")
+
+
+# -- the store under each fault --------------------------------------------------
+
+import logging  # noqa: E402
+
+from blockkv.store import BlockStore  # noqa: E402
+from blockkv.testing.stateful import live_bits  # noqa: E402
+from blockkv.testing.strategies import make_caches  # noqa: E402
+
+
+def _open(root: Path, fs: FaultyFileLayer, **kw: object) -> BlockStore:
+    return BlockStore(root, model_id="tiny", config_fingerprint="fp", tokenizer_hash="tok",
+                      max_bytes=1 << 40, block_tokens=4, fs=fs, **kw)  # type: ignore[arg-type]
+
+
+def _bits(caches: list) -> tuple:
+    return tuple(live_bits(c) for c in caches)
+
+
+@pytest.mark.parametrize("op", ["write", "fsync", "replace", "torn"])
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_failed_store_loses_nothing_and_keeps_serving(
+    store_root: Path, op: str, err: int, nth: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    fs = FaultyFileLayer()
+    store = _open(store_root, fs)
+    kept = {tuple(range(1, 12)): make_caches("llama", range(1, 12)), (7, 7, 7, 7, 7): make_caches("mamba", [7] * 5)}
+    for tokens, caches in kept.items():
+        assert store.store(tokens, caches)
+    if op == "torn":
+        fs.tear(nth, err)
+    else:
+        fs.fail(op, nth, err)  # type: ignore[arg-type]
+    new = (1, 2, 3, 4, 5, 9, 9, 9, 9, 9, 9)  # shares blocks with a kept entry
+    with caplog.at_level(logging.WARNING, logger="blockkv"):
+        assert store.store(new, make_caches("llama", new)) is False
+        assert fs.fired, "the fault never fired"
+        assert store.store((2, 2, 2), make_caches("llama", (2, 2, 2))) is True  # keeps serving
+    for tokens, caches in kept.items():
+        m = store.find_exact(tokens)
+        assert m is not None
+        loaded = store.restore(m.entry)
+        assert loaded is not None and _bits(loaded.caches) == _bits(caches)
+    report = store.check()
+    assert not report.dangling and all(idx >= truth for _, idx, truth in report.refcount_mismatches)
+    store.close()
+
+
+def test_lmdb_map_full_grows_and_succeeds(store_root: Path) -> None:
+    """A deliberately tiny LMDB map: every store still lands."""
+    store = _open(store_root, FaultyFileLayer(), index_map_size=96 << 10)
+    prompts = [tuple(range(i, i + 40)) for i in range(0, 200, 10)]
+    for tokens in prompts:
+        assert store.store(tokens, make_caches("llama", tokens))
+    assert all(store.find_exact(t) is not None for t in prompts)
+    store.close()
