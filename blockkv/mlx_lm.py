@@ -59,7 +59,7 @@ class PersistentPromptCache(LRUPromptCache):
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be a positive int, got {cache_bytes!r}")
         super().__init__(max_size, max_bytes)
-        self.cache_dir = Path(cache_dir)
+        self.cache_dir = Path(cache_dir).expanduser()
         self._cache_bytes = cache_bytes
         self._block_tokens = block_tokens
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
