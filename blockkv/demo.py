@@ -186,7 +186,8 @@ def run(args: argparse.Namespace, workdir: Path) -> DemoResult:
 
     built = time.perf_counter()
     model_path = args.model or build_model_dir(workdir / "model", "llama", overrides=DEMO_MODEL)
-    model, tokenizer = mlx_lm.load(str(model_path))
+    loaded = mlx_lm.load(str(model_path))
+    model, tokenizer = loaded[0], loaded[1]
     built = time.perf_counter() - built
     cache_dir = args.cache_dir or workdir / "cache"
     agent = Agent(model, tokenizer, (str(model_path), None, None), args.max_tokens)

@@ -165,7 +165,7 @@ def identity_from_key(
         key = (key,)
     if not isinstance(key, tuple) or not 1 <= len(key) <= 3:
         raise TypeError(f"model key must be a path or a (model, adapter, draft) tuple, got {key!r}")
-    model, adapter, draft = (*key, *(None,) * (3 - len(key)))
+    model, adapter, draft = [*key] + [None] * (3 - len(key))
     model_path = _path_or_none(model, "model", key)
     if model_path is None:
         raise ValueError(f"model key {key!r} names no model")

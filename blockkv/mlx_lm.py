@@ -164,10 +164,10 @@ class PersistentPromptCache(LRUPromptCache):
     def _spilled(self, future: Future[bool]) -> None:
         with self._lock:
             self._pending.discard(future)
-        error = future.exception()
+        error = future.exception() if not future.cancelled() else None
         if error is not None:
             log.warning("blockkv: spilling a prompt cache failed: %s", error)
-        if error is None and future.result():
+        if error is None and not future.cancelled() and future.result():
             self._count(spills=1)
         else:
             self._count(spill_failures=1)

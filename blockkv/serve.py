@@ -93,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             caches.append(cache)
             return cache
 
-        server.LRUPromptCache = make_cache
+        setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
         try:
             return original_run(host, port, model_provider, *more, **kw)
         finally:
-            server.LRUPromptCache = original_cache_class
+            setattr(server, "LRUPromptCache", original_cache_class)
 
     # SIGTERM (systemd, docker stop) shuts down like Ctrl-C, so pending spills are flushed.
     in_main_thread = threading.current_thread() is threading.main_thread()

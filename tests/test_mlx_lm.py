@@ -28,7 +28,8 @@ class Model:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.model, self.tokenizer = mlx_lm.load(str(root))
+        loaded = mlx_lm.load(str(root))
+        self.model, self.tokenizer = loaded[0], loaded[1]
         self.key = (str(root), None, None)
         self.agent = Agent(self.model, self.tokenizer, self.key, MAX_TOKENS)
 

@@ -16,7 +16,8 @@ _CACHE_TYPES = {"llama": {KVCache}, "gemma3": {RotatingKVCache, KVCache}, "mamba
 @pytest.mark.parametrize("kind", KINDS)
 def test_builds_a_model_mlx_lm_loads(kind: str, tmp_path: Path) -> None:
     root = build_model_dir(tmp_path / kind, kind)
-    model, tokenizer = mlx_lm.load(str(root))
+    loaded = mlx_lm.load(str(root))
+    model, tokenizer = loaded[0], loaded[1]
     assert {type(c) for c in make_prompt_cache(model)} == _CACHE_TYPES[kind]
     system = sample_text(40, seed=3)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]

@@ -109,7 +109,8 @@ def test_restarted_server_reuses_the_system_prompt_from_disk(kind: str, tmp_path
     model_dir = build_model_dir(tmp_path / "model", kind)
     cache_dir = tmp_path / "cache"
     system = {"role": "system", "content": sample_text(200, seed=1)}
-    model, tokenizer = mlx_lm.load(str(model_dir))
+    loaded = mlx_lm.load(str(model_dir))
+    model, tokenizer = loaded[0], loaded[1]
     system_tokens = len(tokenizer.apply_chat_template([system]))
 
     first = Server([sys.executable, "-m", "blockkv", "serve"], model_dir, cache_dir, tmp_path / "a.log")

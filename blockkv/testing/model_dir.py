@@ -14,7 +14,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -162,9 +162,10 @@ def build_model_dir(
     # mlx-lm's default init gives a near-uniform next-token distribution, so
     # greedy decoding repeats one token; wider matrices make the output depend
     # on the context, which is what an "identical output" check needs.
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     weights = {
         name: (mx.random.normal(w.shape) * (2.0 / w.shape[-1] ** 0.5) if w.ndim >= 2 else w)
-        for name, w in tree_flatten(model.parameters())
+        for name, w in params
     }
     mx.save_safetensors(str(root / "model.safetensors"), weights)
     (root / "config.json").write_text(json.dumps(config, indent=2))
