@@ -216,8 +216,9 @@ def entry_json(e: Entry) -> dict[str, Any]:
     }
 
 
-def label(fp: FingerprintDir) -> str:
-    return f"{fp.path.name} ({fp.model_id})"
+def label(fp: dict[str, Any]) -> str:
+    """How a fingerprint is named in human output (from its ``fp_json``)."""
+    return f"{fp['fingerprint']} ({fp['model_id']})"
 
 
 # -- commands -------------------------------------------------------------------
@@ -239,6 +240,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             {
                 **fp_json(fp),
                 **usage(entries),
+                # the store's own totals for the whole fingerprint
                 "disk_bytes": disk,
                 "logical_bytes": logical,
                 "dedup_ratio": logical / disk if disk else None,
@@ -260,12 +262,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
     rows: list[list[str]] = []
     for fp in report:
         cap = fp["cap_bytes"]
+        cap_text = "-" if cap is None else (
+            f"{format_size(cap)} ({100 * fp['disk_bytes'] / max(cap, 1):.0f}%)"
+        )
         rows.append(
             [fp["fingerprint"], fp["model_id"], "*", str(fp["entries"]),
              format_size(fp["logical_bytes"]), format_size(fp["disk_bytes"]),
              format_ratio(fp["logical_bytes"], fp["disk_bytes"]), str(fp["blocks"]),
              format_time(fp["oldest_use"]), format_time(fp["newest_use"]),
-             "-" if cap is None else f"{format_size(cap)} ({100 * fp['disk_bytes'] / max(cap, 1):.0f}%)"]
+             cap_text]
         )
         rows.extend(
             ["", "", show_ns(ns["ns"]), str(ns["entries"]), format_size(ns["logical_bytes"]),
@@ -349,10 +354,19 @@ def block_progress(desc: str, enabled: bool | None) -> Iterator[Callable[[int, i
         yield update
 
 
-PROBLEMS = ("corrupt_headers", "corrupt_blocks", "dangling", "orphan_blocks", "refcount_mismatches")
+# CheckReport's finding lists, with how one finding reads in the human report.
+PROBLEMS = {
+    "corrupt_headers": "corrupt header",
+    "corrupt_blocks": "corrupt block",
+    "dangling": "dangling entry (needs a missing or corrupt block)",
+    "orphan_blocks": "orphan block (nothing references it)",
+    "refcount_mismatches": "refcount mismatch (block, index says, headers say)",
+}
 
 
-def check_one(fp: FingerprintDir, repair: bool, progress: Callable[[int, int], None]) -> CheckReport:
+def check_one(
+    fp: FingerprintDir, repair: bool, progress: Callable[[int, int], None]
+) -> CheckReport:
     """Without ``repair``: the store's read-only inspection of the files and a
     read-only view of the index, so checking changes nothing (the directory is
     not even opened as a store). With it: the store's own check-and-repair; a
@@ -393,14 +407,17 @@ def cmd_check(args: argparse.Namespace) -> int:
         )
         return EXIT_PROBLEMS if problems else EXIT_OK
     for fp, report in results:
-        found = [(kind, item) for kind in PROBLEMS for item in getattr(report, kind)]
+        found = [(what, item) for kind, what in PROBLEMS.items() for item in getattr(report, kind)]
         count = len(found) + report.index_missing
         status = "ok" if not count else f"{count} problem(s)"
-        print(f"{label(fp)}: {status} ({report.entries} entries, {report.blocks} blocks verified)")
+        print(
+            f"{label(fp_json(fp))}: {status} "
+            f"({report.entries} entries, {report.blocks} blocks verified)"
+        )
         if report.index_missing:
-            print("  index missing or unusable (the files are intact; rebuild-index restores it)")
-        for kind, item in found:
-            print(f"  {kind.replace('_', ' ')}: {item}")
+            print("  index missing or unusable (rebuild-index or check --repair rebuilds it)")
+        for what, item in found:
+            print(f"  {what}: {item if isinstance(item, str) else ' '.join(map(str, item))}")
         for rel in report.foreign_headers:
             print(f"  foreign header (kept, never served): {rel}")
         for action in report.actions:
@@ -422,7 +439,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return EXIT_OK
     for fp_out in out:
         print(
-            f"{fp_out['fingerprint']} ({fp_out['model_id']}): deleted "
+            f"{label(fp_out)}: deleted "
             f"{fp_out['blocks_deleted']} unreferenced block(s); "
             f"{format_size(fp_out['disk_bytes'])} on disk"
         )
@@ -441,7 +458,7 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
         return EXIT_OK
     for fp_out in out:
         print(
-            f"{fp_out['fingerprint']} ({fp_out['model_id']}): index rebuilt, "
+            f"{label(fp_out)}: index rebuilt, "
             f"{fp_out['entries_indexed']} entries indexed"
         )
     return EXIT_OK
@@ -467,24 +484,27 @@ def cmd_evict(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for fp_out in out:
         gone = fp_out["entries"]
+        name, before = label(fp_out), fp_out["disk_bytes_before"]
+        if not gone:
+            print(f"{name}: nothing to remove, {format_size(before)} on disk is within "
+                  f"{format_size(args.to)}")
+            continue
         after = "" if args.dry_run else f" -> {format_size(fp_out['disk_bytes_after'])}"
         print(
-            f"{fp_out['fingerprint']} ({fp_out['model_id']}): {verb} {len(gone)} entries to "
-            f"reach {format_size(args.to)} (on disk {format_size(fp_out['disk_bytes_before'])}"
-            f"{after})"
+            f"{name}: {verb} {len(gone)} entries to reach {format_size(args.to)} "
+            f"(on disk {format_size(before)}{after})"
         )
-        if gone:
-            print(
-                render_table(
-                    ["  NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE"],
-                    [
-                        ["  " + show_ns(e["ns"]), e["id"], str(e["tokens"]),
-                         format_size(e["nbytes"]), format_time(e["last_use"])]
-                        for e in gone
-                    ],
-                    right={2, 3},
-                )
+        print(
+            render_table(
+                ["  NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE"],
+                [
+                    ["  " + show_ns(e["ns"]), e["id"], str(e["tokens"]),
+                     format_size(e["nbytes"]), format_time(e["last_use"])]
+                    for e in gone
+                ],
+                right={2, 3},
             )
+        )
     return EXIT_OK
 
 
