@@ -78,7 +78,8 @@ class Server:
             self.proc.kill()
             pytest.fail(f"server ignored SIGINT:\n{self.log.read_text()}")
         log = self.log.read_text()
-        assert "blockkv: disk tier closed" in log, log
+        closed = re.search(r"blockkv: disk tier closed \(.*\): (\d+) spills, (\d+) failed", log)
+        assert closed is not None and int(closed.group(1)) > 0 and closed.group(2) == "0", log
         # mlx-lm's server itself sometimes aborts in interpreter teardown after
         # Ctrl-C (reproduced with plain `mlx_lm server`); by then blockkv has
         # flushed and closed, so that abort alone is tolerated.
