@@ -22,6 +22,7 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 
 from blockkv import BlockStore
+from blockkv.fs import FileLayer
 from blockkv.identity import KVQuant, StoreIdentity, identity_from_key
 
 __all__ = ["PersistentPromptCache"]
@@ -39,7 +40,8 @@ class PersistentPromptCache(LRUPromptCache):
     ``chat_template`` must match how the model is served (they are part of the
     store identity). ``identity`` maps a model key to a ``StoreIdentity``; the
     default hashes the files of the paths in mlx-lm's
-    ``(model, adapter, draft_model)`` key.
+    ``(model, adapter, draft_model)`` key. ``fs`` is the stores' file layer
+    (the fault-injection seam).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class PersistentPromptCache(LRUPromptCache):
         chat_template: str | None = None,
         block_tokens: int = 256,
         identity: Callable[[Any], StoreIdentity] | None = None,
+        fs: FileLayer | None = None,
     ) -> None:
         if not isinstance(cache_dir, (str, Path)):
             raise TypeError(f"cache_dir must be a str or Path, got {type(cache_dir).__name__}")
@@ -62,6 +65,7 @@ class PersistentPromptCache(LRUPromptCache):
         self.cache_dir = Path(cache_dir).expanduser()
         self._cache_bytes = cache_bytes
         self._block_tokens = block_tokens
+        self._fs = fs
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
         self._stores: dict[Any, BlockStore | None] = {}
         self._pending: set[Future[bool]] = set()
@@ -94,6 +98,7 @@ class PersistentPromptCache(LRUPromptCache):
                     tokenizer_hash=ident.tokenizer_hash,
                     max_bytes=self._cache_bytes,
                     block_tokens=self._block_tokens,
+                    fs=self._fs,
                 )
             except OSError as e:
                 log.warning("blockkv: cannot open cache %s (%s); RAM-only for %r", self.cache_dir, e, model)

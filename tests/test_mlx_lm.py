@@ -4,7 +4,9 @@ and greedy output is identical to a cold run."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +18,14 @@ import pytest
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from blockkv.demo import Agent
+from blockkv.fs import Buffer, FileLayer
 from blockkv.identity import KVQuant
 from blockkv.mlx_lm import PersistentPromptCache
+from blockkv.testing.faults import FaultyFileLayer
 from blockkv.testing.model_dir import build_model_dir, sample_text
 
 MAX_TOKENS = 8
+STALL_BOUND_S = 120.0  # a safety bound so a blocking insert fails the test instead of hanging it
 
 
 class Model:
@@ -216,3 +221,69 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with PersistentPromptCache(cache_dir=tmp_path) as cache:
         with pytest.raises(TypeError, match="model key"):
             cache.fetch_nearest_cache(12345, [1, 2, 3])
+
+
+class GatedFileLayer(FileLayer):
+    """Real writes that wait for ``gate`` once ``armed``: a disk that stalls."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def write(self, fd: int, data: Buffer) -> int:
+        if self.armed:
+            self.waiting.set()
+            self.gate.wait()
+        return super().write(fd, data)
+
+
+def test_a_stalled_disk_never_blocks_insert_or_fetch(llama: Model, cache_dir: Path) -> None:
+    fs = GatedFileLayer()
+    prompt = llama.encode(40, seed=17)
+    caches, _ = _prefill(llama, prompt)
+    with PersistentPromptCache(cache_dir=cache_dir, fs=fs) as cache:
+        assert cache.store_for(llama.key) is not None
+        fs.armed = True
+        served: list[Any] = []
+
+        def request() -> None:
+            cache.insert_cache(llama.key, prompt, caches)
+            served.append(cache.fetch_nearest_cache(llama.key, prompt + [1]))
+
+        worker = threading.Thread(target=request)
+        worker.start()
+        try:
+            assert fs.waiting.wait(STALL_BOUND_S)  # the spill reached the stalled disk...
+            worker.join(STALL_BOUND_S)
+            assert not worker.is_alive()  # ...and the request finished regardless
+            assert cache.tier_stats["pending_spills"] == 1
+            ((_, rest),) = served
+            assert rest == [1]  # served from RAM meanwhile
+        finally:
+            fs.armed = False
+            fs.gate.set()
+    assert cache.tier_stats["spills"] == 1 and cache.tier_stats["pending_spills"] == 0
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        assert llama.agent.ask_tokens(prompt + [1], cache).from_disk == len(prompt)
+
+
+def test_disk_full_degrades_to_not_stored(
+    llama: Model, cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fs = FaultyFileLayer()
+    prompt = llama.encode(40, seed=18)
+    with caplog.at_level(logging.WARNING):
+        with PersistentPromptCache(cache_dir=cache_dir, fs=fs) as cache:
+            assert cache.store_for(llama.key) is not None
+            fs.fail("write", err=errno.ENOSPC, times=1 << 20)
+            first = llama.agent.ask_tokens(prompt, cache)
+            cache.flush()
+            again = llama.agent.ask_tokens(prompt + first.generated + [1], cache)
+            cache.flush()
+            fs.disarm()
+    assert cache.tier_stats["spill_failures"] == 2 and cache.tier_stats["spills"] == 0
+    assert again.from_ram == len(prompt) + len(first.generated)  # RAM tier unaffected
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) >= 1
+    with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        assert llama.agent.ask_tokens(prompt + [1], cache).from_disk == 0
