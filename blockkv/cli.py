@@ -471,12 +471,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
     out: list[dict[str, Any]] = []
     for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="evict"):
         with open_store(fp) as store:
-            before = store.total_bytes
+            before, blocks_before = store.total_bytes, store.block_count
             gone = store.evict_plan(args.to) if args.dry_run else store.evict_to(args.to)
-            after = store.total_bytes
+            after, released = store.total_bytes, blocks_before - store.block_count
+            grace = store.gc_grace
         out.append(
             {**fp_json(fp), "target_bytes": args.to, "disk_bytes_before": before,
-             "disk_bytes_after": after, "entries": [entry_json(e) for e in gone]}
+             "disk_bytes_after": after, "blocks_released": released, "gc_grace": grace,
+             "entries": [entry_json(e) for e in gone]}
         )
     if args.json:
         emit_json({"root": str(root), "dry_run": args.dry_run, "fingerprints": out})
@@ -505,6 +507,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
                 right={2, 3},
             )
         )
+        if fp_out["blocks_released"]:
+            print(
+                f"  {fp_out['blocks_released']} block(s) no longer referenced: 'blockkv gc' "
+                f"deletes them once unreferenced for {fp_out['gc_grace']:g} s"
+            )
     return EXIT_OK
 
 
