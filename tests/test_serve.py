@@ -78,14 +78,20 @@ class Server:
             self.proc.kill()
             pytest.fail(f"server ignored SIGINT:\n{self.log.read_text()}")
         log = self.log.read_text()
-        closed = re.search(r"blockkv: disk tier closed \(.*\): (\d+) spills, (\d+) failed", log)
-        assert closed is not None and int(closed.group(1)) > 0 and closed.group(2) == "0", log
+        assert _spills(log)[1] == 0, log
         # mlx-lm's server itself sometimes aborts in interpreter teardown after
         # Ctrl-C (reproduced with plain `mlx_lm server`); by then blockkv has
         # flushed and closed, so that abort alone is tolerated.
         mlx_lm_abort = code == -signal.SIGABRT and "terminate called without an active exception" in log
         assert code == 0 or mlx_lm_abort, log
         return log
+
+
+def _spills(log: str) -> tuple[int, int]:
+    """(spills written, spills failed) from the server's shutdown line."""
+    closed = re.search(r"blockkv: disk tier closed \(.*\): (\d+) spills, (\d+) failed", log)
+    assert closed is not None, log
+    return int(closed.group(1)), int(closed.group(2))
 
 
 def _token_ids(response: dict[str, Any]) -> list[int]:
@@ -119,8 +125,9 @@ def test_restarted_server_reuses_the_system_prompt_from_disk(kind: str, tmp_path
         a = first.chat([system, {"role": "user", "content": sample_text(10, seed=2)}])
         b = first.chat([system, {"role": "user", "content": sample_text(10, seed=3)}])
     finally:
-        first.stop()
+        first_log = first.stop()
     assert _cached(a) == 0 and _cached(b) >= system_tokens  # mlx-lm's RAM tier at work
+    assert _spills(first_log)[0] > 0
 
     conversation = [system, {"role": "user", "content": sample_text(12, seed=4)}]
     second = Server([sys.executable, "-m", "blockkv.serve"], model_dir, cache_dir, tmp_path / "b.log")
@@ -135,6 +142,39 @@ def test_restarted_server_reuses_the_system_prompt_from_disk(kind: str, tmp_path
     cold = Agent(model, tokenizer, None, MAX_TOKENS).ask(conversation, None)
     assert c["usage"]["prompt_tokens"] == cold.prompt_tokens
     assert _token_ids(c) == cold.generated
+
+
+def test_kv_quantised_server_reuses_its_own_entries_only(tmp_path: Path) -> None:
+    """--kv-bits is part of the identity: a quantised server restores its
+    QuantizedKVCache entries after a restart; the same model served without
+    quantisation does not see them."""
+    model_dir = build_model_dir(tmp_path / "model", "llama")
+    cache_dir = tmp_path / "cache"
+    quantised = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    command = [sys.executable, "-m", "blockkv.serve", *quantised]
+    conversation = [
+        {"role": "system", "content": sample_text(150, seed=5)},
+        {"role": "user", "content": sample_text(10, seed=6)},
+    ]
+    first = Server(command, model_dir, cache_dir, tmp_path / "a.log")
+    try:
+        a = first.chat(conversation)
+    finally:
+        first_log = first.stop()
+    assert _spills(first_log)[0] > 0
+    second = Server(command, model_dir, cache_dir, tmp_path / "b.log")
+    try:
+        b = second.chat(conversation)
+    finally:
+        second.stop()
+    plain = Server([sys.executable, "-m", "blockkv.serve"], model_dir, cache_dir, tmp_path / "c.log")
+    try:
+        c = plain.chat(conversation)
+    finally:
+        log = plain.stop()
+    assert _cached(a) == 0 and _cached(b) == b["usage"]["prompt_tokens"] - 1
+    assert _token_ids(b) == _token_ids(a)
+    assert _cached(c) == 0 and "restored" not in log
 
 
 def test_help_lists_blockkv_and_mlx_lm_flags() -> None:
