@@ -157,7 +157,11 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="blockkv demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="blockkv demo",
+        description="Agent sessions sharing a long system prompt on a real mlx-lm model, through "
+        "PersistentPromptCache, then a simulated restart; prints what was measured.",
+    )
     p.add_argument("--cache-dir", type=Path, help="cache root to use (default: a throw-away directory)")
     p.add_argument("--model", type=Path, help="a local mlx-lm model directory (default: build a tiny random one)")
     p.add_argument("--sessions", type=int, default=4, help="agent sessions (default: %(default)s)")

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blockkv.cli import parse_size
+from blockkv.cli import format_size, parse_size
 from blockkv.identity import KVQuant
 from blockkv.mlx_lm import DEFAULT_CACHE_BYTES, PersistentPromptCache
 
@@ -50,7 +50,7 @@ def _own_parser() -> argparse.ArgumentParser:
         "--cache-bytes",
         type=parse_size,
         default=DEFAULT_CACHE_BYTES,
-        help="byte cap of the disk tier per model, e.g. 20G (default: 16G)",
+        help=f"byte cap of the disk tier per model, e.g. 20G (default: {format_size(DEFAULT_CACHE_BYTES)})",
     )
     return parser
 
