@@ -58,10 +58,20 @@ class Outcome:
         return self.prompt_tokens - self.from_ram - self.from_disk
 
 
+@dataclass(frozen=True)
+class DiskUsage:
+    """A store's entries and bytes, next to what one file per entry would take."""
+
+    entries: int
+    bytes: int
+    standalone_bytes: int
+
+
 @dataclass
 class Phase:
     name: str
     outcomes: list[Outcome] = field(default_factory=list)
+    disk: DiskUsage | None = None  # at the end of the phase, spills flushed
 
 
 @dataclass
@@ -72,10 +82,7 @@ class DemoResult:
     load_seconds: float
     system_tokens: int
     phases: tuple[Phase, Phase, Phase]
-    entries_before: int
-    entries_after: int
-    disk_bytes: int
-    standalone_bytes: int
+    found_after_restart: int
     identical: int
 
 
@@ -128,11 +135,13 @@ def _user_turn(session: int, turn: int, words: int) -> dict[str, str]:
     return {"role": "user", "content": sample_text(words, seed=10_000 + 100 * session + turn)}
 
 
-def _disk_usage(cache: PersistentPromptCache, key: Any) -> tuple[int, int, int]:
-    """(entries, bytes on disk, bytes if every entry were one self-contained file)."""
+def _disk_usage(cache: PersistentPromptCache, key: Any) -> DiskUsage:
+    """Entries found by their exact tokens, bytes on disk, and the sum of the
+    entries' own sizes (what one self-contained file per entry would take)."""
+    cache.flush()
     store = cache.store_for(key)
     if store is None:
-        return 0, 0, 0
+        return DiskUsage(0, 0, 0)
     entries = 0
     standalone = 0
     for tokens in store.token_prefixes():
@@ -140,7 +149,7 @@ def _disk_usage(cache: PersistentPromptCache, key: Any) -> tuple[int, int, int]:
         if match is not None:
             entries += 1
             standalone += match.entry.nbytes
-    return entries, store.total_bytes, standalone
+    return DiskUsage(entries, store.total_bytes, standalone)
 
 
 def _ms(seconds: float) -> str:
@@ -211,18 +220,18 @@ def run(args: argparse.Namespace, workdir: Path) -> DemoResult:
                 first.outcomes.append(outcome)
                 chats[s] = agent.reply(chats[s], outcome)
                 bar.update()
-        cache.flush()
-        entries_before, _, _ = _disk_usage(cache, agent.key)
+        first.disk = _disk_usage(cache, agent.key)
 
     # Phase 2: a new process (fresh RAM tier) on the same directory: one new
     # session, then every old session's next turn.
     later: list[Messages] = [[system, _user_turn(args.sessions, 0, args.user_words)]]
     later += [[*chat, _user_turn(s, args.turns, args.user_words)] for s, chat in enumerate(chats)]
     with PersistentPromptCache(cache_dir=cache_dir) as cache:
-        entries_after, disk_bytes, standalone_bytes = _disk_usage(cache, agent.key)
+        found = _disk_usage(cache, agent.key).entries
         for messages in later:
             restart.outcomes.append(agent.ask(messages, cache))
             bar.update()
+        restart.disk = _disk_usage(cache, agent.key)
     identical = 0
     for messages, warm in zip(later[: args.cold_checks], restart.outcomes):
         outcome = agent.ask(messages, None)
@@ -235,17 +244,14 @@ def run(args: argparse.Namespace, workdir: Path) -> DemoResult:
         load_seconds=built,
         system_tokens=len(tokenizer.apply_chat_template([system])),
         phases=(first, restart, cold),
-        entries_before=entries_before,
-        entries_after=entries_after,
-        disk_bytes=disk_bytes,
-        standalone_bytes=standalone_bytes,
+        found_after_restart=found,
         identical=identical,
     )
 
 
 def report(args: argparse.Namespace, r: DemoResult) -> str:
     """The table and summary lines a user reads at a glance."""
-    _, restart, cold = r.phases
+    first, restart, cold = r.phases
     rows = []
     for phase in r.phases:
         o = phase.outcomes
@@ -260,9 +266,12 @@ def report(args: argparse.Namespace, r: DemoResult) -> str:
                 str(sum(x.from_ram for x in o)),
                 str(sum(x.from_disk for x in o)),
                 _ms(statistics.median(x.ttft for x in o)),
+                format_size(phase.disk.bytes) if phase.disk else "-",
+                format_size(phase.disk.standalone_bytes) if phase.disk else "-",
             ]
         )
-    table = _table(["phase", "requests", "prompt tok", "prefilled", "from RAM", "from disk", "TTFT median"], rows)
+    header = ["phase", "requests", "prompt tok", "prefilled", "from RAM", "from disk", "TTFT median"]
+    table = _table([*header, "on disk", "1 file/entry"], rows)
     n = len(cold.outcomes)
     lines = [
         "",
@@ -280,11 +289,13 @@ def report(args: argparse.Namespace, r: DemoResult) -> str:
             f"time to first token, same {n} prompt(s): cold prefill {_ms(cold_ttft)} vs "
             f"from disk {_ms(warm_ttft)} ({cold_ttft / warm_ttft:.1f}x faster)"
         )
-    ratio = f" ({r.standalone_bytes / r.disk_bytes:.1f}x smaller)" if r.disk_bytes else ""
+    disk = restart.disk or DiskUsage(0, 0, 0)
+    ratio = f" ({disk.standalone_bytes / disk.bytes:.1f}x smaller)" if disk.bytes else ""
+    before = first.disk.entries if first.disk else 0
     lines += [
-        f"bytes on disk: {format_size(r.disk_bytes)} for {r.entries_after} entries; "
-        f"one file per entry would take {format_size(r.standalone_bytes)}{ratio}",
-        f"restart: {r.entries_after}/{r.entries_before} entries found again"
+        f"bytes on disk: {format_size(disk.bytes)} for {disk.entries} entries; "
+        f"one file per entry would take {format_size(disk.standalone_bytes)}{ratio}",
+        f"restart: {r.found_after_restart}/{before} entries found again"
         + (f"; greedy output identical to a cold prefill: {r.identical}/{n}" if n else ""),
     ]
     return "\n".join(lines)
