@@ -4,7 +4,10 @@ revisions, KV quantisations and tokenizers never share entries."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,36 @@ def test_bad_keys_are_rejected(model_dir: Path, tmp_path: Path) -> None:
         model_identity(tmp_path)
     with pytest.raises(FileNotFoundError, match="neither a directory"):
         model_identity(tmp_path / "missing" / "model")
+
+
+def _hf_identity(hub: Path, repo: str) -> dict[str, str]:
+    """model_identity(repo) in a fresh interpreter whose Hugging Face cache is ``hub``
+    (huggingface_hub reads its cache location once, at import)."""
+    code = (
+        "import dataclasses, json, sys\n"
+        "from blockkv.identity import model_identity\n"
+        "print(json.dumps(dataclasses.asdict(model_identity(sys.argv[1]))))\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, repo], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict[str, str] = json.loads(out.stdout)
+    return result
+
+
+def test_hugging_face_repo_ids_resolve_offline_and_revisions_differ(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    repo = tmp_path / "hub" / "models--org--tiny"
+    for revision in ("a" * 40, "b" * 40):
+        _copy(model_dir, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    at_a = _hf_identity(tmp_path / "hub", "org/tiny")
+    (repo / "refs" / "main").write_text("b" * 40)
+    at_b = _hf_identity(tmp_path / "hub", "org/tiny")
+    assert at_a["model_id"] == at_b["model_id"] == "org/tiny"
+    assert at_a["config_fingerprint"] != at_b["config_fingerprint"]  # same files, other revision
+    assert at_a["tokenizer_hash"] == at_b["tokenizer_hash"] == model_identity(model_dir).tokenizer_hash
