@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_BYTES = 16 << 30
 
 
+def _text_only(tokens: list[int]) -> bool:
+    """mlx-lm's server keys image prompts with negative per-image ids: their
+    caches depend on pixels the key only names, so they stay in RAM."""
+    return min(tokens) >= 0
+
+
 class PersistentPromptCache(LRUPromptCache):
     """``LRUPromptCache`` (RAM, hot) over one ``BlockStore`` per model (disk, cold).
 
@@ -124,7 +130,7 @@ class PersistentPromptCache(LRUPromptCache):
         the last prompt token, so at least one token is always left to compute."""
         cache, rest = super().fetch_nearest_cache(model, tokens)
         from_ram = len(tokens) - len(rest)
-        if from_ram < len(tokens) - 1:
+        if from_ram < len(tokens) - 1 and _text_only(tokens):
             store = self.store_for(model)
             match = store.find(tokens) if store is not None else None
             if store is not None and match is not None and match.prefix_len > from_ram:
@@ -154,8 +160,10 @@ class PersistentPromptCache(LRUPromptCache):
         ``store_async`` snapshots the arrays before returning, so the caller's
         later in-place cache updates cannot change what is written."""
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        if not tokens or not _text_only(tokens):
+            return
         store = self.store_for(model)
-        if store is None or not tokens:
+        if store is None:
             return
         key = list(tokens)
         if store.find_exact(key) is not None:
