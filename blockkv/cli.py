@@ -28,6 +28,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, NoReturn
 
+import lmdb
 from tqdm import tqdm
 
 from blockkv.directory import Directory, read_identity
@@ -393,13 +394,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     for fp in fps:
         with block_progress(f"check {fp.path.name}", args.progress) as progress:
             results.append((fp, check_one(fp, args.repair, progress)))
-    problems = any(not report.clean for _, report in results)
+    # Directories the store skips because their IDENTITY does not read: a problem
+    # to report (never to repair: whose data it is cannot be known).
+    unreadable = [] if args.fingerprint else unreadable_dirs(root, fps)
+    problems = bool(unreadable) or any(not report.clean for _, report in results)
     if args.json:
         emit_json(
             {
                 "root": str(root),
                 "repair": args.repair,
                 "clean": not problems,
+                "unreadable_dirs": [str(d) for d in unreadable],
                 "fingerprints": [
                     {**fp_json(fp), "clean": r.clean, "report": r.to_json()} for fp, r in results
                 ],
@@ -422,7 +427,15 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"  foreign header (kept, never served): {rel}")
         for action in report.actions:
             print(f"  repaired: {action}")
+    for d in unreadable:
+        print(f"{d.name}: unreadable IDENTITY, so not checked; left alone")
     return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def unreadable_dirs(root: Path, readable: Sequence[FingerprintDir]) -> list[Path]:
+    """Directories holding an IDENTITY file that ``list_fingerprints`` could not use."""
+    known = {fp.path for fp in readable}
+    return sorted(d for d in root.iterdir() if (d / "IDENTITY").is_file() and d not in known)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -636,6 +649,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `blockkv ls | head`: the reader left; stay quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PROBLEMS
-    except (BlockKVError, OSError) as exc:
+    except (BlockKVError, OSError, ValueError, lmdb.Error) as exc:
+        # what the disk or the store refused, in one line: a script gets exit 1
         print(f"{prog}: {exc}", file=sys.stderr)
         return EXIT_PROBLEMS
+    except KeyboardInterrupt:
+        return 130

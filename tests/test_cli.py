@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,12 +69,12 @@ def run(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
     return run_all(args)[0]
 
 
-def parsed(proc: subprocess.CompletedProcess[str], expect: int = 0) -> dict:
+def parsed(proc: subprocess.CompletedProcess[str], expect: int = 0) -> dict[str, Any]:
     assert proc.returncode == expect, (proc.args, proc.stderr)
     return json.loads(proc.stdout)
 
 
-def run_json(*args: str | os.PathLike[str], expect: int = 0) -> dict:
+def run_json(*args: str | os.PathLike[str], expect: int = 0) -> dict[str, Any]:
     return parsed(run(*args, "--json"), expect)
 
 
@@ -315,10 +316,14 @@ def plant_faults(root: Root) -> tuple[Path, Path]:
 
 def test_check_reports_planted_faults_and_repair_fixes_them(root: Root) -> None:
     victim, orphan = plant_faults(root)
+    stranger = root.path / "not-ours"  # an IDENTITY no store can read: report, never touch
+    stranger.mkdir()
+    (stranger / "IDENTITY").write_text("{")
     before = tree(root.path)
     as_json, human = run_all(["check", root.path, "--json"], ["check", root.path])
     report = parsed(as_json, expect=1)
     assert report["clean"] is False
+    assert report["unreadable_dirs"] == [str(stranger)]
     by_model = {fp["model_id"]: fp["report"] for fp in report["fingerprints"]}
     llama, mamba = by_model[root.llama.model_id], by_model[root.mamba.model_id]
     assert llama["corrupt_blocks"] == [victim.name]
@@ -340,6 +345,8 @@ def test_check_reports_planted_faults_and_repair_fixes_them(root: Root) -> None:
     fixed_all = run_json("check", root.path, "--repair", "--all", expect=1)
     assert all(fp["report"]["actions"] for fp in fixed_all["fingerprints"]
                if fp["model_id"] == root.mamba.model_id)
+    assert (stranger / "IDENTITY").read_text() == "{"
+    shutil.rmtree(stranger)
     assert run_json("check", root.path)["clean"] is True
 
 
