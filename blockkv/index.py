@@ -114,8 +114,16 @@ class Index:
         self._env = _open_env(path, map_size, sync=not self._boot)
         self._resize_lock = threading.Lock()
         (self._meta, self._entries, self._lastuse, self._blocks, self._pending, self._log) = (
-            self._env.open_db(name) for name in self._DBS
+            self._open_db(name) for name in self._DBS
         )
+
+    def _open_db(self, name: bytes) -> Any:
+        """Creating a table is a write: it may need the map to grow too."""
+        while True:
+            try:
+                return self._env.open_db(name)
+            except lmdb.MapFullError:
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
 
     def close(self) -> None:
         _release_env(self.path, self._env)
