@@ -69,14 +69,14 @@ class Server:
             result: dict[str, Any] = json.loads(response.read())
         return result
 
-    def stop(self) -> str:
-        """Ctrl-C, as a user would; returns the log."""
-        self.proc.send_signal(signal.SIGINT)
+    def stop(self, how: signal.Signals = signal.SIGINT) -> str:
+        """Ctrl-C as a user would (or SIGTERM as a service manager would); returns the log."""
+        self.proc.send_signal(how)
         try:
             code = self.proc.wait(timeout=REQUEST_BOUND_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            pytest.fail(f"server ignored SIGINT:\n{self.log.read_text()}")
+            pytest.fail(f"server ignored {how.name}:\n{self.log.read_text()}")
         log = self.log.read_text()
         assert _spills(log)[1] == 0, log
         # mlx-lm's server itself sometimes aborts in interpreter teardown after
@@ -171,7 +171,7 @@ def test_kv_quantised_server_reuses_its_own_entries_only(tmp_path: Path) -> None
     try:
         c = plain.chat(conversation)
     finally:
-        log = plain.stop()
+        log = plain.stop(signal.SIGTERM)  # shuts down as cleanly as Ctrl-C
     assert _cached(a) == 0 and _cached(b) == b["usage"]["prompt_tokens"] - 1
     assert _token_ids(b) == _token_ids(a)
     assert _cached(c) == 0 and "restored" not in log
