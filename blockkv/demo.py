@@ -297,6 +297,7 @@ def report(args: argparse.Namespace, r: DemoResult) -> str:
         f"one file per entry would take {format_size(disk.standalone_bytes)}{ratio}",
         f"restart: {r.found_after_restart}/{before} entries found again"
         + (f"; greedy output identical to a cold prefill: {r.identical}/{n}" if n else ""),
+        f"cache: {args.cache_dir} (kept)" if args.cache_dir else "cache: a throw-away directory (removed now)",
     ]
     return "\n".join(lines)
 
