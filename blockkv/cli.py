@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -106,12 +107,12 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: s
     """Plain aligned columns; ``right`` holds the indexes of numeric columns."""
     widths = [len(h) for h in headers]
     for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
         parts = [
             cell.rjust(w) if i in right else cell.ljust(w)
-            for i, (cell, w) in enumerate(zip(cells, widths))
+            for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
         ]
         return "  ".join(parts).rstrip()
 
@@ -189,10 +190,11 @@ def open_store(fp: FingerprintDir, gc_grace: float | None = None) -> Iterator[Bl
 
 def default_gc_grace() -> float:
     """The store's own default grace, so the CLI never drifts from it."""
-    return float(BlockStore.__init__.__kwdefaults__["gc_grace"])
+    return float(inspect.signature(BlockStore).parameters["gc_grace"].default)
 
 
 def fp_json(fp: FingerprintDir) -> dict[str, Any]:
+    """How every JSON output names a fingerprint, so scripts can join them."""
     return {
         "fingerprint": fp.path.name,
         "config_fingerprint": fp.config_fingerprint,
@@ -203,6 +205,7 @@ def fp_json(fp: FingerprintDir) -> dict[str, Any]:
 
 
 def entry_json(e: Entry) -> dict[str, Any]:
+    """One entry for ``ls`` and ``evict``: token count, not the tokens themselves."""
     return {
         "id": e.id,
         "ns": e.ns,
@@ -253,31 +256,31 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"root": str(root), "fingerprints": report})
         return EXIT_OK
-    logical = sum(fp["logical_bytes"] for fp in report)
-    disk = sum(fp["disk_bytes"] for fp in report)
+    logical = sum(r["logical_bytes"] for r in report)
+    disk = sum(r["disk_bytes"] for r in report)
     print(
-        f"{root}: {len(report)} fingerprint(s), {sum(fp['entries'] for fp in report)} "
+        f"{root}: {len(report)} fingerprint(s), {sum(r['entries'] for r in report)} "
         f"entries, {format_size(disk)} on disk, {format_size(logical)} logical "
         f"(dedup {format_ratio(logical, disk)})"
     )
     rows: list[list[str]] = []
-    for fp in report:
-        cap = fp["cap_bytes"]
+    for fpr in report:
+        cap = fpr["cap_bytes"]
         cap_text = "-" if cap is None else (
-            f"{format_size(cap)} ({100 * fp['disk_bytes'] / max(cap, 1):.0f}%)"
+            f"{format_size(cap)} ({100 * fpr['disk_bytes'] / max(cap, 1):.0f}%)"
         )
         rows.append(
-            [fp["fingerprint"], fp["model_id"], "*", str(fp["entries"]),
-             format_size(fp["logical_bytes"]), format_size(fp["disk_bytes"]),
-             format_ratio(fp["logical_bytes"], fp["disk_bytes"]), str(fp["blocks"]),
-             format_time(fp["oldest_use"]), format_time(fp["newest_use"]),
+            [fpr["fingerprint"], fpr["model_id"], "*", str(fpr["entries"]),
+             format_size(fpr["logical_bytes"]), format_size(fpr["disk_bytes"]),
+             format_ratio(fpr["logical_bytes"], fpr["disk_bytes"]), str(fpr["blocks"]),
+             format_time(fpr["oldest_use"]), format_time(fpr["newest_use"]),
              cap_text]
         )
         rows.extend(
             ["", "", show_ns(ns["ns"]), str(ns["entries"]), format_size(ns["logical_bytes"]),
              "", "", str(ns["blocks"]), format_time(ns["oldest_use"]),
              format_time(ns["newest_use"]), ""]
-            for ns in fp["namespaces"]
+            for ns in fpr["namespaces"]
         )
     if rows:
         print()
@@ -377,7 +380,7 @@ def check_one(
     if not repair:
         return inspect_files(directory, rows, progress)
     with open_store(fp) as store:
-        report = store.check(repair=True, progress=progress)
+        report: CheckReport = store.check(repair=True, progress=progress)
     if rows is None:
         report.index_missing = True
         report.actions.insert(0, "rebuilt the missing or unusable index from the headers")
@@ -452,8 +455,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return EXIT_OK
     for fp_out in out:
         print(
-            f"{label(fp_out)}: deleted "
-            f"{fp_out['blocks_deleted']} unreferenced block(s); "
+            f"{label(fp_out)}: deleted {fp_out['blocks_deleted']} unreferenced block(s); "
             f"{format_size(fp_out['disk_bytes'])} on disk"
         )
     return EXIT_OK
@@ -470,10 +472,7 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
         emit_json({"root": str(root), "fingerprints": out})
         return EXIT_OK
     for fp_out in out:
-        print(
-            f"{label(fp_out)}: index rebuilt, "
-            f"{fp_out['entries_indexed']} entries indexed"
-        )
+        print(f"{label(fp_out)}: index rebuilt, {fp_out['entries_indexed']} entries indexed")
     return EXIT_OK
 
 
@@ -499,15 +498,15 @@ def cmd_evict(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for fp_out in out:
         gone = fp_out["entries"]
-        name, before = label(fp_out), fp_out["disk_bytes_before"]
+        was = format_size(fp_out["disk_bytes_before"])
         if not gone:
-            print(f"{name}: nothing to remove, {format_size(before)} on disk is within "
+            print(f"{label(fp_out)}: nothing to remove, {was} on disk is within "
                   f"{format_size(args.to)}")
             continue
-        after = "" if args.dry_run else f" -> {format_size(fp_out['disk_bytes_after'])}"
+        now = "" if args.dry_run else f" -> {format_size(fp_out['disk_bytes_after'])}"
         print(
-            f"{name}: {verb} {len(gone)} entries to reach {format_size(args.to)} "
-            f"(on disk {format_size(before)}{after})"
+            f"{label(fp_out)}: {verb} {len(gone)} entries to reach {format_size(args.to)} "
+            f"(on disk {was}{now})"
         )
         print(
             render_table(
@@ -619,8 +618,8 @@ def build_parser() -> Parser:
                        help="progress bar on stderr (default: when stderr is a terminal)")
     gc_cmd = command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
     gc_cmd.add_argument("--grace", type=parse_seconds, metavar="SECONDS",
-                    help="only blocks unreferenced for this long (default: the store's, "
-                    "which protects a writer in another process)")
+                        help="only blocks unreferenced for this long (default: the store's, "
+                        "which protects a writer in another process)")
     command("rebuild-index", cmd_rebuild_index, "rebuild the LMDB index from the files on disk",
             mutating=True)
     evict = command("evict", cmd_evict,

@@ -71,7 +71,8 @@ def run(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
 
 def parsed(proc: subprocess.CompletedProcess[str], expect: int = 0) -> dict[str, Any]:
     assert proc.returncode == expect, (proc.args, proc.stderr)
-    return json.loads(proc.stdout)
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
 
 
 def run_json(*args: str | os.PathLike[str], expect: int = 0) -> dict[str, Any]:
@@ -189,7 +190,8 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
     [module] = run_all(["stats", r, "--json"], module=True)
     # Python lists every import on stderr: stats must not pull in mlx-lm's server.
     [imports] = run_all(["stats", r], env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
-    results = {**dict(zip([*commands, *passthrough], procs)), "module": module, "imports": imports}
+    results = dict(zip([*commands, *passthrough], procs, strict=True))
+    results.update(module=module, imports=imports)
     return Reads(results, before, tree(r), home)
 
 
@@ -354,7 +356,8 @@ def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root)
     llama_dir, mamba_dir = root.fp_dir(root.llama), root.fp_dir(root.mamba)
     mamba_before = tree(mamba_dir)
     target = disk_bytes(llama_dir) // 2
-    evict = ["evict", root.path, "-f", root.llama.fingerprint, "--to", str(target)]
+    evict: list[str | Path] = ["evict", root.path, "-f", root.llama.fingerprint]
+    evict += ["--to", str(target)]
     before = tree(root.path)
     dry, dry_human = run_all([*evict, "--dry-run", "--json"], [*evict, "--dry-run"])
     assert tree(root.path) == before
