@@ -436,6 +436,11 @@ def _open_env(path: Path, map_size: int, *, sync: bool) -> lmdb.Environment:
             env, n = _ENVS[key]
             _ENVS[key] = (env, n + 1)
             return env
+        # an environment of this path whose file was replaced behind our back is
+        # dead: close it, or liblmdb refuses to open the path again
+        resolved = str(path.resolve())
+        for stale in [k for k in _ENVS if k[0] == resolved]:
+            _ENVS.pop(stale)[0].close()
         path.mkdir(mode=0o700, exist_ok=True)
         env = lmdb.open(
             str(path), map_size=map_size, max_dbs=len(Index._DBS), max_readers=1024,

@@ -45,6 +45,7 @@ from mlx.utils import tree_flatten
 
 from . import blocks as blk
 from . import gc
+from .gc import CheckReport
 from .directory import CODEC_ID, Directory, fingerprint_dirname, read_identity
 from .errors import BlockKVError, CorruptBlockError, CorruptError
 from .fs import FileLayer
@@ -287,23 +288,31 @@ class BlockStore:
         number of entries indexed."""
         self.recovery = []
         with self._lock.held():
-            self._reap_tmp()
-            try:
-                if self._index.is_trusted():
-                    self._roll_back_pending()
-                    self._reconcile()
-                else:
-                    self._note("index missing, from another format or from before an OS restart: rebuilt")
-                    self._rebuild()
-            except (lmdb.Error, CorruptError) as exc:
-                self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-                self._note(f"index unreadable ({exc}): rebuilt")
-                self._index.close()
-                self._index = self._fresh_index()
-                self._rebuild()
-            self._sweep_orphans()
-            self._load()
+            self._recover_locked()
         return len(self)
+
+    def _recover_locked(self) -> None:
+        """The body of ``scan``; the caller holds the directory lock."""
+        finished: list[str] = []
+        self._reap_tmp()
+        try:
+            if self._index.is_trusted():
+                finished = self._roll_back_pending()
+                self._reconcile()
+            else:
+                self._note("index missing, from another format or from before an OS restart: rebuilt")
+                self._rebuild()
+        except (lmdb.Error, CorruptError) as exc:
+            self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
+            self._note(f"index unreadable ({exc}): rebuilt")
+            self._index.close()
+            self._index = self._fresh_index()
+            self._rebuild()
+        self._sweep_orphans()
+        self._load()
+        for entry_id in finished:  # a store that died after its header landed: finish its rules
+            if entry_id in self._entries:
+                self._apply_store_rules(self._entries[entry_id])
 
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
@@ -366,10 +375,13 @@ class BlockStore:
                     records.append((record, min(path.stat().st_mtime, now)))
                 except FileNotFoundError:
                     continue
+        records.sort(key=lambda r: r[1])  # write order stands in for store order (find's tie-break)
         self._index.rebuild(records, sizes, now)
 
-    def _roll_back_pending(self) -> None:
-        """References taken by a store that died before its entry became visible."""
+    def _roll_back_pending(self) -> list[str]:
+        """References taken by a store that died before its entry became visible.
+        Returns the entries whose header had landed (indexed now)."""
+        finished = []
         now = self._clock()
         known = {r.id for r in self._index.entries()}
         for entry_id, rec in self._index.pending().items():
@@ -381,6 +393,8 @@ class BlockStore:
                 record = self._scan_header(entry_id, path, sizes)
                 if record is not None:
                     self._index.add_scanned(record, {n: sizes[n] for n in record.blocks}, now)
+                    finished.append(entry_id)
+        return finished
 
     def _reconcile(self) -> None:
         """Headers added or removed behind the index's back, and blocks deleted behind it."""
@@ -456,6 +470,19 @@ class BlockStore:
 
     def _refresh(self) -> None:
         """Replay what other handles changed since we last looked (cheap when nothing did)."""
+        try:
+            self._apply_changes()
+        except lmdb.Error as exc:  # the environment was closed or replaced under us
+            self._warn("index", f"LMDB index lost ({exc}); reopening and recovering")
+            with self._lock.held():
+                try:
+                    self._index.close()
+                except lmdb.Error:
+                    pass
+                self._index = Index(self._dir.index_dir, map_size=self._map_size)
+                self._recover_locked()
+
+    def _apply_changes(self) -> None:
         with self._mutex:
             changes = self._index.changes_since(self._seq)
             if changes is None:
@@ -600,10 +627,13 @@ class BlockStore:
         try:
             with self._lock.held():
                 self._refresh()
-                if corrupt_block:  # quarantine: the next store of this block writes a good copy
+                doomed = {entry.id} & set(self._entries)
+                if corrupt_block:  # quarantine: every entry that needs it is damaged too;
+                    # the next store of this block writes a good copy
                     self._pool.delete(corrupt_block)
-                if entry.id in self._entries:
-                    self._remove_locked(entry.id)
+                    doomed |= {e.id for e in self._entries.values() if corrupt_block in e.blocks}
+                for entry_id in doomed:
+                    self._remove_locked(entry_id)
         except (OSError, lmdb.Error, BlockKVError) as exc2:
             self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
 
@@ -834,7 +864,7 @@ class BlockStore:
             self._warn("gc", f"gc failed: {exc}")
 
     def check(self, repair: bool = False,
-              progress: Callable[[int, int], None] | None = None) -> gc.CheckReport:
+              progress: Callable[[int, int], None] | None = None) -> CheckReport:
         """Compare the index with the files and verify every block hash.
 
         Returns findings rather than raising. ``repair=True`` fixes refcounts,
