@@ -21,12 +21,14 @@ from blake3 import blake3
 
 from blockkv.codec import (
     DTYPES,
+    Data,
+    capture,
+    encode_cache,
     MAX_STR,
     CacheRecord,
     TensorRecord,
     decode_caches,
     dtype_name,
-    encode_caches,
     map_tensors,
     minimum_reusable_offset,
     records_from_descriptor,
@@ -158,7 +160,7 @@ def _present(records: Sequence[CacheRecord]) -> list[TensorRecord]:
 # ---------------------------------------------------------------- split
 
 
-def _attachment_records(attachments: Mapping[str, mx.array] | None) -> dict[str, TensorRecord]:
+def _attachment_records(attachments: Mapping[str, mx.array] | None, data: Data) -> dict[str, TensorRecord]:
     if attachments is None:
         return {}
     if not isinstance(attachments, Mapping) or len(attachments) > MAX_ATTACHMENTS:
@@ -170,19 +172,52 @@ def _attachment_records(attachments: Mapping[str, mx.array] | None) -> dict[str,
             raise ValueError(f"attachment name must be a non-empty str of <= {MAX_STR} chars, got {key!r}")
         if not isinstance(a, mx.array):
             raise TypeError(f"attachment {key!r} must be an mx.array, got {type(a).__name__}")
-        out[key] = TensorRecord(dtype_name(a.dtype), tuple(a.shape), False, 0, to_host(a))
+        out[key] = TensorRecord(dtype_name(a.dtype), tuple(a.shape), False, 0, capture(a, data))
     return out
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """An entry captured on the caller's thread: records and attachments whose
+    data are evaluated mlx arrays that no later in-place cache update can
+    change. Copying to the host and hashing (the slow part) happen later, in
+    ``split_entry``, on whatever thread runs it."""
+
+    records: list[CacheRecord]
+    attachments: dict[str, TensorRecord]
+
+
+def snapshot(caches: Sequence[Any], attachments: Mapping[str, mx.array] | None = None) -> Snapshot:
+    """Validate and capture an entry (bad caches raise here, on the caller's thread).
+
+    Arrays are evaluated here because a lazy array can only be evaluated on
+    the thread whose stream built it."""
+    records = [encode_cache(c, "device") for c in caches]
+    extra = _attachment_records(attachments, "device")
+    mx.eval([t.data for t in _present(records) + list(extra.values())])
+    return Snapshot(records, extra)
+
+
+def _to_host(t: TensorRecord) -> TensorRecord:
+    return replace(t, data=to_host(t.data))
+
+
 def split_entry(
-    caches: Sequence[Any],
+    caches: Sequence[Any] | Snapshot,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     attachments: Mapping[str, mx.array] | None = None,
 ) -> EntryLayout:
-    """Cut an entry's caches (and attachments) into blocks and a descriptor."""
+    """Cut an entry's caches (and attachments), or a snapshot of them, into
+    blocks and a descriptor."""
     _check_block_tokens(block_tokens)
-    records = encode_caches(caches)
-    extra = _attachment_records(attachments)
+    if isinstance(caches, Snapshot):
+        if attachments is not None:
+            raise ValueError("a Snapshot already holds its attachments")
+        snap = caches
+    else:
+        snap = snapshot(caches, attachments)
+    records = map_tensors(snap.records, _to_host)
+    extra = {k: _to_host(t) for k, t in snap.attachments.items()}
     present = _present(records)
     token = [t for t in present if t.token_axis]
     state = [t for t in present if not t.token_axis] + list(extra.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -63,6 +63,11 @@ MAX_META_KEYS = 32
 MAX_STR = 256
 MAX_INT = 1 << 53
 
+Data = Literal[False, True, "device"]
+"""What an encoded record carries: nothing (a descriptor), host bits (numpy),
+or ``"device"``: mlx arrays captured now, copied to the host later (off the
+caller's thread)."""
+
 
 def dtype_name(dtype: mx.Dtype) -> str:
     """The canonical name of an mlx dtype (TypeError for dtypes blockkv cannot store)."""
@@ -96,7 +101,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     token_axis: bool
     token_start: int = 0
-    data: np.ndarray | None = None
+    data: np.ndarray | mx.array | None = None  # mx.array only in a "device" snapshot
 
     @property
     def nbytes(self) -> int:
@@ -135,7 +140,7 @@ class CacheRecord:
 class CacheCodec(Protocol):
     """How one cache class maps to a record and back, and how far it can be cut."""
 
-    def encode(self, cache: Any, data: bool = True) -> CacheRecord:
+    def encode(self, cache: Any, data: Data = True) -> CacheRecord:
         """The record of ``cache``; ``data=False`` gives a descriptor-only record."""
         ...
 
@@ -197,7 +202,17 @@ def _codec_named(kind: str) -> CacheCodec:
 # ---------------------------------------------------------------- helpers
 
 
-def _tensor(a: mx.array, token_axis: bool, data: bool, token_start: int = 0) -> TensorRecord:
+def capture(a: mx.array, data: Data) -> np.ndarray | mx.array | None:
+    """What a record keeps of ``a``: host bits, a device snapshot, or nothing.
+
+    ``"device"`` is a new array object (free to make): mlx-lm updates caches in
+    place, and an update rebinds the cache's array, never this one."""
+    if data == "device":
+        return mx.stop_gradient(a)
+    return to_host(a) if data else None
+
+
+def _tensor(a: mx.array, token_axis: bool, data: Data, token_start: int = 0) -> TensorRecord:
     """A TensorRecord of ``a``; batch must be 1 so blocks stay shareable."""
     if a.ndim >= 1 and a.shape[0] != 1:
         raise ValueError(f"batch size {a.shape[0]} > 1 is not supported (tensor shape {a.shape})")
@@ -208,7 +223,7 @@ def _tensor(a: mx.array, token_axis: bool, data: bool, token_start: int = 0) -> 
         shape=tuple(a.shape),
         token_axis=token_axis,
         token_start=token_start,
-        data=to_host(a) if data else None,
+        data=capture(a, data),
     )
 
 
@@ -276,7 +291,7 @@ class _KVLike:
 class KVCacheCodec(_KVLike):
     """KVCache: keys/values[..., :offset, :] (the 256-step tail is dropped)."""
 
-    def encode(self, cache: KVCache, data: bool = True) -> CacheRecord:
+    def encode(self, cache: KVCache, data: Data = True) -> CacheRecord:
         off = cache.offset
         if cache.keys is None:
             return CacheRecord("KVCache", {"offset": off}, (None, None))
@@ -294,7 +309,7 @@ class KVCacheCodec(_KVLike):
 class ConcatenateKVCacheCodec(_KVLike):
     """ConcatenateKVCache: its arrays may hold rows past ``offset`` after a trim."""
 
-    def encode(self, cache: ConcatenateKVCache, data: bool = True) -> CacheRecord:
+    def encode(self, cache: ConcatenateKVCache, data: Data = True) -> CacheRecord:
         off = cache.offset
         if cache.keys is None:
             return CacheRecord("ConcatenateKVCache", {"offset": off}, (None, None))
@@ -314,7 +329,7 @@ class ConcatenateKVCacheCodec(_KVLike):
 class QuantizedKVCacheCodec(_KVLike):
     """QuantizedKVCache: each of keys/values is a tuple (w, scales[, biases])."""
 
-    def encode(self, cache: QuantizedKVCache, data: bool = True) -> CacheRecord:
+    def encode(self, cache: QuantizedKVCache, data: Data = True) -> CacheRecord:
         off = cache.offset
         meta = {"offset": off, "group_size": cache.group_size, "bits": cache.bits}
         if cache.keys is None:
@@ -341,7 +356,7 @@ class RotatingKVCacheCodec:
     """RotatingKVCache: token-axis while ``offset < max_size`` (buffer still in
     temporal order), the whole ring as state tensors once it has wrapped."""
 
-    def encode(self, cache: RotatingKVCache, data: bool = True) -> CacheRecord:
+    def encode(self, cache: RotatingKVCache, data: Data = True) -> CacheRecord:
         off = cache.offset
         meta = {"offset": off, "keep": cache.keep, "max_size": cache.max_size, "_idx": cache._idx}
         if cache.keys is None:
@@ -383,7 +398,7 @@ class RotatingKVCacheCodec:
 class ChunkedKVCacheCodec(_KVLike):
     """ChunkedKVCache: rows [start_position, offset); the dropped front is gone."""
 
-    def encode(self, cache: ChunkedKVCache, data: bool = True) -> CacheRecord:
+    def encode(self, cache: ChunkedKVCache, data: Data = True) -> CacheRecord:
         off, start = cache.offset, cache.start_position
         meta = {"offset": off, "chunk_size": cache.chunk_size, "start_position": start}
         if cache.keys is None:
@@ -414,7 +429,7 @@ class ArraysCacheCodec:
     """ArraysCache: recurrent state tensors (None slots kept), then left_padding
     and lengths. No token axis, so it can never be cut back."""
 
-    def encode(self, cache: ArraysCache, data: bool = True) -> CacheRecord:
+    def encode(self, cache: ArraysCache, data: Data = True) -> CacheRecord:
         slots = [None if a is None else _tensor(a, False, data) for a in cache.cache]
         for extra in (cache.left_padding, cache.lengths):
             if extra is not None and extra.size != 1:
@@ -447,7 +462,7 @@ class ArraysCacheCodec:
 class CacheListCodec:
     """CacheList: no tensors of its own; each child is a nested record."""
 
-    def encode(self, cache: CacheList, data: bool = True) -> CacheRecord:
+    def encode(self, cache: CacheList, data: Data = True) -> CacheRecord:
         return CacheRecord("CacheList", {}, (), tuple(encode_cache(c, data) for c in cache.caches))
 
     def decode(self, record: CacheRecord) -> CacheList:
@@ -483,7 +498,7 @@ register_codec(CacheList, CacheListCodec())
 # ---------------------------------------------------------------- public API
 
 
-def encode_cache(cache: Any, data: bool = True) -> CacheRecord:
+def encode_cache(cache: Any, data: Data = True) -> CacheRecord:
     """The record of one cache object, stamped with its registered name."""
     name, codec = codec_for(cache)
     record = codec.encode(cache, data)

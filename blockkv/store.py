@@ -673,23 +673,25 @@ class BlockStore:
 
     def _prepare(self, tokens: Sequence[int], caches: Sequence[Any], ns: str,
                  attachments: Mapping[str, Any] | None,
-                 checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, blk.EntryLayout, GenerationCheckpoint | None]:
-        """Validate arguments and snapshot tensors on the caller's thread (bad input raises here)."""
+                 checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, blk.Snapshot, GenerationCheckpoint | None]:
+        """Validate arguments and capture the tensors on the caller's thread (bad
+        input raises here). Capturing is cheap; the host copy and hashing happen
+        in ``_commit``, which ``store_async`` runs on its worker thread."""
         arr = _tokens(tokens)
         _check_ns(ns)
         if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
             raise TypeError(f"caches must be a list of mlx-lm cache objects, got {type(caches).__name__}")
         if attachments is not None and not isinstance(attachments, Mapping):
             raise TypeError("attachments must be a mapping of name to mx.array")
-        layout = blk.split_entry(list(caches), self.block_tokens, attachments)
-        return arr, ns, layout, checkpoint
+        return arr, ns, blk.snapshot(list(caches), attachments), checkpoint
 
-    def _commit(self, tokens: np.ndarray, ns: str, layout: blk.EntryLayout,
+    def _commit(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
         entry_id = uuid.uuid4().hex
         path = self._dir.header_path(ns, entry_id)
         refs_taken = False
         try:
+            layout = blk.split_entry(snap, self.block_tokens)
             header = encode_header(Header(self.identity, ns, tokens, layout.descriptor,
                                           checkpoint.to_json() if checkpoint else None))
             new, sizes = self._encode_new_blocks(layout)
