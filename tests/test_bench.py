@@ -13,10 +13,19 @@ BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
 def test_quick_bench_writes_its_report(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out), "--workdir", str(tmp_path)],
+        [
+            sys.executable,
+            str(BENCH),
+            "--quick",
+            "--out",
+            str(out),
+            "--workdir",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "benchmarks.json").read_text())
@@ -27,9 +36,17 @@ def test_quick_bench_writes_its_report(tmp_path: Path) -> None:
     md = (out / "benchmarks.md").read_text()
     assert "## Targets" in md and "## Machine" in md
     assert (out / "benchmarks.png").stat().st_size > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # scratch stores removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "out"
+    ]  # scratch stores removed
 
 
 def test_quick_needs_an_output_directory() -> None:
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,13 @@ class KVSource:
     """Random bf16 K/V for a token stream; ``caches(n)`` is its first ``n`` tokens,
     sharing the same bytes as every longer prefix (so dedup is real)."""
 
-    def __init__(self, shape: Shape, keys: list[mx.array], values: list[mx.array], tokens: list[int]):
+    def __init__(
+        self,
+        shape: Shape,
+        keys: list[mx.array],
+        values: list[mx.array],
+        tokens: list[int],
+    ):
         self.shape, self.keys, self.values, self.tokens = shape, keys, values, tokens
 
     @classmethod
@@ -161,7 +168,9 @@ class KVSource:
     def extended(self, tail: KVSource) -> KVSource:
         """This stream followed by ``tail``: the prefix bytes are this stream's bytes."""
         keys = [mx.concatenate([a, b], axis=2) for a, b in zip(self.keys, tail.keys)]
-        values = [mx.concatenate([a, b], axis=2) for a, b in zip(self.values, tail.values)]
+        values = [
+            mx.concatenate([a, b], axis=2) for a, b in zip(self.values, tail.values)
+        ]
         mx.eval(keys, values)
         return KVSource(self.shape, keys, values, self.tokens + tail.tokens)
 
@@ -171,11 +180,18 @@ class KVSource:
     def caches(self, n: int | None = None) -> list[KVCache]:
         """Real mlx-lm caches of the first ``n`` tokens (all when None)."""
         n = len(self) if n is None else n
-        return [kv_cache(k[:, :, :n, :], v[:, :, :n, :]) for k, v in zip(self.keys, self.values)]
+        return [
+            kv_cache(k[:, :, :n, :], v[:, :, :n, :])
+            for k, v in zip(self.keys, self.values)
+        ]
 
     def raw_bytes(self, n: int | None = None) -> bytes:
         """The K/V bytes of the first ``n`` tokens, concatenated (for the limits)."""
-        parts = [np.asarray(x.view(mx.uint16)).tobytes() for c in self.caches(n) for x in (c.keys, c.values)]
+        parts = [
+            np.asarray(x.view(mx.uint16)).tobytes()
+            for c in self.caches(n)
+            for x in (c.keys, c.values)
+        ]
         return b"".join(parts)
 
 
@@ -204,7 +220,9 @@ def io_delta(out: dict[str, int]) -> Iterator[None]:
         out[k] = out.get(k, 0) + v - before[k]
 
 
-def median_time(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> float:
+def median_time(
+    fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None
+) -> float:
     """Median wall seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each)."""
     times = []
     for _ in range(reps):
@@ -259,7 +277,9 @@ def bench_limits(data: bytes, work: Path, reps: int) -> dict[str, float]:
     t_read = median_time(read, reps)
     path.unlink()
     t_b3_1 = median_time(lambda: blake3.blake3(data).digest(), reps)
-    t_b3_all = median_time(lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(), reps)
+    t_b3_all = median_time(
+        lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(), reps
+    )
     n = len(data)
     return {
         "bytes": n,
@@ -303,7 +323,12 @@ def child_restore(spec: dict[str, Any]) -> dict[str, float]:
     after, with the peak reset just before, minus VmRSS before), then the median
     seconds of ``spec["reps"]`` more runs."""
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--rss-child", json.dumps(spec)],
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--rss-child",
+            json.dumps(spec),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -322,7 +347,7 @@ def _status_kib(field: str) -> int:
 def rss_child(spec: dict[str, Any]) -> int:
     """The child side of ``child_restore``: prints ``{"peak_delta": bytes, "seconds": s}``."""
     if spec["kind"] == "mlx":
-        run: Callable[[], Any] = lambda: eval_caches(load_prompt_cache(spec["path"]))  # noqa: E731
+        run: Callable[[], Any] = lambda: eval_caches(load_prompt_cache(spec["path"]))
     else:
         store = open_store(Path(spec["root"]), spec["block_tokens"])
         match = store.find_exact(tuple(spec["tokens"]))
@@ -360,7 +385,11 @@ class CountingFileLayer(FileLayer):
 
 
 def open_store(
-    root: Path, block_tokens: int, fs: FileLayer | None = None, gc_grace: float = 60.0, **identity: str
+    root: Path,
+    block_tokens: int,
+    fs: FileLayer | None = None,
+    gc_grace: float = 60.0,
+    **identity: str,
 ) -> BlockStore:
     """A store with no practical byte cap, verify on, no compression."""
     return BlockStore(
@@ -381,8 +410,14 @@ def bench_writes(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
     next-turn cache. Leaves the last store (holding both entries) at ``work/"entry"``."""
     n0, n1 = cfg.prefix_tokens, cfg.prefix_tokens + cfg.new_tokens
     data, fs = src.raw_bytes(n0), FileLayer()
-    raw_path, mlx_path, root = work / "raw.bin", work / "mlx.safetensors", work / "entry"
-    runs: dict[str, list[float]] = {k: [] for k in ("raw", "mlx_fresh", "fresh", "next", "mlx_whole")}
+    raw_path, mlx_path, root = (
+        work / "raw.bin",
+        work / "mlx.safetensors",
+        work / "entry",
+    )
+    runs: dict[str, list[float]] = {
+        k: [] for k in ("raw", "mlx_fresh", "fresh", "next", "mlx_whole")
+    }
 
     def timed(key: str, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
@@ -398,13 +433,15 @@ def bench_writes(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
         timed("mlx_fresh", lambda: mlx_save_fsync(mlx_path, src.caches(n0)))
         mlx_path.unlink()
         with open_store(root, cfg.block_tokens) as store:
-            caches = src.caches(n0)
-            assert timed("fresh", lambda: store.store(src.tokens[:n0], caches)), "fresh store refused"
-            caches = src.caches(n1)
+            assert timed(
+                "fresh", partial(store.store, src.tokens[:n0], src.caches(n0))
+            ), "fresh store refused"
             written = store.stats["bytes_written"]
             io = {}
             with io_delta(io):
-                assert timed("next", lambda: store.store(src.tokens[:n1], caches)), "next-turn store refused"
+                assert timed(
+                    "next", partial(store.store, src.tokens[:n1], src.caches(n1))
+                ), "next-turn store refused"
             written = int(store.stats["bytes_written"] - written)
         timed("mlx_whole", lambda: mlx_save_fsync(mlx_path, src.caches()))
         mlx_path.unlink()
@@ -442,7 +479,9 @@ def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
 
         check_restored(restore(), src, n1)  # also warms the page cache
         out["full_restore_s"] = median_time(restore, cfg.reps)
-        out["partial_restore_s"] = median_time(lambda: restore(cfg.partial_tokens), cfg.reps)
+        out["partial_restore_s"] = median_time(
+            lambda: restore(cfg.partial_tokens), cfg.reps
+        )
 
     counting = CountingFileLayer()
     with open_store(root, cfg.block_tokens, fs=counting) as store:
@@ -459,7 +498,13 @@ def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
     out["partial_rchar"] = io["rchar"]
 
     child = child_restore(
-        {"kind": "blockkv", "root": str(root), "block_tokens": cfg.block_tokens, "tokens": src.tokens[:n1], "reps": cfg.reps}
+        {
+            "kind": "blockkv",
+            "root": str(root),
+            "block_tokens": cfg.block_tokens,
+            "tokens": src.tokens[:n1],
+            "reps": cfg.reps,
+        }
     )
     out["restore_peak_rss_delta"] = child["peak_delta"]
     out["full_restore_child_s"] = child["seconds"]
@@ -504,21 +549,29 @@ def bench_agent(cfg: Config, work: Path) -> dict[str, Any]:
     rng = np.random.default_rng(5)
     system = KVSource.random(shape, cfg.agent_system_tokens, seed=1000)
     root, fpe_file = work / "agent", work / "fpe.safetensors"
-    fpe_size: dict[tuple[int, ...], int] = {}  # tokens -> allocated bytes of its whole file
+    fpe_size: dict[
+        tuple[int, ...], int
+    ] = {}  # tokens -> allocated bytes of its whole file
     fpe_io = bk_io = bk_written = 0
     points: list[dict[str, int]] = []
     t_store: list[float] = []
     with open_store(root, cfg.block_tokens, gc_grace=0.0) as store:
         for s in range(cfg.agent_sessions):
-            turns = rng.integers(cfg.agent_turn_tokens[0], cfg.agent_turn_tokens[1] + 1, cfg.agent_turns)
-            session = system.extended(KVSource.random(shape, int(turns.sum()), seed=2000 + s))
+            turns = rng.integers(
+                cfg.agent_turn_tokens[0], cfg.agent_turn_tokens[1] + 1, cfg.agent_turns
+            )
+            session = system.extended(
+                KVSource.random(shape, int(turns.sum()), seed=2000 + s)
+            )
             for n in (cfg.agent_system_tokens + np.cumsum(turns)).tolist():
                 caches = session.caches(n)
                 io: dict[str, int] = {}
                 written = store.stats["bytes_written"]
                 with io_delta(io):
                     t0 = time.perf_counter()
-                    assert store.store(session.tokens[:n], caches), "agent store refused"
+                    assert store.store(session.tokens[:n], caches), (
+                        "agent store refused"
+                    )
                     t_store.append(time.perf_counter() - t0)
                 bk_written += int(store.stats["bytes_written"] - written)
                 bk_io += io["write_bytes"]
@@ -590,7 +643,9 @@ def bench_index(cfg: Config, work: Path) -> dict[str, Any]:
     heads = [rng.integers(0, VOCAB, 32).tolist() for _ in range(64)]
     total = cfg.index_sizes[-1]
     lo, hi = cfg.index_tokens
-    pool = KVSource.random(cfg.index_shape, total * hi, seed=3)  # each entry slices its own bytes
+    pool = KVSource.random(
+        cfg.index_shape, total * hi, seed=3
+    )  # each entry slices its own bytes
     root = work / "index"
     out: dict[str, Any] = {}
     stored: list[list[int]] = []
@@ -609,7 +664,9 @@ def bench_index(cfg: Config, work: Path) -> dict[str, Any]:
                 assert store.store(tokens, caches), "index store refused"
                 t_store.append(time.perf_counter() - t0)
                 stored.append(tokens)
-            out[f"find_{size}"] = time_finds(store, stored, heads, cfg.find_queries, rng)
+            out[f"find_{size}"] = time_finds(
+                store, stored, heads, cfg.find_queries, rng
+            )
     out["tiny_store_p50_s"] = percentile(t_store, 50)
     out["entries"] = total
 
@@ -618,13 +675,19 @@ def bench_index(cfg: Config, work: Path) -> dict[str, Any]:
             assert len(store) == total, f"open indexed {len(store)} of {total} entries"
 
     out["open_valid_s"] = median_time(reopen, cfg.reps)
-    out["open_rebuild_s"] = median_time(reopen, cfg.reps, setup=lambda: drop_index(root))
+    out["open_rebuild_s"] = median_time(
+        reopen, cfg.reps, setup=lambda: drop_index(root)
+    )
     shutil.rmtree(root)
     return out
 
 
 def time_finds(
-    store: BlockStore, stored: list[list[int]], heads: list[list[int]], queries: int, rng: np.random.Generator
+    store: BlockStore,
+    stored: list[list[int]],
+    heads: list[list[int]],
+    queries: int,
+    rng: np.random.Generator,
 ) -> dict[str, float]:
     """Latency of ``find``: half hits (a stored entry plus new tokens), half prompts that
     share only a head (the match is shorter than any entry, or none)."""
@@ -632,15 +695,24 @@ def time_finds(
     hits = 0
     for q in range(queries):
         if q % 2 == 0:
-            prompt = stored[int(rng.integers(len(stored)))] + rng.integers(0, VOCAB, 64).tolist()
+            prompt = (
+                stored[int(rng.integers(len(stored)))]
+                + rng.integers(0, VOCAB, 64).tolist()
+            )
         else:
-            prompt = heads[int(rng.integers(len(heads)))] + rng.integers(0, VOCAB, 96).tolist()
+            prompt = (
+                heads[int(rng.integers(len(heads)))]
+                + rng.integers(0, VOCAB, 96).tolist()
+            )
         t0 = time.perf_counter()
         match = store.find(prompt)
         times.append(time.perf_counter() - t0)
         hits += q % 2 == 0 and match is not None
     assert hits == (queries + 1) // 2, "a stored entry was not found"
-    return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3}
+    return {
+        "p50_ms": percentile(times, 50) * 1e3,
+        "p99_ms": percentile(times, 99) * 1e3,
+    }
 
 
 # --------------------------------------------------------------------------
@@ -659,7 +731,11 @@ class Target:
 
     @property
     def met(self) -> bool:
-        return {">=": self.value >= self.bound, "<=": self.value <= self.bound, "<": self.value < self.bound}[self.op]
+        return {
+            ">=": self.value >= self.bound,
+            "<=": self.value <= self.bound,
+            "<": self.value < self.bound,
+        }[self.op]
 
 
 def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
@@ -668,11 +744,24 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
     bpt, big = cfg.shape.bytes_per_token, cfg.index_sizes[-1]
     block = cfg.block_tokens * bpt
     return [
-        Target("fresh store (fsync'd) speed vs mlx-lm save + fsync", w["mlx_save_fsync_fresh_s"] / w["fresh_store_s"], ">=", 1.0, "x"),
-        Target("next-turn store speed vs mlx-lm save + fsync of the whole cache", w["mlx_save_fsync_whole_s"] / w["next_turn_store_s"], ">=", 10.0, "x"),
+        Target(
+            "fresh store (fsync'd) speed vs mlx-lm save + fsync",
+            w["mlx_save_fsync_fresh_s"] / w["fresh_store_s"],
+            ">=",
+            1.0,
+            "x",
+        ),
+        Target(
+            "next-turn store speed vs mlx-lm save + fsync of the whole cache",
+            w["mlx_save_fsync_whole_s"] / w["next_turn_store_s"],
+            ">=",
+            10.0,
+            "x",
+        ),
         Target(
             "next-turn bytes written / (new tokens' bytes + 2 blocks + header)",
-            w["next_turn_bytes_written"] / (cfg.new_tokens * bpt + 2 * block + w["header_bytes"]),
+            w["next_turn_bytes_written"]
+            / (cfg.new_tokens * bpt + 2 * block + w["header_bytes"]),
             "<=",
             1.0,
             "x",
@@ -691,11 +780,29 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
             bk["partial_blocks_expected"],
             "blocks",
         ),
-        Target("agent footprint vs ideal unique bytes", ag["footprint_vs_ideal"], "<=", 1.15, "x"),
-        Target("agent footprint vs file-per-entry", ag["footprint_vs_fpe"], "<=", 0.2, "x"),
-        Target(f"find p99 at {big} entries", ix[f"find_{big}"]["p99_ms"], "<", 2.0, "ms"),
-        Target(f"open at {big} entries, valid index", ix["open_valid_s"], "<", 1.0, "s"),
-        Target("open: rebuild time / valid-index time", ix["open_rebuild_s"] / ix["open_valid_s"], ">=", 10.0, "x"),
+        Target(
+            "agent footprint vs ideal unique bytes",
+            ag["footprint_vs_ideal"],
+            "<=",
+            1.15,
+            "x",
+        ),
+        Target(
+            "agent footprint vs file-per-entry", ag["footprint_vs_fpe"], "<=", 0.2, "x"
+        ),
+        Target(
+            f"find p99 at {big} entries", ix[f"find_{big}"]["p99_ms"], "<", 2.0, "ms"
+        ),
+        Target(
+            f"open at {big} entries, valid index", ix["open_valid_s"], "<", 1.0, "s"
+        ),
+        Target(
+            "open: rebuild time / valid-index time",
+            ix["open_rebuild_s"] / ix["open_valid_s"],
+            ">=",
+            10.0,
+            "x",
+        ),
         Target(
             "restore peak RSS / (2 x entry bytes + 100 MiB)",
             bk["restore_peak_rss_delta"] / (2 * bk["entry_nbytes"] + 100 * MIB),
@@ -709,16 +816,38 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
 def machine() -> dict[str, Any]:
     """Machine, filesystem and versions of this run."""
     cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
         platform.processor(),
     )
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    fstype = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", tempfile.gettempdir()], capture_output=True, text=True).stdout.strip()
+    fstype = subprocess.run(
+        ["findmnt", "-n", "-o", "FSTYPE", "-T", tempfile.gettempdir()],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     git = ["git", "-C", str(REPO)]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    if subprocess.run([*git, "status", "--porcelain", "--", "blockkv"], capture_output=True, text=True).stdout.strip():
+    commit = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    if subprocess.run(
+        [*git, "status", "--porcelain", "--", "blockkv"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip():
         commit += " + uncommitted blockkv/ changes"
-    versions = {p: metadata.version(p) for p in ("mlx", "mlx-lm", "numpy", "blake3", "zstandard", "lmdb")}
+    versions = {
+        p: metadata.version(p)
+        for p in ("mlx", "mlx-lm", "numpy", "blake3", "zstandard", "lmdb")
+    }
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
@@ -739,7 +868,15 @@ def gbps(nbytes: int, seconds: float) -> str:
 def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
     """docs/benchmarks.md: machine, workload, figures with their same-run baselines,
     targets; the hand-written analysis after ``ANALYSIS_MARKER`` in ``old`` is kept."""
-    m, lim, w, ml, bk, ag, ix = r["machine"], r["limits"], r["writes"], r["mlx"], r["restore"], r["agent"], r["index"]
+    m, lim, w, ml, bk, ag, ix = (
+        r["machine"],
+        r["limits"],
+        r["writes"],
+        r["mlx"],
+        r["restore"],
+        r["agent"],
+        r["index"],
+    )
     sh, bpt = cfg.shape, cfg.shape.bytes_per_token
     n0, n1 = cfg.prefix_tokens, cfg.prefix_tokens + cfg.new_tokens
     b0, b1 = n0 * bpt, n1 * bpt
@@ -747,8 +884,10 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
     lines = [
         "# blockkv benchmarks",
         "",
-        f"Generated by `python tools/bench.py{' --quick' if cfg.mode == 'quick' else ''}` ({cfg.mode} mode) on {m['date']}; "
-        "raw figures in `benchmarks.json`. Every ratio is against a baseline measured in the same run.",
+        (
+            f"Generated by `python tools/bench.py{' --quick' if cfg.mode == 'quick' else ''}` ({cfg.mode} mode) on {m['date']}; "
+            "raw figures in `benchmarks.json`. Every ratio is against a baseline measured in the same run."
+        ),
         "",
         "## Machine",
         "",
@@ -758,13 +897,15 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
         "",
         "## Workload",
         "",
-        f"Real mlx-lm `KVCache` objects, random bf16 contents: {sh.layers} layers x {sh.kv_heads} KV heads x "
-        f"head_dim {sh.head_dim} ({bpt // 1024} KiB per token). Fresh entry {n0} tokens ({b0 / MIB:.0f} MiB); "
-        f"next turn {n0} shared + {cfg.new_tokens} new tokens ({b1 / MIB:.0f} MiB); block_tokens {cfg.block_tokens}, "
-        f"verify on, no compression. Median of {cfg.reps} runs. Agent workload: {cfg.agent_sessions} sessions x "
-        f"{cfg.agent_turns} turns over a {cfg.agent_system_tokens}-token system prompt, {cfg.agent_turn_tokens[0]}-"
-        f"{cfg.agent_turn_tokens[1]} new tokens per turn (every turn stored). Index: {big} entries of "
-        f"{cfg.index_tokens[0]}-{cfg.index_tokens[1]} tokens with tiny caches.",
+        (
+            f"Real mlx-lm `KVCache` objects, random bf16 contents: {sh.layers} layers x {sh.kv_heads} KV heads x "
+            f"head_dim {sh.head_dim} ({bpt // 1024} KiB per token). Fresh entry {n0} tokens ({b0 / MIB:.0f} MiB); "
+            f"next turn {n0} shared + {cfg.new_tokens} new tokens ({b1 / MIB:.0f} MiB); block_tokens {cfg.block_tokens}, "
+            f"verify on, no compression. Median of {cfg.reps} runs. Agent workload: {cfg.agent_sessions} sessions x "
+            f"{cfg.agent_turns} turns over a {cfg.agent_system_tokens}-token system prompt, {cfg.agent_turn_tokens[0]}-"
+            f"{cfg.agent_turn_tokens[1]} new tokens per turn (every turn stored). Index: {big} entries of "
+            f"{cfg.index_tokens[0]}-{cfg.index_tokens[1]} tokens with tiny caches."
+        ),
         "",
         "## Figures",
         "",
@@ -773,51 +914,78 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
         f"| raw durable write of the fresh entry's bytes (one file) | {w['raw_write_fsync_s'] * 1e3:.0f} ms ({gbps(b0, w['raw_write_fsync_s'])}) | | |",
         f"| raw read, page cache | {lim['read_page_cache_gbps']:.2f} GB/s | | |",
         f"| blake3, 1 thread / all | {lim['blake3_1thread_gbps']:.2f} / {lim['blake3_all_gbps']:.2f} GB/s | | |",
-        f"| mlx-lm save + fsync, {n0} tokens | {w['mlx_save_fsync_fresh_s'] * 1e3:.0f} ms ({gbps(b0, w['mlx_save_fsync_fresh_s'])}) "
-        f"| raw durable write {w['raw_write_fsync_s'] * 1e3:.0f} ms | {w['raw_write_fsync_s'] / w['mlx_save_fsync_fresh_s']:.2f}x of limit |",
+        (
+            f"| mlx-lm save + fsync, {n0} tokens | {w['mlx_save_fsync_fresh_s'] * 1e3:.0f} ms ({gbps(b0, w['mlx_save_fsync_fresh_s'])}) "
+            f"| raw durable write {w['raw_write_fsync_s'] * 1e3:.0f} ms | {w['raw_write_fsync_s'] / w['mlx_save_fsync_fresh_s']:.2f}x of limit |"
+        ),
         f"| mlx-lm load + eval, {n1} tokens (warm) | {ml['load_eval_s'] * 1e3:.0f} ms ({gbps(b1, ml['load_eval_s'])}) | | |",
-        f"| **blockkv fresh store**, {n0} tokens, fsync'd | {w['fresh_store_s'] * 1e3:.0f} ms ({gbps(b0, w['fresh_store_s'])}) "
-        f"| mlx-lm save + fsync {w['mlx_save_fsync_fresh_s'] * 1e3:.0f} ms | {w['mlx_save_fsync_fresh_s'] / w['fresh_store_s']:.2f}x |",
-        f"| **blockkv next-turn store**, +{cfg.new_tokens} tokens | {w['next_turn_store_s'] * 1e3:.0f} ms "
-        f"| mlx-lm save + fsync of {n1} tokens {w['mlx_save_fsync_whole_s'] * 1e3:.0f} ms | {w['mlx_save_fsync_whole_s'] / w['next_turn_store_s']:.2f}x |",
-        f"| next-turn bytes written (store stats / /proc write_bytes) | {w['next_turn_bytes_written'] / MIB:.2f} / "
-        f"{w['next_turn_proc_write_bytes'] / MIB:.2f} MiB | new tokens {cfg.new_tokens * bpt / MIB:.2f} MiB | "
-        f"{w['next_turn_bytes_written'] / (cfg.new_tokens * bpt):.2f}x |",
-        f"| **blockkv full restore**, {n1} tokens, verify, warm, fresh process | {bk['full_restore_child_s'] * 1e3:.0f} ms "
-        f"({gbps(b1, bk['full_restore_child_s'])}) | mlx-lm load {ml['load_eval_child_s'] * 1e3:.0f} ms | "
-        f"{ml['load_eval_child_s'] / bk['full_restore_child_s']:.2f}x |",
-        f"| blockkv full restore, same, in the benchmark process | {bk['full_restore_s'] * 1e3:.0f} ms "
-        f"| mlx-lm load {ml['load_eval_s'] * 1e3:.0f} ms | {ml['load_eval_s'] / bk['full_restore_s']:.2f}x |",
-        f"| **blockkv partial restore**, {cfg.partial_tokens} tokens | {bk['partial_restore_s'] * 1e3:.0f} ms, "
-        f"{bk['partial_blocks_read']} block files read, {bk['partial_rchar'] / MIB:.1f} MiB read | "
-        f"ceil({cfg.partial_tokens}/{cfg.block_tokens}) = {bk['partial_blocks_expected']} blocks | |",
-        f"| restore peak RSS growth ({n1} tokens) | {bk['restore_peak_rss_delta'] / MIB:.0f} MiB | mlx-lm load "
-        f"{ml['load_peak_rss_delta'] / MIB:.0f} MiB; entry {bk['entry_nbytes'] / MIB:.0f} MiB | "
-        f"{bk['restore_peak_rss_delta'] / bk['entry_nbytes']:.2f}x entry |",
+        (
+            f"| **blockkv fresh store**, {n0} tokens, fsync'd | {w['fresh_store_s'] * 1e3:.0f} ms ({gbps(b0, w['fresh_store_s'])}) "
+            f"| mlx-lm save + fsync {w['mlx_save_fsync_fresh_s'] * 1e3:.0f} ms | {w['mlx_save_fsync_fresh_s'] / w['fresh_store_s']:.2f}x |"
+        ),
+        (
+            f"| **blockkv next-turn store**, +{cfg.new_tokens} tokens | {w['next_turn_store_s'] * 1e3:.0f} ms "
+            f"| mlx-lm save + fsync of {n1} tokens {w['mlx_save_fsync_whole_s'] * 1e3:.0f} ms | {w['mlx_save_fsync_whole_s'] / w['next_turn_store_s']:.2f}x |"
+        ),
+        (
+            f"| next-turn bytes written (store stats / /proc write_bytes) | {w['next_turn_bytes_written'] / MIB:.2f} / "
+            f"{w['next_turn_proc_write_bytes'] / MIB:.2f} MiB | new tokens {cfg.new_tokens * bpt / MIB:.2f} MiB | "
+            f"{w['next_turn_bytes_written'] / (cfg.new_tokens * bpt):.2f}x |"
+        ),
+        (
+            f"| **blockkv full restore**, {n1} tokens, verify, warm, fresh process | {bk['full_restore_child_s'] * 1e3:.0f} ms "
+            f"({gbps(b1, bk['full_restore_child_s'])}) | mlx-lm load {ml['load_eval_child_s'] * 1e3:.0f} ms | "
+            f"{ml['load_eval_child_s'] / bk['full_restore_child_s']:.2f}x |"
+        ),
+        (
+            f"| blockkv full restore, same, in the benchmark process | {bk['full_restore_s'] * 1e3:.0f} ms "
+            f"| mlx-lm load {ml['load_eval_s'] * 1e3:.0f} ms | {ml['load_eval_s'] / bk['full_restore_s']:.2f}x |"
+        ),
+        (
+            f"| **blockkv partial restore**, {cfg.partial_tokens} tokens | {bk['partial_restore_s'] * 1e3:.0f} ms, "
+            f"{bk['partial_blocks_read']} block files read, {bk['partial_rchar'] / MIB:.1f} MiB read | "
+            f"ceil({cfg.partial_tokens}/{cfg.block_tokens}) = {bk['partial_blocks_expected']} blocks | |"
+        ),
+        (
+            f"| restore peak RSS growth ({n1} tokens) | {bk['restore_peak_rss_delta'] / MIB:.0f} MiB | mlx-lm load "
+            f"{ml['load_peak_rss_delta'] / MIB:.0f} MiB; entry {bk['entry_nbytes'] / MIB:.0f} MiB | "
+            f"{bk['restore_peak_rss_delta'] / bk['entry_nbytes']:.2f}x entry |"
+        ),
         f"| find p50 / p99, {small} entries | {ix[f'find_{small}']['p50_ms']:.3f} / {ix[f'find_{small}']['p99_ms']:.3f} ms | | |",
         f"| find p50 / p99, {big} entries | {ix[f'find_{big}']['p50_ms']:.3f} / {ix[f'find_{big}']['p99_ms']:.3f} ms | | |",
         f"| store of a tiny entry (p50, into {big}) | {ix['tiny_store_p50_s'] * 1e3:.2f} ms | | |",
-        f"| open at {big} entries, valid index | {ix['open_valid_s'] * 1e3:.0f} ms | forced rebuild "
-        f"{ix['open_rebuild_s'] * 1e3:.0f} ms | {ix['open_rebuild_s'] / ix['open_valid_s']:.1f}x faster |",
-        f"| agent workload footprint (after gc) | {ag['points'][-1]['blockkv_footprint'] / MIB:.0f} MiB | ideal "
-        f"{ag['points'][-1]['ideal_bytes'] / MIB:.0f} MiB; file-per-entry {ag['points'][-1]['fpe_footprint'] / MIB:.0f} MiB "
-        f"| {ag['footprint_vs_ideal']:.3f}x ideal; {ag['footprint_vs_fpe']:.3f}x fpe (ideal: {ag['ideal_vs_fpe']:.3f}x fpe) |",
-        f"| agent workload bytes written | {ag['points'][-1]['blockkv_bytes_written'] / MIB:.0f} MiB | file-per-entry "
-        f"{ag['points'][-1]['fpe_proc_write_bytes'] / MIB:.0f} MiB | {ag['written_vs_fpe']:.3f}x fpe; {ag['written_vs_ideal']:.3f}x ideal |",
+        (
+            f"| open at {big} entries, valid index | {ix['open_valid_s'] * 1e3:.0f} ms | forced rebuild "
+            f"{ix['open_rebuild_s'] * 1e3:.0f} ms | {ix['open_rebuild_s'] / ix['open_valid_s']:.1f}x faster |"
+        ),
+        (
+            f"| agent workload footprint (after gc) | {ag['points'][-1]['blockkv_footprint'] / MIB:.0f} MiB | ideal "
+            f"{ag['points'][-1]['ideal_bytes'] / MIB:.0f} MiB; file-per-entry {ag['points'][-1]['fpe_footprint'] / MIB:.0f} MiB "
+            f"| {ag['footprint_vs_ideal']:.3f}x ideal; {ag['footprint_vs_fpe']:.3f}x fpe (ideal: {ag['ideal_vs_fpe']:.3f}x fpe) |"
+        ),
+        (
+            f"| agent workload bytes written | {ag['points'][-1]['blockkv_bytes_written'] / MIB:.0f} MiB | file-per-entry "
+            f"{ag['points'][-1]['fpe_proc_write_bytes'] / MIB:.0f} MiB | {ag['written_vs_fpe']:.3f}x fpe; {ag['written_vs_ideal']:.3f}x ideal |"
+        ),
         f"| agent store latency p50 / p99 | {ag['store_p50_s'] * 1e3:.0f} / {ag['store_p99_s'] * 1e3:.0f} ms | | |",
         "",
         "## Targets",
         "",
         "| target | measured | bound | met |",
         "|---|---|---|---|",
-        *(f"| {t.name} | {t.value:.3f} {t.unit} | {t.op} {t.bound:g} | {'yes' if t.met else '**no**'} |" for t in targets(cfg, r)),
+        *(
+            f"| {t.name} | {t.value:.3f} {t.unit} | {t.op} {t.bound:g} | {'yes' if t.met else '**no**'} |"
+            for t in targets(cfg, r)
+        ),
         "",
         "## Agent workload by number of sessions",
         "",
         "![footprint and bytes written vs sessions](benchmarks.png)",
         "",
-        "| sessions | entries stored / live | ideal MiB | blockkv footprint MiB (before gc) | blockkv written MiB "
-        "| file-per-entry footprint MiB (every turn kept) | file-per-entry written MiB |",
+        (
+            "| sessions | entries stored / live | ideal MiB | blockkv footprint MiB (before gc) | blockkv written MiB "
+            "| file-per-entry footprint MiB (every turn kept) | file-per-entry written MiB |"
+        ),
         "|---|---|---|---|---|---|---|",
         *(
             f"| {p['sessions']} | {p['entries_stored']} / {p['entries_live']} | {p['ideal_bytes'] / MIB:.0f} | "
@@ -827,17 +995,25 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             for p in ag["points"]
         ),
         "",
-        "Each turn of a session supersedes the previous one in blockkv (a prefix of a newer trimmable entry), so "
-        "the file-per-entry footprint counts the files of the entries blockkv still holds; it writes every turn. "
-        "The agent store runs with `gc_grace=0` and is gc'd before each measurement (steady state). "
-        "Ideal = KV bytes of the distinct token prefixes of the live entries.",
+        (
+            "Each turn of a session supersedes the previous one in blockkv (a prefix of a newer trimmable entry), so "
+            "the file-per-entry footprint counts the files of the entries blockkv still holds; it writes every turn. "
+            "The agent store runs with `gc_grace=0` and is gc'd before each measurement (steady state). "
+            "Ideal = KV bytes of the distinct token prefixes of the live entries."
+        ),
         "",
-        "Footprints are allocated bytes on disk (st_blocks, like `du`; blockkv's includes headers and the LMDB index). "
-        "File-per-entry writes each entry whole with mlx-lm's `save_prompt_cache`, counts its allocated size and "
-        "/proc/self/io write_bytes, then deletes it to keep the disk free.",
+        (
+            "Footprints are allocated bytes on disk (st_blocks, like `du`; blockkv's includes headers and the LMDB index). "
+            "File-per-entry writes each entry whole with mlx-lm's `save_prompt_cache`, counts its allocated size and "
+            "/proc/self/io write_bytes, then deletes it to keep the disk free."
+        ),
         "",
     ]
-    kept = old.split(ANALYSIS_MARKER, 1)[1] if ANALYSIS_MARKER in old else "\n## Analysis\n\n(none yet)\n"
+    kept = (
+        old.split(ANALYSIS_MARKER, 1)[1]
+        if ANALYSIS_MARKER in old
+        else "\n## Analysis\n\n(none yet)\n"
+    )
     return "\n".join(lines) + "\n" + ANALYSIS_MARKER + kept
 
 
@@ -854,11 +1030,21 @@ def plot(r: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     for ax, (title, bk_key, fpe_key) in zip(
         axes,
-        (("disk footprint", "blockkv_footprint", "fpe_footprint"), ("bytes written", "blockkv_bytes_written", "fpe_proc_write_bytes")),
+        (
+            ("disk footprint", "blockkv_footprint", "fpe_footprint"),
+            ("bytes written", "blockkv_bytes_written", "fpe_proc_write_bytes"),
+        ),
     ):
-        ax.plot(xs, [p[fpe_key] / MIB for p in pts], "s-", label="file-per-entry (mlx-lm)")
+        ax.plot(
+            xs, [p[fpe_key] / MIB for p in pts], "s-", label="file-per-entry (mlx-lm)"
+        )
         ax.plot(xs, [p[bk_key] / MIB for p in pts], "o-", label="blockkv")
-        ax.plot(xs, [p["ideal_bytes"] / MIB for p in pts], "k--", label="ideal (unique bytes)")
+        ax.plot(
+            xs,
+            [p["ideal_bytes"] / MIB for p in pts],
+            "k--",
+            label="ideal (unique bytes)",
+        )
         ax.set(title=title, xlabel="sessions", ylabel="MiB", yscale="log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, which="both", alpha=0.3)
@@ -879,9 +1065,16 @@ def run(cfg: Config, out: Path, workdir: Path | None) -> dict[str, Any]:
     t_start = time.perf_counter()
     try:
         src = KVSource.random(cfg.shape, cfg.prefix_tokens + cfg.new_tokens, seed=0)
-        r: dict[str, Any] = {"mode": cfg.mode, "config": asdict(cfg), "machine": machine()}
+        r: dict[str, Any] = {
+            "mode": cfg.mode,
+            "config": asdict(cfg),
+            "machine": machine(),
+        }
         sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-            ("limits", lambda: bench_limits(src.raw_bytes(cfg.prefix_tokens), work, cfg.reps)),
+            (
+                "limits",
+                lambda: bench_limits(src.raw_bytes(cfg.prefix_tokens), work, cfg.reps),
+            ),
             ("writes", lambda: bench_writes(cfg, src, work)),
             ("mlx", lambda: bench_mlx_load(src, work, cfg.reps)),
             ("restore", lambda: bench_restore(cfg, src, work)),
@@ -891,7 +1084,9 @@ def run(cfg: Config, out: Path, workdir: Path | None) -> dict[str, Any]:
         for name, fn in sections:
             t0 = time.perf_counter()
             r[name] = fn()
-            print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     r["targets"] = [{**asdict(t), "met": t.met} for t in targets(cfg, r)]
@@ -905,10 +1100,20 @@ def run(cfg: Config, out: Path, workdir: Path | None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python tools/bench.py [--quick] [--out DIR] [--workdir DIR]``; also ``blockkv bench``."""
-    parser = argparse.ArgumentParser(prog="blockkv bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, < 1 min (CI); needs --out")
-    parser.add_argument("--out", type=Path, help="output directory (full mode default: docs/)")
-    parser.add_argument("--workdir", type=Path, help="where the scratch stores live (default: system temp)")
+    parser = argparse.ArgumentParser(
+        prog="blockkv bench", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, < 1 min (CI); needs --out"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="output directory (full mode default: docs/)"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="where the scratch stores live (default: system temp)",
+    )
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child:
@@ -918,8 +1123,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else FULL
     r = run(cfg, args.out or REPO / "docs", args.workdir)
     for t in r["targets"]:
-        print(f"{'ok  ' if t['met'] else 'MISS'} {t['name']}: {t['value']:.3f} {t['unit']} ({t['op']} {t['bound']:g})")
-    print(f"wall {r['wall_s']:.0f} s; wrote {args.out or REPO / 'docs'}/benchmarks.{{md,json,png}}")
+        print(
+            f"{'ok  ' if t['met'] else 'MISS'} {t['name']}: {t['value']:.3f} {t['unit']} ({t['op']} {t['bound']:g})"
+        )
+    print(
+        f"wall {r['wall_s']:.0f} s; wrote {args.out or REPO / 'docs'}/benchmarks.{{md,json,png}}"
+    )
     return 0
 
 
