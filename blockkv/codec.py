@@ -93,6 +93,20 @@ def to_device(data: np.ndarray, dtype: str) -> mx.array:
     return out.view(mx_dtype) if dtype in _BITS_VIEW else out
 
 
+def device_buffer(dtype: str, shape: tuple[int, ...]) -> tuple[mx.array, np.ndarray]:
+    """A fresh mlx array of ``dtype`` and a writable numpy view of its raw bits.
+
+    Filling the view fills the array: a restore scatters block bytes straight
+    into the memory mlx will use, with no second copy."""
+    mx_dtype, host = DTYPES[dtype]
+    bits = mx.zeros(shape, dtype=_BITS_VIEW.get(dtype, mx_dtype))
+    mx.eval(bits)
+    view = np.asarray(memoryview(bits)).view(host)
+    if not (view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(shape)):
+        raise RuntimeError("mlx did not expose a writable contiguous buffer")
+    return (bits.view(mx_dtype) if dtype in _BITS_VIEW else bits), view
+
+
 @dataclass(frozen=True)
 class TensorRecord:
     """One stored tensor: its dtype, live shape, token-axis flag and raw bits."""
@@ -117,6 +131,8 @@ class TensorRecord:
         """The tensor as an mlx array (needs data)."""
         if self.data is None:
             raise ValueError("descriptor-only TensorRecord has no data")
+        if isinstance(self.data, mx.array):
+            return self.data
         return to_device(self.data, self.dtype)
 
     def cut(self, stop: int) -> TensorRecord:
@@ -205,10 +221,12 @@ def _codec_named(kind: str) -> CacheCodec:
 def capture(a: mx.array, data: Data) -> np.ndarray | mx.array | None:
     """What a record keeps of ``a``: host bits, a device snapshot, or nothing.
 
-    ``"device"`` is a new array object (free to make): mlx-lm updates caches in
-    place, and an update rebinds the cache's array, never this one."""
+    ``"device"`` is a new array object of the host dtype (free to make, shares
+    the buffer): mlx-lm updates caches in place, and an update rebinds the
+    cache's array, never this one, nor donates a buffer this one holds."""
     if data == "device":
-        return mx.stop_gradient(a)
+        bits = _BITS_VIEW.get(dtype_name(a.dtype))
+        return a.view(bits) if bits is not None else mx.stop_gradient(a)
     return to_host(a) if data else None
 
 

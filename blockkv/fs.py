@@ -22,6 +22,7 @@ from pathlib import Path
 Buffer = bytes | bytearray | memoryview
 
 TMP_SUFFIX = ".tmp"
+_IOV_MAX = 512
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
@@ -36,8 +37,9 @@ class FileLayer:
     """Durable file primitives. Subclass and override a primitive to inject faults."""
 
     # -- primitives (the seam) --------------------------------------------
-    def write(self, fd: int, data: Buffer) -> int:
-        return os.write(fd, data)
+    def write(self, fd: int, buffers: Sequence[Buffer]) -> int:
+        """Write ``buffers`` in order with one syscall (it may write less: the caller loops)."""
+        return os.writev(fd, buffers)
 
     def fsync(self, fd: int) -> None:
         if sys.platform == "darwin":  # os.fsync does not reach the platter on macOS
@@ -59,6 +61,23 @@ class FileLayer:
     def read(self, path: Path) -> bytes:
         with open(path, "rb", buffering=0) as f:
             return f.read()
+
+    def read_into(self, path: Path, buffer: bytearray) -> memoryview:
+        """The whole file, read into ``buffer`` when it fits (a caller reusing one
+        buffer across files allocates once), else into fresh memory. The buffer
+        is never resized: views of its previous contents stay valid."""
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if len(buffer) < size:
+                return memoryview(f.read())
+            view = memoryview(buffer)[:size]
+            n = 0
+            while n < size:
+                got = f.readinto(view[n:])
+                if not got:
+                    break  # truncated while we read: the hash check will say so
+                n += got
+            return view[:n]
 
     def crash_point(self, name: str) -> None:
         """A named point inside store/remove/gc (e.g. ``"store:refs-taken"``).
@@ -99,14 +118,17 @@ class FileLayer:
         try:
             total = 0
             try:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    while view:
-                        n = self.write(fd, view)
-                        if n <= 0:
-                            raise OSError(errno.EIO, "short write", str(tmp))
-                        total += n
-                        view = view[n:]
+                pending = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+                while pending:
+                    n = self.write(fd, pending[:_IOV_MAX])
+                    if n <= 0:
+                        raise OSError(errno.EIO, "short write", str(tmp))
+                    total += n
+                    while n and pending:  # drop what landed, keep the rest of a partial buffer
+                        if n >= pending[0].nbytes:
+                            n -= pending.pop(0).nbytes
+                        else:
+                            pending[0], n = pending[0][n:], 0
                 self.fsync(fd)
             finally:
                 os.close(fd)

@@ -54,6 +54,12 @@ class BlobPool:
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 
+    def read_into(self, name: str, buffer: bytearray) -> memoryview:
+        try:
+            return self._fs.read_into(self.path(name), buffer)
+        except FileNotFoundError:
+            raise BlockMissingError(f"block {name} is not in the pool") from None
+
     def delete(self, name: str) -> None:
         try:
             self._fs.unlink(self.path(name))

@@ -25,7 +25,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -37,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import blake3
 import lmdb
 import mlx.core as mx
 import numpy as np
@@ -58,6 +56,8 @@ log = logging.getLogger("blockkv")
 ROOT_MARKER = ".blockkv"
 CHECKPOINT_NS = "__generation_checkpoint__:"
 _MAX_TOKEN = (1 << 32) - 1
+_FRAME_SLACK = 128 << 10  # a block frame's header and layout beyond its payload
+_IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,8 @@ class BlockStore:
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
         self._mutex = threading.RLock()  # in-memory index of this handle
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None  # store_async / restore_async
+        self._io: ThreadPoolExecutor | None = None  # block writes of one store, in parallel
         self._closed = False
         self._make_directory()
         self._lock = _DirLock(self.directory / "LOCK")
@@ -269,8 +270,9 @@ class BlockStore:
         if self._closed:
             return
         self._closed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        for pool in (self._executor, self._io):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self._index.close()
         self._lock.close()
 
@@ -593,16 +595,23 @@ class BlockStore:
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
         reading = ""
+        buffer = bytearray()  # sized below, once the header says how big the blocks are
+
+        def fetch(ref: blk.BlockRef) -> memoryview:
+            nonlocal reading
+            reading = ref.name
+            payload = blk.decode_block(ref.name, self._pool.read_into(ref.name, buffer), verify=self.verify)
+            reading = ""
+            return payload
+
         try:
             header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
             if header.identity != self.identity or header.ns != entry.ns:
                 raise CorruptError("the header on disk is not the one indexed")
-            payloads = {}
-            for ref in blk.blocks_for_prefix(header.descriptor, cut):
-                reading = ref.name
-                payloads[ref.name] = blk.decode_block(ref.name, self._pool.read(ref.name), verify=self.verify)
-            reading = ""
-            caches, attachments = blk.rebuild(header.descriptor, payloads, cut)
+            layout = blk.parse_descriptor(header.descriptor)
+            buffer = bytearray(max((r.raw_bytes for r in blk.blocks_for_prefix(layout, cut)), default=0)
+                               + _FRAME_SLACK)
+            caches, attachments = blk.rebuild(layout, fetch, cut)
             # materialise here: a lazy array built on a worker thread cannot be
             # evaluated from the caller's thread (restore_async)
             mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
@@ -689,33 +698,24 @@ class BlockStore:
                 checkpoint: GenerationCheckpoint | None) -> bool:
         entry_id = uuid.uuid4().hex
         path = self._dir.header_path(ns, entry_id)
+        writer = _BlockWriter(self)
         refs_taken = False
         try:
-            layout = blk.split_entry(snap, self.block_tokens)
+            # each new block is written (outside the lock: the slow part) while the next is hashed
+            layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit)
+            written = writer.wait()
             header = encode_header(Header(self.identity, ns, tokens, layout.descriptor,
                                           checkpoint.to_json() if checkpoint else None))
-            new, sizes = self._encode_new_blocks(layout)
-            entry_bytes = len(header) + sum(sizes.values())
+            entry_bytes = len(header) + sum(writer.sizes.values())
             if entry_bytes > self.max_bytes:
                 self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {self.max_bytes}-byte cap",
                            once=False)
+                writer.discard()
                 return False
-            written = 0
-            for name, frame in new.items():  # outside the lock: the slow part
-                written += self._pool.write(name, frame)
             self._fs.crash_point("store:blocks-written")
-            by_name = {b.ref.name: b for b in layout.blocks}
             with self._lock.held():
-                for name in sizes:  # gc may have taken a block we meant to reuse
-                    if name not in new and not self._pool.exists(name):
-                        frame = blk.encode_block(by_name[name], self.compression)
-                        sizes[name] = sum(len(memoryview(p).cast("B")) for p in frame)
-                        written += self._pool.write(name, frame)
-                        new[name] = frame
-                for name in sizes:
-                    if name not in new:
-                        self._pool.freshen(name)
-                self._index.take_refs(entry_id, self._dir.rel(path), sizes)
+                written += writer.revive_missing(layout)  # gc may have taken a block we meant to reuse
+                self._index.take_refs(entry_id, self._dir.rel(path), writer.sizes)
                 refs_taken = True
                 self._fs.crash_point("store:refs-taken")
                 self._fs.makedirs(path.parent)
@@ -723,7 +723,8 @@ class BlockStore:
                 self._fs.crash_point("store:header-written")
                 attachments = tuple(layout.descriptor["attachments"])
                 record = EntryRecord(
-                    id=entry_id, ns=ns, path=self._dir.rel(path), header_bytes=len(header), blocks=tuple(sizes),
+                    id=entry_id, ns=ns, path=self._dir.rel(path), header_bytes=len(header),
+                    blocks=tuple(writer.sizes),
                     trimmable=not attachments and blk.descriptor_trimmable(layout.descriptor),
                     minimum_reusable_offset=blk.descriptor_min_offset(layout.descriptor),
                     checkpoint=checkpoint.to_json() if checkpoint else None, attachments=attachments,
@@ -737,28 +738,20 @@ class BlockStore:
         except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
             if refs_taken:
                 self._undo_store(entry_id, path)
+            else:
+                writer.discard()
             self._warn("store", f"store failed (disk full or unwritable?); entry not stored: {exc}")
             return False
         self.stats["spills"] += 1
         self.stats["bytes_written"] += written
-        self.stats["bytes_deduplicated"] += sum(
-            b.ref.raw_bytes for b in layout.blocks if b.ref.name not in new)
+        self.stats["bytes_deduplicated"] += sum(b.ref.raw_bytes for b in layout.blocks if b.ref.name not in writer.new)
         return True
 
-    def _encode_new_blocks(self, layout: blk.EntryLayout) -> tuple[dict[str, list[Any]], dict[str, int]]:
-        """Encode the blocks the pool lacks; sizes of every block the entry references."""
-        new: dict[str, list[Any]] = {}
-        sizes: dict[str, int] = {}
-        for block in layout.blocks:
-            name = block.ref.name
-            row = self._index.block(name)
-            if row is not None and self._pool.exists(name):
-                sizes[name] = row.size
-                continue
-            frame = blk.encode_block(block, self.compression)
-            new[name] = frame
-            sizes[name] = sum(len(memoryview(p).cast("B")) for p in frame)
-        return new, sizes
+    def _io_executor(self) -> ThreadPoolExecutor:
+        with self._mutex:
+            if self._io is None:
+                self._io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="blockkv-io")
+            return self._io
 
     def _undo_store(self, entry_id: str, path: Path) -> None:
         try:
@@ -888,6 +881,65 @@ class BlockStore:
             return
         self._warned.add(kind)
         log.warning("blockkv: %s", message)
+
+
+class _BlockWriter:
+    """The blocks of one store: which the pool lacks, written in the background."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self._store = store
+        self.sizes: dict[str, int] = {}  # stored bytes of every block the entry references
+        self.new: set[str] = set()  # blocks this store wrote
+        self._writes: list[Future[int]] = []
+
+    def submit(self, block: blk.Block) -> None:
+        s, name = self._store, block.ref.name
+        row = s._index.block(name)
+        if row is not None and s._pool.exists(name):
+            s._pool.freshen(name)  # a dedup hit: orphan sweeps go by age
+            self.sizes[name] = row.size
+            return
+        frame = blk.encode_block(block, s.compression)
+        self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
+        self.new.add(name)
+        self._writes.append(s._io_executor().submit(s._pool.write, name, frame))
+
+    def wait(self) -> int:
+        """Bytes written, once every block is durable (re-raises the first failure)."""
+        total = 0
+        for f in self._writes:
+            total += f.result()
+        return total
+
+    def revive_missing(self, layout: blk.EntryLayout) -> int:
+        """Under the lock: rewrite any reused block that gc deleted since ``submit`` saw it."""
+        s, written = self._store, 0
+        for block in layout.blocks:
+            name = block.ref.name
+            if name not in self.new and not s._pool.exists(name):
+                frame = blk.encode_block(block, s.compression)
+                self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
+                written += s._pool.write(name, frame)
+                self.new.add(name)
+        return written
+
+    def discard(self) -> None:
+        """Delete what this store wrote that nothing references (a refused or failed store)."""
+        s = self._store
+        for f in self._writes:
+            f.cancel()
+        for f in self._writes:
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 - the failure is reported by the caller
+                pass
+        try:
+            with s._lock.held():
+                for name in self.new:
+                    if s._index.block(name) is None:
+                        s._pool.delete(name)
+        except (OSError, lmdb.Error):
+            pass  # left as garbage: gc reclaims it after the grace period
 
 
 def _tokens(tokens: Sequence[int]) -> np.ndarray:

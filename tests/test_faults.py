@@ -35,7 +35,7 @@ def test_torn_write_lands_half_then_fails(tmp_path: Path) -> None:
     fd = os.open(target, os.O_WRONLY | os.O_CREAT)
     try:
         with pytest.raises(OSError):
-            fs.write(fd, b"0123456789")
+            fs.write(fd, [b"0123456789"])
     finally:
         os.close(fd)
     assert target.read_bytes() == b"01234"

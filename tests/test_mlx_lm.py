@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -231,11 +231,11 @@ class GatedFileLayer(FileLayer):
         self.gate = threading.Event()
         self.waiting = threading.Event()
 
-    def write(self, fd: int, data: Buffer) -> int:
+    def write(self, fd: int, buffers: Sequence[Buffer]) -> int:
         if self.armed:
             self.waiting.set()
             self.gate.wait()
-        return super().write(fd, data)
+        return super().write(fd, buffers)
 
 
 def test_a_stalled_disk_never_blocks_insert_or_fetch(llama: Model, cache_dir: Path) -> None:

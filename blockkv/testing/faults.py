@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Literal
 
 from blockkv.fs import Buffer, FileLayer
@@ -98,13 +99,13 @@ class FaultyFileLayer(FileLayer):
         return fault
 
     # -- the seam -----------------------------------------------------------
-    def write(self, fd: int, data: Buffer) -> int:
+    def write(self, fd: int, buffers: Sequence[Buffer]) -> int:
         fault = self._should_fail("write")
         if fault is None:
-            return super().write(fd, data)
+            return super().write(fd, buffers)
         if fault.torn:
-            view = memoryview(data).cast("B")
-            super().write(fd, view[: len(view) // 2])
+            view = memoryview(buffers[0]).cast("B")
+            super().write(fd, [view[: len(view) // 2]])
         raise OSError(fault.err, f"injected {os.strerror(fault.err)} on write")
 
     def fsync(self, fd: int) -> None:
