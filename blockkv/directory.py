@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
@@ -21,7 +21,7 @@ from .errors import CorruptError
 from .fs import TMP_SUFFIX, FileLayer
 from .header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
 from .index import EntryRecord
-from .pool import BlobPool
+from .pool import BlobPool, is_block_name
 
 CODEC_ID = f"blockkv-blocks-{blk.FORMAT}"
 _UUID = re.compile(r"[0-9a-f]{32}")
@@ -51,6 +51,20 @@ def read_identity(path: Path) -> Identity:
     return identity
 
 
+@dataclass
+class Listing:
+    """What one directory listing found. Paths stay strings: at 10k entries,
+    Path objects cost a tenth of an open."""
+
+    headers: dict[str, str]  # entry id -> header path
+    blocks: set[str]  # block names
+    tmp: list[str]  # our write orphans (dot-prefixed .tmp files)
+
+
+def _is_tmp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
 class Directory:
     def __init__(self, path: Path, identity: Identity, fs: FileLayer) -> None:
         self.path = path
@@ -66,22 +80,22 @@ class Directory:
     def rel(self, path: Path) -> str:
         return str(path.relative_to(self.path))
 
-    def header_files(self) -> Iterator[tuple[str, Path]]:
-        """(entry id, path) of every file named like our header; nothing else is touched."""
+    def listing(self) -> Listing:
+        """One pass over ``entries/`` and ``blobs/``: our headers, our blocks and
+        our write orphans, by name alone (no stat). Nothing else is touched."""
+        out = Listing({}, set(), [])
         for shard, f in self.fs.shard_files(self.entries_dir):
             stem = f.name[: -len(SUFFIX)]
             if f.name.endswith(SUFFIX) and _UUID.fullmatch(stem) and _NS_DIR.fullmatch(shard):
-                yield stem, Path(f.path)
-
-    def tmp_files(self) -> Iterator[tuple[Path, float]]:
-        """Write orphans (ours by their dot-prefixed ``.tmp`` names) with their mtimes."""
-        for top in (self.entries_dir, self.pool.directory):
-            for _, f in self.fs.shard_files(top):
-                if f.name.startswith(".") and f.name.endswith(TMP_SUFFIX):
-                    try:
-                        yield Path(f.path), f.stat(follow_symlinks=False).st_mtime
-                    except OSError:
-                        continue
+                out.headers[stem] = f.path
+            elif _is_tmp(f.name):
+                out.tmp.append(f.path)
+        for shard, f in self.fs.shard_files(self.pool.directory):
+            if f.name[:2] == shard and is_block_name(f.name):
+                out.blocks.add(f.name)
+            elif _is_tmp(f.name):
+                out.tmp.append(f.path)
+        return out
 
     def read_header(self, path: Path) -> Header:
         """Read and verify a header (checksum, bounds, descriptor); CorruptError otherwise."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import blocks as blk
@@ -55,10 +56,12 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
             progress: Progress | None = None) -> CheckReport:
     """Findings for ``directory`` against index rows ``rows`` (None: no usable index)."""
     report = CheckReport(index_missing=rows is None)
-    files = {f.name for f in directory.pool.files()}
+    listing = directory.listing()
+    files = listing.blocks
     truth: Counter[str] = Counter()
     referencing: dict[str, tuple[str, ...]] = {}
-    for entry_id, path in directory.header_files():
+    for entry_id, p in listing.headers.items():
+        path = Path(p)
         try:
             header = directory.read_header(path)
             record = directory.record(entry_id, path, header, path.stat().st_size)
@@ -105,10 +108,10 @@ def repair(directory: Directory, report: CheckReport) -> None:
     for rel in report.corrupt_headers:
         directory.unlink_quietly(directory.path / rel)
         report.actions.append(f"removed corrupt header {rel}")
-    paths = dict(directory.header_files())
+    paths = directory.listing().headers
     for entry_id in report.dangling:
         if entry_id in paths:
-            directory.unlink_quietly(paths[entry_id])
+            directory.unlink_quietly(Path(paths[entry_id]))
             report.actions.append(f"removed dangling entry {entry_id}")
     for name in report.corrupt_blocks + report.orphan_blocks:
         directory.pool.delete(name)

@@ -66,6 +66,15 @@ class BlobPool:
         except FileNotFoundError:
             pass
 
+    def names(self) -> set[str]:
+        """Names of every finished block file, from directory listings alone (no stat)."""
+        return {f.name for shard, f in self._fs.shard_files(self.directory)
+                if f.name[:2] == shard and is_block_name(f.name)}
+
+    def stat(self, name: str) -> BlockFile:
+        st = os.stat(self.path(name))
+        return BlockFile(name, st.st_size, st.st_mtime)
+
     def files(self) -> Iterator[BlockFile]:
         """Every finished block file (never tmp files, never anything not named like a block)."""
         for shard, f in self._fs.shard_files(self.directory):

@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -296,22 +296,30 @@ class BlockStore:
     def _recover_locked(self) -> None:
         """The body of ``scan``; the caller holds the directory lock."""
         finished: list[str] = []
-        self._reap_tmp()
+        records: list[EntryRecord] | None = None
+        listing = self._dir.listing()  # one listing serves every step below
+        self._reap_tmp(listing.tmp)
+        files = listing.blocks
         try:
             if self._index.is_trusted():
-                finished = self._roll_back_pending()
-                self._reconcile()
+                records = self._index.entries()
+                finished = self._roll_back_pending(records)
+                if finished:
+                    records = self._index.entries()
+                if self._reconcile(records, listing.headers, files) or finished:
+                    records = None  # changed: reload below
             else:
                 self._note("index missing, from another format or from before an OS restart: rebuilt")
                 self._rebuild()
         except (lmdb.Error, CorruptError) as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self._note(f"index unreadable ({exc}): rebuilt")
+            records = None
             self._index.close()
             self._index = self._fresh_index()
             self._rebuild()
-        self._sweep_orphans()
-        self._load()
+        self._sweep_orphans(files)
+        self._load(records)
         for entry_id in finished:  # a store that died after its header landed: finish its rules
             if entry_id in self._entries:
                 self._apply_store_rules(self._entries[entry_id])
@@ -337,15 +345,20 @@ class BlockStore:
         shutil.rmtree(aside, ignore_errors=True)
         return Index(self._dir.index_dir, map_size=self._map_size)
 
-    def _reap_tmp(self) -> None:
+    def _reap_tmp(self, tmp: list[str]) -> None:
         """Remove write orphans older than ``tmp_grace``: a live writer's tmp file is younger."""
         cutoff = self._clock() - self.tmp_grace
-        for path, mtime in self._dir.tmp_files():
-            if mtime < cutoff:
-                self._dir.unlink_quietly(path)
-                self._note(f"reaped write orphan {self._dir.rel(path)}")
+        for p in tmp:
+            path = Path(p)
+            try:
+                if path.stat().st_mtime >= cutoff:
+                    continue
+            except FileNotFoundError:
+                continue
+            self._dir.unlink_quietly(path)
+            self._note(f"reaped write orphan {self._dir.rel(path)}")
 
-    def _scan_header(self, entry_id: str, path: Path, block_files: Mapping[str, int]) -> EntryRecord | None:
+    def _scan_header(self, entry_id: str, path: Path, block_files: Container[str]) -> EntryRecord | None:
         """Index-worthy record of a header file, or None. A corrupt header is
         unlinked (its uuid name in our directory makes it ours); a foreign one
         is kept and counted for its references, never served or deleted."""
@@ -370,7 +383,8 @@ class BlockStore:
         sizes = {f.name: f.size for f in self._pool.files()}
         now = self._clock()
         records = []
-        for entry_id, path in self._dir.header_files():
+        for entry_id, p in self._dir.listing().headers.items():
+            path = Path(p)
             record = self._scan_header(entry_id, path, sizes)
             if record is not None:
                 try:
@@ -380,13 +394,16 @@ class BlockStore:
         records.sort(key=lambda r: r[1])  # write order stands in for store order (find's tie-break)
         self._index.rebuild(records, sizes, now)
 
-    def _roll_back_pending(self) -> list[str]:
+    def _roll_back_pending(self, records: list[EntryRecord]) -> list[str]:
         """References taken by a store that died before its entry became visible.
         Returns the entries whose header had landed (indexed now)."""
-        finished = []
+        finished: list[str] = []
+        pending = self._index.pending()
+        if not pending:
+            return finished
         now = self._clock()
-        known = {r.id for r in self._index.entries()}
-        for entry_id, rec in self._index.pending().items():
+        known = {r.id for r in records}
+        for entry_id, rec in pending.items():
             self._index.rollback_pending(entry_id, now)
             self._note(f"rolled back the references of an unfinished store ({entry_id})")
             path = self.directory / rec["path"]
@@ -398,12 +415,12 @@ class BlockStore:
                     finished.append(entry_id)
         return finished
 
-    def _reconcile(self) -> None:
-        """Headers added or removed behind the index's back, and blocks deleted behind it."""
+    def _reconcile(self, known: list[EntryRecord], on_disk: Mapping[str, str], files: set[str]) -> bool:
+        """Headers added or removed behind the index's back, and blocks deleted
+        behind it, from listings alone. Returns whether anything changed."""
         now = self._clock()
-        on_disk = dict(self._dir.header_files())
-        records = {r.id: r for r in self._index.entries()}
-        files = {f.name: f.size for f in self._pool.files()}
+        records = {r.id: r for r in known}
+        changed = False
         for entry_id, record in records.items():
             dangling = record.owner == self._owner and any(n not in files for n in record.blocks)
             if entry_id not in on_disk:
@@ -415,19 +432,28 @@ class BlockStore:
             else:
                 continue
             self._index.remove_entry(entry_id, now)
-        for entry_id, path in on_disk.items():
+            changed = True
+        for entry_id, p in on_disk.items():
             if entry_id not in records:
-                record = self._scan_header(entry_id, path, files)
+                changed = True
+                record = self._scan_header(entry_id, Path(p), files)
                 if record is not None:
-                    self._note(f"indexed header {self._dir.rel(path)} found on disk")
-                    self._index.add_scanned(record, {n: files[n] for n in record.blocks}, now)
+                    self._note(f"indexed header {self._dir.rel(Path(p))} found on disk")
+                    self._index.add_scanned(record, {n: self._pool.stat(n).size for n in record.blocks}, now)
+        return changed
 
-    def _sweep_orphans(self) -> int:
-        """Delete blocks nothing references once they are older than the grace period."""
+    def _sweep_orphans(self, files: set[str] | None = None) -> int:
+        """Delete blocks nothing references once they are older than the grace
+        period (``files``: a listing of the pool, if the caller has one)."""
         cutoff = self._clock() - self.gc_grace
         rows = self._index.blocks()
         doomed = [name for name, row in rows.items() if row.refs == 0 and row.zero_since <= cutoff]
-        doomed += [f.name for f in self._pool.files() if f.name not in rows and f.mtime <= cutoff]
+        for name in (self._pool.names() if files is None else files) - rows.keys():
+            try:
+                if self._pool.stat(name).mtime <= cutoff:  # younger: a writer has yet to reference it
+                    doomed.append(name)
+            except FileNotFoundError:
+                continue
         for name in doomed:
             self._fs.crash_point("gc:block-unlinked")
             self._pool.delete(name)
@@ -435,7 +461,8 @@ class BlockStore:
         return len(doomed)
 
     # -- the in-memory index ------------------------------------------------------
-    def _load(self) -> None:
+    def _load(self, records: list[EntryRecord] | None = None) -> None:
+        """Rebuild the in-memory index from the tables (``records``: already read)."""
         with self._mutex:
             self._seq = self._index.seq()
             self._entries: dict[str, Entry] = {}
@@ -443,7 +470,7 @@ class BlockStore:
             self._exact: dict[tuple[str, bytes], str] = {}
             last_use = self._index.last_use()
             sizes = {n: row.size for n, row in self._index.blocks().items()}
-            for record in self._index.entries():
+            for record in self._index.entries() if records is None else records:
                 self._add_memory(record, last_use.get(record.id, 0.0), sizes)
 
     def _add_memory(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
