@@ -193,6 +193,19 @@ class Index:
             lambda txn: {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in txn.cursor(db=self._blocks)}
         )
 
+    def block_sizes(self, names: Iterable[str]) -> dict[str, int]:
+        """Stored sizes of the named blocks that have rows (one transaction)."""
+
+        def read(txn: lmdb.Transaction) -> dict[str, int]:
+            out = {}
+            for name in names:
+                raw = txn.get(name.encode(), db=self._blocks)
+                if raw is not None:
+                    out[name] = BlockRow(*_BLOCK.unpack(raw)).size
+            return out
+
+        return self._read(read)
+
     def block(self, name: str) -> BlockRow | None:
         raw = self._read(lambda txn: txn.get(name.encode(), db=self._blocks))
         return BlockRow(*_BLOCK.unpack(raw)) if raw is not None else None

@@ -165,6 +165,21 @@ class PrefixIndex(Generic[T]):
                 break
         return (best, best_p) if best is not None else None
 
+    def prefixes_of(self, tokens: np.ndarray) -> list[T]:
+        """Items whose tokens are a prefix of ``tokens`` (equal included), shortest first."""
+        out = list(self._root.ending.values())
+        node, depth = self._root, 0
+        while depth < len(tokens):
+            child = node.children.get(int(tokens[depth]))
+            if child is None:
+                break
+            m = common_prefix_length(child.label, tokens, depth)
+            if m < len(child.label):
+                break
+            node, depth = child, depth + m
+            out.extend(node.ending.values())
+        return out
+
     def has_durable_prefix(self, tokens: np.ndarray) -> bool:
         """Some item has ``tokens`` as a prefix and can be cut back to exactly it."""
         n = len(tokens)

@@ -520,16 +520,13 @@ class BlockStore:
             seq, ops = changes
             if not ops:
                 return
-            sizes: dict[str, int] | None = None
             for op, entry_id in ops:
                 if op == "-":
                     self._drop_memory(entry_id)
                 elif entry_id not in self._entries:
                     record = self._index.entry(entry_id)
                     if record is not None:
-                        if sizes is None:
-                            sizes = {n: row.size for n, row in self._index.blocks().items()}
-                        self._add_memory(record, self._clock(), sizes)
+                        self._add_memory(record, self._clock(), self._index.block_sizes(record.blocks))
             self._seq = seq
 
     # -- queries (pure index lookups) ------------------------------------------------
@@ -790,19 +787,15 @@ class BlockStore:
     def _apply_store_rules(self, new: Entry) -> None:
         """Replace an identical entry; let a trimmable entry supersede its prefixes;
         a checkpoint supersedes older checkpoints of its key (all after it is durable)."""
-        for entry in list(self._entries.values()):
-            if entry is new or entry.ns != new.ns:
-                continue
-            same = entry.length == new.length and np.array_equal(entry.token_array, new.token_array)
-            shadowed = (
-                new.trimmable
-                and new.minimum_reusable_offset <= entry.length < new.length
-                and np.array_equal(new.token_array[: entry.length], entry.token_array)
-            )
-            old_checkpoint = (new.checkpoint is not None and entry.checkpoint is not None
-                              and entry.checkpoint.key == new.checkpoint.key)
-            if same or shadowed or old_checkpoint:
-                self._remove_quietly(entry.id)
+        trie = self._tries[new.ns]
+        doomed = [e for e in trie.prefixes_of(new.token_array)  # same ns, tokens a prefix of the new ones
+                  if e is not new and (e.length == new.length  # identical: replaced
+                                       or (new.trimmable and e.length >= new.minimum_reusable_offset))]
+        if new.checkpoint is not None:  # its namespace holds only this key's checkpoints
+            doomed += [e for e in trie if e is not new and e.checkpoint is not None
+                       and e.checkpoint.key == new.checkpoint.key]
+        for entry in dict.fromkeys(doomed):
+            self._remove_quietly(entry.id)
 
     # -- remove, evict, gc --------------------------------------------------------------------
     def remove(self, entry: Entry) -> None:
@@ -840,11 +833,14 @@ class BlockStore:
         return self._plan(target_bytes)
 
     def _plan(self, target_bytes: int) -> list[Entry]:
+        total = self.total_bytes
+        if total <= target_bytes:  # the common case: every store checks the cap
+            return []
         last_use = self._index.last_use()
         entries = sorted(self.entries(), key=lambda e: last_use.get(e.id, 0.0))
-        refs = {n: row.refs for n, row in self._index.blocks().items()}
-        sizes = {n: row.size for n, row in self._index.blocks().items()}
-        total = self.total_bytes
+        rows = self._index.blocks()
+        refs = {n: row.refs for n, row in rows.items()}
+        sizes = {n: row.size for n, row in rows.items()}
         plan = []
         for entry in entries:
             if total <= target_bytes:
