@@ -372,16 +372,22 @@ def rss_child(spec: dict[str, Any]) -> int:
 
 
 class CountingFileLayer(FileLayer):
-    """The store's file layer, counting the block files it reads."""
+    """The store's file layer, counting the block files it reads (by either read primitive)."""
 
     def __init__(self) -> None:
         self.block_reads: list[str] = []
 
-    def read(self, path: Path) -> bytes:
-        data = super().read(path)
+    def _count(self, path: Path) -> None:
         if is_block_name(path.name):
             self.block_reads.append(path.name)
-        return data
+
+    def read(self, path: Path) -> bytes:
+        self._count(path)
+        return super().read(path)
+
+    def read_into(self, path: Path, buffer: bytearray) -> memoryview:
+        self._count(path)
+        return super().read_into(path, buffer)
 
 
 def open_store(
@@ -725,7 +731,7 @@ class Target:
 
     name: str
     value: float
-    op: str  # ">=" or "<=" or "<"
+    op: str  # ">=", "<=", "<" or "=="
     bound: float
     unit: str
 
@@ -735,6 +741,7 @@ class Target:
             ">=": self.value >= self.bound,
             "<=": self.value <= self.bound,
             "<": self.value < self.bound,
+            "==": self.value == self.bound,
         }[self.op]
 
 
@@ -776,7 +783,7 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
         Target(
             f"partial restore of {cfg.partial_tokens} tokens: block files read",
             bk["partial_blocks_read"],
-            "<=",
+            "==",
             bk["partial_blocks_expected"],
             "blocks",
         ),
