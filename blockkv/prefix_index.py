@@ -118,27 +118,34 @@ class PrefixIndex(Generic[T]):
                 break
             del parent.children[int(child.label[0])]
 
+    def _descend(self, tokens: np.ndarray) -> tuple[list[tuple[int, _Node[T]]], tuple[int, _Node[T]] | None]:
+        """The nodes ``tokens`` fully match, with their depths (root first), and,
+        when the match ends inside an edge, that edge's node with the match depth."""
+        path = [(0, self._root)]
+        node, depth = self._root, 0
+        while depth < len(tokens):
+            child = node.children.get(int(tokens[depth]))
+            if child is None:
+                break
+            m = common_prefix_length(child.label, tokens, depth)
+            if m < len(child.label):
+                return path, (depth + m, child)
+            node, depth = child, depth + m
+            path.append((depth, node))
+        return path, None
+
     def _walk(self, prompt: np.ndarray) -> tuple[list[tuple[int, _Node[T], _Node[T] | None]], int]:
         """Levels of the prompt's path, deepest first: (depth, node, excluded child).
 
         Every item under ``node`` but not under ``excluded`` shares exactly
         ``depth`` leading tokens with the prompt. Also returns the match depth.
         """
-        levels: list[tuple[int, _Node[T], _Node[T] | None]] = []
-        node, depth = self._root, 0
-        while depth < len(prompt):
-            child = node.children.get(int(prompt[depth]))
-            if child is None:
-                break
-            m = common_prefix_length(child.label, prompt, depth)
-            if m < len(child.label):
-                levels.append((depth, node, child))
-                levels.append((depth + m, child, None))
-                return levels[::-1], depth + m
-            levels.append((depth, node, child))
-            node, depth = child, depth + m
-        levels.append((depth, node, None))
-        return levels[::-1], depth
+        path, partial = self._descend(prompt)
+        below: list[_Node[T] | None] = [n for _, n in path[1:]] + [partial[1] if partial else None]
+        levels = [(depth, node, child) for (depth, node), child in zip(path, below)]
+        if partial is not None:
+            levels.append((partial[0], partial[1], None))
+        return levels[::-1], levels[-1][0]
 
     def find(self, prompt: np.ndarray) -> tuple[T, int] | None:
         """The seed's ``find`` rule: longest usable prefix, capped at len-1.
@@ -167,18 +174,8 @@ class PrefixIndex(Generic[T]):
 
     def prefixes_of(self, tokens: np.ndarray) -> list[T]:
         """Items whose tokens are a prefix of ``tokens`` (equal included), shortest first."""
-        out = list(self._root.ending.values())
-        node, depth = self._root, 0
-        while depth < len(tokens):
-            child = node.children.get(int(tokens[depth]))
-            if child is None:
-                break
-            m = common_prefix_length(child.label, tokens, depth)
-            if m < len(child.label):
-                break
-            node, depth = child, depth + m
-            out.extend(node.ending.values())
-        return out
+        path, _ = self._descend(tokens)
+        return [item for _, node in path for item in node.ending.values()]
 
     def has_durable_prefix(self, tokens: np.ndarray) -> bool:
         """Some item has ``tokens`` as a prefix and can be cut back to exactly it."""
