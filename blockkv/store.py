@@ -485,7 +485,10 @@ class BlockStore:
             checkpoint=checkpoint, attachments=record.attachments,
         )
         self._entries[entry.id] = entry
-        self._tries.setdefault(entry.ns, PrefixIndex()).add(entry, entry.token_array)
+        trie = self._tries.get(entry.ns)
+        if trie is None:  # not setdefault: that would build a throwaway trie per entry
+            trie = self._tries[entry.ns] = PrefixIndex()
+        trie.add(entry, entry.token_array)
         self._exact[(entry.ns, entry.token_array.tobytes())] = entry.id
 
     def _drop_memory(self, entry_id: str) -> None:
