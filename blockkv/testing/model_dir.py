@@ -19,6 +19,8 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from blockkv.testing.models import model_config
+
 SPECIAL_TOKENS: tuple[str, ...] = ("<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
 EOS_TOKEN = "<|end|>"
 
@@ -42,50 +44,13 @@ _WORDS: tuple[str, ...] = tuple(
 
 # kind -> (mlx_lm.models module, config without vocab/eos). Small enough to
 # build in well under a second; the caches they make are the point:
-# llama: KVCache; gemma3: RotatingKVCache (window 32) + KVCache; mamba: ArraysCache.
+# The tiny configs of blockkv.testing.models; gemma3's window is 32 here so a
+# chat turn's system segment fits before the ring wraps. llama: KVCache;
+# gemma3: RotatingKVCache + KVCache; mamba: ArraysCache.
 _KINDS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": (
-        "llama",
-        {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": True,
-        },
-    ),
-    "gemma3": (
-        "gemma3_text",
-        {
-            "model_type": "gemma3_text",
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 32,
-            "query_pre_attn_scalar": 32,
-            "sliding_window": 32,
-            "sliding_window_pattern": 2,
-        },
-    ),
-    "mamba": (
-        "mamba",
-        {
-            "model_type": "mamba",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "state_size": 8,
-            "num_hidden_layers": 2,
-            "conv_kernel": 4,
-            "use_bias": False,
-            "use_conv_bias": True,
-            "time_step_rank": 4,
-        },
-    ),
+    "llama": model_config("llama"),
+    "gemma3": (model_config("gemma3")[0], {**model_config("gemma3")[1], "sliding_window": 32}),
+    "mamba": model_config("mamba"),
 }
 
 KINDS: tuple[str, ...] = tuple(_KINDS)

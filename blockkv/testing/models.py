@@ -3,6 +3,7 @@ real forward passes in milliseconds instead of using hand-made stand-ins."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Sequence
 from typing import Any
@@ -118,6 +119,14 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 KINDS: tuple[str, ...] = tuple(_CONFIGS)
+
+
+def model_config(kind: str) -> tuple[str, dict[str, Any]]:
+    """(mlx_lm.models module name, a copy of the config) of a tiny ``kind``."""
+    if kind not in _CONFIGS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {KINDS}")
+    module, config = _CONFIGS[kind]
+    return module, copy.deepcopy(config)
 
 
 def tiny_model(kind: str, seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.Module:
