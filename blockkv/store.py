@@ -506,13 +506,16 @@ class BlockStore:
             self._apply_changes()
         except lmdb.Error as exc:  # the environment was closed or replaced under us
             self._warn("index", f"LMDB index lost ({exc}); reopening and recovering")
-            with self._lock.held():
-                try:
-                    self._index.close()
-                except lmdb.Error:
-                    pass
-                self._index = Index(self._dir.index_dir, map_size=self._map_size)
-                self._recover_locked()
+            try:
+                with self._lock.held():
+                    try:
+                        self._index.close()
+                    except lmdb.Error:
+                        pass
+                    self._index = Index(self._dir.index_dir, map_size=self._map_size)
+                    self._recover_locked()
+            except (lmdb.Error, OSError, CorruptError) as exc2:  # serve what we know; retry next call
+                self._warn("index-reopen", f"could not reopen the LMDB index ({exc2}); serving the last known state")
 
     def _apply_changes(self) -> None:
         with self._mutex:
