@@ -320,9 +320,11 @@ class BlockStore:
             self._rebuild()
         self._sweep_orphans(files)
         self._load(records)
-        for entry_id in finished:  # a store that died after its header landed: finish its rules
+        for entry_id in finished:  # a store that died after its header landed: finish what it would have done
             if entry_id in self._entries:
                 self._apply_store_rules(self._entries[entry_id])
+        if finished:
+            self.evict_to_cap()
 
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
@@ -382,17 +384,18 @@ class BlockStore:
     def _rebuild(self) -> None:
         sizes = {f.name: f.size for f in self._pool.files()}
         now = self._clock()
-        records = []
+        found = []
         for entry_id, p in self._dir.listing().headers.items():
             path = Path(p)
             record = self._scan_header(entry_id, path, sizes)
             if record is not None:
                 try:
-                    records.append((record, min(path.stat().st_mtime, now)))
+                    found.append((path.stat().st_mtime_ns, record))
                 except FileNotFoundError:
                     continue
-        records.sort(key=lambda r: r[1])  # write order stands in for store order (find's tie-break)
-        self._index.rebuild(records, sizes, now)
+        found.sort(key=lambda f: f[0])  # write order stands in for store order (find's tie-break)
+        # the header's write time is the best last use left; never one in the future of our clock
+        self._index.rebuild([(record, min(mtime / 1e9, now)) for mtime, record in found], sizes, now)
 
     def _roll_back_pending(self, records: list[EntryRecord]) -> list[str]:
         """References taken by a store that died before its entry became visible.
