@@ -247,14 +247,19 @@ class BlockStoreMachine(RuleBasedStateMachine):
         else:
             self._expect_refused(tokens, snap, ns, atts)
 
-    def _expect_refused(self, tokens: tuple[int, ...], snap: Snapshot, ns: str, atts: Any) -> None:
+    def _expect_refused(self, tokens: tuple[int, ...], snap: Snapshot, ns: str, atts: Any,
+                        checkpoint: GenerationCheckpoint | None = None) -> None:
         """A False without a fault must be the over-cap refusal: weigh the entry in
-        a scratch store of the same parameters and check it really exceeds the cap."""
+        a scratch store of the same parameters and check it really exceeds the cap.
+        (A checkpoint is weighed as one: its header carries the checkpoint.)"""
         scratch = Path(tempfile.mkdtemp(prefix="blockkv-weigh-"))
         try:
             with BlockStore(scratch, model_id="tiny", config_fingerprint="fp-test", tokenizer_hash="tok",
                             max_bytes=UNCAPPED, block_tokens=BLOCK_TOKENS) as twin:
-                assert twin.store(tokens, list(snap.caches), ns, atts)
+                if checkpoint is not None:
+                    assert twin.store_generation_checkpoint(tokens, list(snap.caches), checkpoint)
+                else:
+                    assert twin.store(tokens, list(snap.caches), ns, atts)
                 weight = twin.find_exact(tokens, ns).entry.nbytes  # type: ignore[union-attr]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -358,7 +363,7 @@ class BlockStoreMachine(RuleBasedStateMachine):
         if h.store_generation_checkpoint(tokens, caches, cp):
             self._adopt(h, tokens, f"__generation_checkpoint__:{key}", snap, cp)
         else:
-            self._expect_refused(tokens, snap, f"__generation_checkpoint__:{key}", None)
+            self._expect_refused(tokens, snap, f"__generation_checkpoint__:{key}", None, cp)
         got = h.find_generation_checkpoint(prompt, key, cache_ns)
         want = self.model.find_generation_checkpoint(prompt, key, cache_ns)
         assert (got and got.id) == (want and want.id)
