@@ -43,11 +43,6 @@ class CheckReport:
         return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
                     or self.corrupt_headers or self.corrupt_blocks or self.index_missing)
 
-    @property
-    def refcounts_low(self) -> list[tuple[str, int, int]]:
-        """Mismatches in the unsafe direction: the index counts fewer references than exist."""
-        return [m for m in self.refcount_mismatches if m[1] < m[2]]
-
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "clean": self.clean}
 

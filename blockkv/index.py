@@ -338,27 +338,6 @@ class Index:
 
         self._write(fn)
 
-    def set_refcounts(self, truth: Mapping[str, tuple[int, int]], now: float) -> None:
-        """Repair: make every block row say what the headers say (refs, size)."""
-
-        def fn(txn: lmdb.Transaction) -> None:
-            total = 0
-            for k, v in list(txn.cursor(db=self._blocks)):
-                if k.decode() not in truth:
-                    row = BlockRow(*_BLOCK.unpack(v))
-                    txn.put(k, _BLOCK.pack(0, row.size, row.zero_since or now), db=self._blocks)
-            for name, (refs, size) in truth.items():
-                row = _block(txn, self._blocks, name)
-                zero_since = (row.zero_since or now) if refs == 0 and row else (now if refs == 0 else 0.0)
-                txn.put(name.encode(), _BLOCK.pack(refs, size, zero_since), db=self._blocks)
-                total += size if refs else 0
-            for _, v in txn.cursor(db=self._entries):
-                (n,) = struct.unpack_from("<I", v)
-                total += int(json.loads(v[4 : 4 + n])["hdr"])
-            txn.put(b"bytes", _U64.pack(total), db=self._meta)
-
-        self._write(fn)
-
     def rebuild(self, records: Iterable[tuple[EntryRecord, float]], sizes: Mapping[str, int], now: float) -> None:
         """Replace every table with what the files say. Block files nothing
         references start their gc grace period now."""
