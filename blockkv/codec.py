@@ -289,6 +289,19 @@ def _truncate_offset(record: CacheRecord, offset: int, **meta: int) -> CacheReco
 class _KVLike:
     """Shared rules of caches whose keys/values grow along the token axis from 0."""
 
+    kind = ""
+
+    def encode(self, cache: Any, data: Data = True) -> CacheRecord:
+        """keys/values[..., :offset, :] and the offset (rows past it are never stored)."""
+        off = cache.offset
+        if cache.keys is None:
+            return CacheRecord(self.kind, {"offset": off}, (None, None))
+        return CacheRecord(
+            self.kind,
+            {"offset": off},
+            (_tensor(_rows(cache.keys, off), True, data), _tensor(_rows(cache.values, off), True, data)),
+        )
+
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "offset")
         _check_tokens(record, 2)
@@ -309,15 +322,7 @@ class _KVLike:
 class KVCacheCodec(_KVLike):
     """KVCache: keys/values[..., :offset, :] (the 256-step tail is dropped)."""
 
-    def encode(self, cache: KVCache, data: Data = True) -> CacheRecord:
-        off = cache.offset
-        if cache.keys is None:
-            return CacheRecord("KVCache", {"offset": off}, (None, None))
-        return CacheRecord(
-            "KVCache",
-            {"offset": off},
-            (_tensor(_rows(cache.keys, off), True, data), _tensor(_rows(cache.values, off), True, data)),
-        )
+    kind = "KVCache"
 
     def decode(self, record: CacheRecord) -> KVCache:
         k, v = record.tensors
@@ -327,15 +332,7 @@ class KVCacheCodec(_KVLike):
 class ConcatenateKVCacheCodec(_KVLike):
     """ConcatenateKVCache: its arrays may hold rows past ``offset`` after a trim."""
 
-    def encode(self, cache: ConcatenateKVCache, data: Data = True) -> CacheRecord:
-        off = cache.offset
-        if cache.keys is None:
-            return CacheRecord("ConcatenateKVCache", {"offset": off}, (None, None))
-        return CacheRecord(
-            "ConcatenateKVCache",
-            {"offset": off},
-            (_tensor(_rows(cache.keys, off), True, data), _tensor(_rows(cache.values, off), True, data)),
-        )
+    kind = "ConcatenateKVCache"
 
     def decode(self, record: CacheRecord) -> ConcatenateKVCache:
         k, v = record.tensors
