@@ -109,11 +109,12 @@ class Directory:
     def record(self, entry_id: str, path: Path, header: Header, header_bytes: int) -> EntryRecord:
         """The index record a header implies."""
         attachments = tuple(header.descriptor["attachments"])
+        parsed = blk.parse_descriptor(header.descriptor)  # validate once, not once per question
         return EntryRecord(
             id=entry_id, ns=header.ns, path=self.rel(path), header_bytes=header_bytes,
-            blocks=tuple(dict.fromkeys(r.name for r in blk.blocks_for_prefix(header.descriptor, None))),
-            trimmable=not attachments and blk.descriptor_trimmable(header.descriptor),
-            minimum_reusable_offset=blk.descriptor_min_offset(header.descriptor),
+            blocks=tuple(dict.fromkeys(r.name for r in blk.blocks_for_prefix(parsed, None))),
+            trimmable=not attachments and blk.descriptor_trimmable(parsed),
+            minimum_reusable_offset=blk.descriptor_min_offset(parsed),
             checkpoint=header.checkpoint, attachments=attachments,
             owner=header.identity.digest(), tokens=np.array(header.tokens, dtype=np.uint32),
         )

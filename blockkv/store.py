@@ -755,11 +755,12 @@ class BlockStore:
                 written += self._fs.write_atomic(path, [header])
                 self._fs.crash_point("store:header-written")
                 attachments = tuple(layout.descriptor["attachments"])
+                parsed = blk.parse_descriptor(layout.descriptor)
                 record = EntryRecord(
                     id=entry_id, ns=ns, path=self._dir.rel(path), header_bytes=len(header),
                     blocks=tuple(writer.sizes),
-                    trimmable=not attachments and blk.descriptor_trimmable(layout.descriptor),
-                    minimum_reusable_offset=blk.descriptor_min_offset(layout.descriptor),
+                    trimmable=not attachments and blk.descriptor_trimmable(parsed),
+                    minimum_reusable_offset=blk.descriptor_min_offset(parsed),
                     checkpoint=checkpoint.to_json() if checkpoint else None, attachments=attachments,
                     owner=self._owner, tokens=tokens,
                 )
