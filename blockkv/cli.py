@@ -24,7 +24,6 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, NoReturn
@@ -37,6 +36,14 @@ from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
 from blockkv.gc import CheckReport
 from blockkv.gc import inspect as inspect_files
+from blockkv.human import (
+    format_ratio,
+    format_size,
+    format_time,
+    parse_seconds,
+    parse_size,
+    render_table,
+)
 from blockkv.index import read_only_block_rows
 from blockkv.store import ROOT_MARKER, BlockStore, Entry, FingerprintDir, list_fingerprints
 
@@ -44,79 +51,12 @@ EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgtp]?)(?:i?b)?$", re.IGNORECASE)
-
 
 class UsageError(Exception):
     """A mistake in what the user asked for: reported in one line, exit 2."""
 
 
-# -- parsing and formatting ---------------------------------------------------
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``4096``, ``500M``, ``10G``, ``1.5GiB`` (binary units, like ``du -h``)."""
-    match = _SIZE_RE.match(text.strip())
-    if match is None:
-        if text.strip().startswith("-"):
-            raise argparse.ArgumentTypeError(f"size must not be negative, got {text!r}")
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (expected e.g. 4096, 500M, 10G)"
-        )
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[unit.lower()])
-
-
-def parse_seconds(text: str) -> float:
-    """A non-negative number of seconds (a negative grace would delete blocks a
-    writer in another process may be about to reference)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"seconds must not be negative, got {text!r}")
-    return value
-
-
-def format_size(n: int) -> str:
-    """Human bytes in the same binary units ``parse_size`` reads."""
-    if n < 1024:
-        return f"{n} B"
-    value = n / 1024
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    return f"{value:.1f} {unit}"
-
-
-def format_time(t: float | None) -> str:
-    """Local wall-clock time to the second; ``-`` when there is none."""
-    if not t:
-        return "-"
-    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def format_ratio(logical: int, disk: int) -> str:
-    return f"{logical / disk:.2f}x" if disk else "-"
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
-    """Plain aligned columns; ``right`` holds the indexes of numeric columns."""
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            cell.rjust(w) if i in right else cell.ljust(w)
-            for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(headers), *(line(r) for r in rows)])
+# -- output ----------------------------------------------------------------------
 
 
 def emit_json(obj: Any) -> None:

@@ -16,7 +16,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
-from blockkv.cli import format_size
+from blockkv.human import format_ms, format_size, render_table
 from blockkv.mlx_lm import PersistentPromptCache
 from blockkv.testing.model_dir import build_model_dir, sample_text
 
@@ -152,19 +151,6 @@ def _disk_usage(cache: PersistentPromptCache, key: Any) -> DiskUsage:
     return DiskUsage(entries, store.total_bytes, standalone)
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.0f} ms"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="blockkv demo",
@@ -265,17 +251,17 @@ def report(args: argparse.Namespace, r: DemoResult) -> str:
                 str(sum(x.prefilled for x in o)),
                 str(sum(x.from_ram for x in o)),
                 str(sum(x.from_disk for x in o)),
-                _ms(statistics.median(x.ttft for x in o)),
+                format_ms(statistics.median(x.ttft for x in o)),
                 format_size(phase.disk.bytes) if phase.disk else "-",
                 format_size(phase.disk.standalone_bytes) if phase.disk else "-",
             ]
         )
     header = ["phase", "requests", "prompt tok", "prefilled", "from RAM", "from disk", "TTFT median"]
-    table = _table([*header, "on disk", "1 file/entry"], rows)
+    table = render_table([*header, "on disk", "1 file/entry"], rows, right=set(range(1, 9)), rule=True)
     n = len(cold.outcomes)
     lines = [
         "",
-        f"model: {r.model} (loaded in {_ms(r.load_seconds)}); {args.sessions} sessions x "
+        f"model: {r.model} (loaded in {format_ms(r.load_seconds)}); {args.sessions} sessions x "
         f"{args.turns} turns, then a restart; shared system prompt {r.system_tokens} tokens; "
         f"greedy, up to {args.max_tokens} new tokens per turn",
         "",
@@ -286,8 +272,8 @@ def report(args: argparse.Namespace, r: DemoResult) -> str:
         cold_ttft = statistics.median(x.ttft for x in cold.outcomes)
         warm_ttft = statistics.median(x.ttft for x in restart.outcomes[:n])
         lines.append(
-            f"time to first token, same {n} prompt(s): cold prefill {_ms(cold_ttft)} vs "
-            f"from disk {_ms(warm_ttft)} ({cold_ttft / warm_ttft:.1f}x faster)"
+            f"time to first token, same {n} prompt(s): cold prefill {format_ms(cold_ttft)} vs "
+            f"from disk {format_ms(warm_ttft)} ({cold_ttft / warm_ttft:.1f}x faster)"
         )
     disk = restart.disk or DiskUsage(0, 0, 0)
     ratio = f" ({disk.standalone_bytes / disk.bytes:.1f}x smaller)" if disk.bytes else ""

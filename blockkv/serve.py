@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blockkv.cli import format_size, parse_size
+from blockkv.human import format_size, parse_size
 from blockkv.identity import KVQuant
 from blockkv.mlx_lm import DEFAULT_CACHE_BYTES, PersistentPromptCache
 

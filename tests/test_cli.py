@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from blockkv import BlockStore, list_fingerprints
-from blockkv.cli import format_size, parse_size
+from blockkv.human import format_size, parse_size
 
 SCRIPT = Path(sys.executable).with_name("blockkv")
 Command = Sequence[str | os.PathLike[str]]
