@@ -143,11 +143,48 @@ def model_identity(
         else None,
         "kv_quant": kv.canonical(),
     }
+    model_id = str(model) if not Path(model).is_dir() else root.resolve().name
     return StoreIdentity(
-        model_id=str(model) if not Path(model).is_dir() else root.resolve().name,
-        config_fingerprint=_hash_json(description),
+        model_id=model_id,
+        config_fingerprint=readable_fingerprint(model_id, kv, chat_template, _hash_json(description)),
         tokenizer_hash=tokenizer_hash(root, chat_template),
     )
+
+
+_TEMPLATE_BUILTIN = "builtin"
+
+
+def readable_fingerprint(model_id: str, kv: KVQuant, chat_template: str | None, digest: str) -> str:
+    """``<model id> kv-<quantisation> template-<builtin|hash> config-<digest>``:
+    the digest alone decides identity; the words before it let a person (and
+    ``blockkv stats``) tell directories apart, and the fingerprint directory's
+    name starts with the model. A chat-template override is in it so a server
+    run with one gets its own directory instead of entries foreign to the other."""
+    bits = kv.canonical()
+    quant = "off" if bits["bits"] is None else f"{bits['bits']}bit-g{bits['group_size']}-s{bits['start']}"
+    template = blake3.blake3(chat_template.encode()).hexdigest()[:12] if chat_template else _TEMPLATE_BUILTIN
+    return f"{model_id} kv-{quant} template-{template} config-{digest}"
+
+
+@dataclass(frozen=True)
+class FingerprintWords:
+    """What a ``readable_fingerprint`` says, for tools that show it."""
+
+    model_id: str
+    kv: str  # "off" or e.g. "8bit-g64-s0"
+    template: str  # "builtin" or the first 12 hex of the override's blake3
+
+
+def describe_fingerprint(config_fingerprint: str) -> FingerprintWords | None:
+    """The words of a ``readable_fingerprint``; None for any other fingerprint
+    (a library user's own string, or one from before the words existed)."""
+    parts = config_fingerprint.rsplit(" ", 3)
+    if len(parts) != 4:
+        return None
+    model_id, kv, template, config = parts
+    if not (kv.startswith("kv-") and template.startswith("template-") and config.startswith("config-")):
+        return None
+    return FingerprintWords(model_id, kv[3:], template[len("template-") :])
 
 
 def _path_or_none(value: object, what: str, key: object) -> str | os.PathLike[str] | None:

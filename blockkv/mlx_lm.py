@@ -7,10 +7,16 @@ fetch the RAM tier cannot serve well falls back to the store, and a new
 process on the same directory finds every entry again. One store is opened per
 model key, with an identity hashed from that model's files and the KV
 quantisation, so two models or two revisions never share entries.
+
+The disk tier never raises into the caller: a cache object blockkv has no codec
+for stays in the RAM tier (one warning per class), a store that cannot be
+opened leaves its model RAM-only, and a failing read or write is a miss or a
+not-stored. What the RAM tier does is exactly what ``LRUPromptCache`` does.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Callable
@@ -22,6 +28,7 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 
 from blockkv import BlockStore
+from blockkv.codec import codec_for
 from blockkv.fs import FileLayer
 from blockkv.identity import KVQuant, StoreIdentity, identity_from_key
 
@@ -46,8 +53,11 @@ class PersistentPromptCache(LRUPromptCache):
     ``chat_template`` must match how the model is served (they are part of the
     store identity). ``identity`` maps a model key to a ``StoreIdentity``; the
     default hashes the files of the paths in mlx-lm's
-    ``(model, adapter, draft_model)`` key. ``fs`` is the stores' file layer
-    (the fault-injection seam).
+    ``(model, adapter, draft_model)`` key. A disk match is restored only when it
+    saves at least ``min_restore_tokens`` of prefill over what the RAM tier
+    offers (default: one block, ``block_tokens``): reading a block to skip a
+    few tokens costs more than it saves. ``fs`` is the stores' file layer (the
+    fault-injection seam).
     """
 
     def __init__(
@@ -60,6 +70,7 @@ class PersistentPromptCache(LRUPromptCache):
         kv: KVQuant = KVQuant(),
         chat_template: str | None = None,
         block_tokens: int = 256,
+        min_restore_tokens: int | None = None,
         identity: Callable[[Any], StoreIdentity] | None = None,
         fs: FileLayer | None = None,
     ) -> None:
@@ -67,14 +78,21 @@ class PersistentPromptCache(LRUPromptCache):
             raise TypeError(f"cache_dir must be a str or Path, got {type(cache_dir).__name__}")
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be a positive int, got {cache_bytes!r}")
+        if min_restore_tokens is None:
+            min_restore_tokens = block_tokens
+        if isinstance(min_restore_tokens, bool) or not isinstance(min_restore_tokens, int) or min_restore_tokens < 1:
+            raise ValueError(f"min_restore_tokens must be an int >= 1, got {min_restore_tokens!r}")
         super().__init__(max_size, max_bytes)
         self.cache_dir = Path(cache_dir).expanduser()
+        self.min_restore_tokens = min_restore_tokens
         self._cache_bytes = cache_bytes
         self._block_tokens = block_tokens
         self._fs = fs
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
         self._stores: dict[Any, BlockStore | None] = {}
         self._pending: set[Future[bool]] = set()
+        self._ram_only_kinds: set[tuple[type, ...]] = set()
+        self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             (
@@ -83,20 +101,28 @@ class PersistentPromptCache(LRUPromptCache):
                 "misses",
                 "tokens_from_ram",
                 "tokens_from_disk",
+                "promoted_to_ram",
                 "spills",
                 "spills_skipped",
                 "spill_failures",
+                "ram_only_inserts",
             ),
             0,
         )
 
+    def __bool__(self) -> bool:
+        """A cache object is always there to use, even while it holds nothing
+        (``__len__`` alone would make ``if cache:`` skip an empty one)."""
+        return True
+
     # -- the disk tier ----------------------------------------------------
     def store_for(self, model: Any) -> BlockStore | None:
         """The store for mlx-lm model key ``model`` (opened on first use); None
-        if its directory cannot be opened, and the model then runs RAM-only."""
+        if no identity can be made for the key or its directory cannot be
+        opened, and the model then runs RAM-only."""
         if model not in self._stores:
-            ident = self._identity(model)
             try:
+                ident = self._identity(model)
                 self._stores[model] = BlockStore(
                     self.cache_dir,
                     model_id=ident.model_id,
@@ -106,8 +132,8 @@ class PersistentPromptCache(LRUPromptCache):
                     block_tokens=self._block_tokens,
                     fs=self._fs,
                 )
-            except OSError as e:
-                log.warning("blockkv: cannot open cache %s (%s); RAM-only for %r", self.cache_dir, e, model)
+            except Exception as e:  # noqa: BLE001 - any failure here only costs the disk tier
+                log.warning("blockkv: cannot open cache %s for %r (%s); RAM-only for it", self.cache_dir, model, e)
                 self._stores[model] = None
         return self._stores[model]
 
@@ -115,6 +141,13 @@ class PersistentPromptCache(LRUPromptCache):
         with self._lock:
             for name, delta in deltas.items():
                 self._counts[name] += delta
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        """One warning per kind of trouble: a full disk must not flood the log."""
+        with self._lock:
+            first = key not in self._warned
+            self._warned.add(key)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
     @property
     def tier_stats(self) -> dict[str, int]:
@@ -124,28 +157,48 @@ class PersistentPromptCache(LRUPromptCache):
 
     # -- LRUPromptCache interface ------------------------------------------
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
-        """mlx-lm's RAM lookup, then the store when it restores a longer prefix.
+        """mlx-lm's RAM lookup, then the store when it restores a prefix at
+        least ``min_restore_tokens`` longer.
 
         The disk tier holds caches, not logits: ``find`` caps a match at all but
-        the last prompt token, so at least one token is always left to compute."""
+        the last prompt token, so at least one token is always left to compute.
+        A restored prefix is also inserted into the RAM tier, so the next
+        session that shares it is served from RAM."""
         cache, rest = super().fetch_nearest_cache(model, tokens)
         from_ram = len(tokens) - len(rest)
-        if from_ram < len(tokens) - 1 and _text_only(tokens):
-            store = self.store_for(model)
-            match = store.find(tokens) if store is not None else None
-            if store is not None and match is not None and match.prefix_len > from_ram:
-                loaded = store.restore(match.entry, prefix_len=match.prefix_len)
-                if loaded is not None:
-                    self._count(disk_hits=1, tokens_from_disk=match.prefix_len)
-                    log.info(
-                        "blockkv: restored %d of %d prompt tokens from disk", match.prefix_len, len(tokens)
-                    )
-                    return loaded.caches, tokens[match.prefix_len :]
+        restored = self._fetch_from_disk(model, tokens, from_ram)
+        if restored is not None:
+            return restored
         if cache is None:
             self._count(misses=1)
         else:
             self._count(ram_hits=1, tokens_from_ram=from_ram)
         return cache, rest
+
+    def _fetch_from_disk(
+        self, model: Any, tokens: list[int], from_ram: int
+    ) -> tuple[list[Any], list[int]] | None:
+        if len(tokens) - 1 - from_ram < self.min_restore_tokens or not _text_only(tokens):
+            return None
+        try:
+            store = self.store_for(model)
+            match = store.find(list(tokens)) if store is not None else None
+            if store is None or match is None or match.prefix_len - from_ram < self.min_restore_tokens:
+                return None
+            loaded = store.restore(match.entry, prefix_len=match.prefix_len)
+            if loaded is None:
+                return None
+            prefix = list(tokens[: match.prefix_len])
+            # Into mlx-lm's RAM tier by mlx-lm's own rules; the caller gets a copy
+            # to extend in place, as from any RAM hit.
+            super().insert_cache(model, prefix, loaded.caches)
+            served = copy.deepcopy(loaded.caches)
+        except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
+            self._warn_once(f"fetch:{type(e).__name__}", "blockkv: disk lookup failed (%s); served without it", e)
+            return None
+        self._count(disk_hits=1, tokens_from_disk=match.prefix_len, promoted_to_ram=1)
+        log.info("blockkv: restored %d of %d prompt tokens from disk", match.prefix_len, len(tokens))
+        return served, tokens[match.prefix_len :]
 
     def insert_cache(
         self,
@@ -158,14 +211,36 @@ class PersistentPromptCache(LRUPromptCache):
         """Insert into the RAM tier, then spill to disk write-behind.
 
         ``store_async`` snapshots the arrays before returning, so the caller's
-        later in-place cache updates cannot change what is written."""
+        later in-place cache updates cannot change what is written. A cache
+        list with a class blockkv cannot encode stays in the RAM tier only."""
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         if not tokens or not _text_only(tokens):
             return
+        kinds = tuple(type(c) for c in prompt_cache)
+        if kinds in self._ram_only_kinds:
+            self._count(ram_only_inserts=1)
+            return
+        try:
+            self._spill(model, list(tokens), prompt_cache)
+        except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
+            unknown = _classes_without_codec(prompt_cache)
+            if unknown:
+                self._ram_only_kinds.add(kinds)
+                self._count(ram_only_inserts=1)
+                for name in unknown:
+                    self._warn_once(
+                        f"codec:{name}",
+                        "blockkv: no codec for cache class %s; such entries stay in the RAM tier only",
+                        name,
+                    )
+            else:
+                self._count(spill_failures=1)
+                self._warn_once(f"spill:{type(e).__name__}", "blockkv: spilling a prompt cache failed: %s", e)
+
+    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any]) -> None:
         store = self.store_for(model)
         if store is None:
             return
-        key = list(tokens)
         if store.find_exact(key) is not None:
             self._count(spills_skipped=1)
             return
@@ -179,7 +254,7 @@ class PersistentPromptCache(LRUPromptCache):
             self._pending.discard(future)
         error = future.exception() if not future.cancelled() else None
         if error is not None:
-            log.warning("blockkv: spilling a prompt cache failed: %s", error)
+            self._warn_once(f"spill:{type(error).__name__}", "blockkv: spilling a prompt cache failed: %s", error)
         if error is None and not future.cancelled() and future.result():
             self._count(spills=1)
         else:
@@ -205,3 +280,15 @@ class PersistentPromptCache(LRUPromptCache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _classes_without_codec(prompt_cache: list[Any]) -> list[str]:
+    """Names of the cache classes in a list that blockkv has no codec for."""
+    unknown: list[str] = []
+    for c in prompt_cache:
+        try:
+            codec_for(c)
+        except TypeError:
+            if type(c).__name__ not in unknown:
+                unknown.append(type(c).__name__)
+    return unknown

@@ -1,8 +1,8 @@
 """``blockkv serve``: mlx-lm's own OpenAI-compatible server, with a disk tier.
 
 Nothing of mlx-lm's server is copied. Its ``main`` parses every one of its
-flags as usual; blockkv only takes ``--cache-dir`` and ``--cache-bytes`` off the
-command line first and, for the duration of the call, replaces the two names
+flags as usual; blockkv only takes its own flags (``--cache-dir``,
+``--cache-bytes``, ``--min-restore-tokens``) off the command line first and, for the duration of the call, replaces the two names
 the server looks up when it starts (``run`` and ``LRUPromptCache``) so the
 prompt cache it builds is a ``PersistentPromptCache`` configured with the
 server's own KV-quantisation and chat-template flags.
@@ -52,7 +52,25 @@ def _own_parser() -> argparse.ArgumentParser:
         default=DEFAULT_CACHE_BYTES,
         help=f"byte cap of the disk tier per model, e.g. 20G (default: {format_size(DEFAULT_CACHE_BYTES)})",
     )
+    parser.add_argument(
+        "--min-restore-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="restore from disk only a match that saves at least N tokens of prefill "
+        "(default: one block, 256)",
+    )
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -68,16 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:
         own.print_help()
         print("\nmlx_lm.server options:\n")
-    try:
-        args.cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        own.exit(2, f"blockkv serve: error: cannot create --cache-dir {args.cache_dir}: {e}\n")
 
     caches: list[PersistentPromptCache] = []
     original_run: Callable[..., Any] = server.run
     original_cache_class = server.LRUPromptCache
 
     def run(host: str, port: int, model_provider: Any, *more: Any, **kw: Any) -> Any:
+        # Only now, with every flag parsed: --help or a typo must not create directories.
+        try:
+            args.cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            own.exit(2, f"blockkv serve: error: cannot create --cache-dir {args.cache_dir}: {e}\n")
         cli = model_provider.cli_args
         kv = KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start)
 
@@ -87,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_bytes,
                 cache_dir=args.cache_dir,
                 cache_bytes=args.cache_bytes,
+                min_restore_tokens=args.min_restore_tokens,
                 kv=kv,
                 chat_template=cli.chat_template or None,
             )

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from blockkv.identity import KVQuant, identity_from_key, model_identity
+from blockkv.directory import fingerprint_dirname
+from blockkv.identity import (
+    FingerprintWords,
+    KVQuant,
+    describe_fingerprint,
+    identity_from_key,
+    model_identity,
+)
 from blockkv.testing.model_dir import build_model_dir
 
 
@@ -30,7 +37,20 @@ def test_identity_is_deterministic_and_key_forms_agree(model_dir: Path) -> None:
     a = identity_from_key((str(model_dir), None, None))
     assert a == identity_from_key(str(model_dir)) == model_identity(model_dir)
     assert a.model_id == "tiny"
-    assert len(a.config_fingerprint) == 64 and len(a.tokenizer_hash) == 64
+    assert len(a.tokenizer_hash) == 64
+    assert a.config_fingerprint.startswith("tiny kv-off template-builtin config-")
+    assert describe_fingerprint(a.config_fingerprint) == FingerprintWords("tiny", "off", "builtin")
+
+
+def test_the_fingerprint_says_model_kv_and_template_in_words(model_dir: Path) -> None:
+    """The words are for people and ``blockkv stats``; the digest decides identity."""
+    q8 = model_identity(model_dir, kv=KVQuant(bits=8, group_size=32), chat_template="{{ x }}")
+    words = describe_fingerprint(q8.config_fingerprint)
+    assert words is not None and (words.model_id, words.kv) == ("tiny", "8bit-g32-s0")
+    assert len(words.template) == 12 and words.template != "builtin"
+    assert fingerprint_dirname(q8.config_fingerprint).startswith("tiny_kv-8bit-g32-s0_template-")
+    for other in ("", "my-model@rev3+kv-bf16", "a kv-off template-builtin 1234", "x y z w"):
+        assert describe_fingerprint(other) is None
 
 
 def test_other_weights_change_the_fingerprint(model_dir: Path, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ answers exactly like a cold greedy run."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -115,7 +116,7 @@ def _cached(response: dict[str, Any]) -> int:
 def test_restarted_server_reuses_the_system_prompt_from_disk(kind: str, tmp_path: Path) -> None:
     model_dir = build_model_dir(tmp_path / "model", kind)
     cache_dir = tmp_path / "cache"
-    system = {"role": "system", "content": sample_text(200, seed=1)}
+    system = {"role": "system", "content": sample_text(300, seed=1)}  # over one block (256 tokens)
     loaded = mlx_lm.load(str(model_dir))
     model, tokenizer = loaded[0], loaded[1]
     system_tokens = len(tokenizer.apply_chat_template([system]))
@@ -151,7 +152,8 @@ def test_kv_quantised_server_reuses_its_own_entries_only(tmp_path: Path) -> None
     model_dir = build_model_dir(tmp_path / "model", "llama")
     cache_dir = tmp_path / "cache"
     quantised = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
-    command = [sys.executable, "-m", "blockkv.serve", *quantised]
+    # a prompt shorter than one block: restored only below the default minimum
+    command = [sys.executable, "-m", "blockkv.serve", "--min-restore-tokens", "16", *quantised]
     conversation = [
         {"role": "system", "content": sample_text(150, seed=5)},
         {"role": "user", "content": sample_text(10, seed=6)},
@@ -167,7 +169,8 @@ def test_kv_quantised_server_reuses_its_own_entries_only(tmp_path: Path) -> None
         b = second.chat(conversation)
     finally:
         second.stop()
-    plain = Server([sys.executable, "-m", "blockkv.serve"], model_dir, cache_dir, tmp_path / "c.log")
+    plain = Server([sys.executable, "-m", "blockkv.serve", "--min-restore-tokens", "16"], model_dir, cache_dir,
+                   tmp_path / "c.log")
     try:
         c = plain.chat(conversation)
     finally:
@@ -177,19 +180,31 @@ def test_kv_quantised_server_reuses_its_own_entries_only(tmp_path: Path) -> None
     assert _cached(c) == 0 and "restored" not in log
 
 
-def test_help_lists_blockkv_and_mlx_lm_flags() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "blockkv.serve", "--help"],
-        capture_output=True, text=True, timeout=REQUEST_BOUND_S,
-    )
-    assert out.returncode == 0, out.stderr
-    for flag in ("--cache-dir", "--cache-bytes", "--model", "--prompt-cache-size", "--kv-bits"):
-        assert flag in out.stdout
+def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    helps = [
+        subprocess.Popen([sys.executable, "-m", "blockkv", "serve", *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+        for argv in (["--help"], ["--model", "x", "--no-such-flag"])
+    ]
+    (out, err), (_, bad) = (p.communicate(timeout=REQUEST_BOUND_S) for p in helps)
+    assert helps[0].returncode == 0, err
+    for flag in ("--cache-dir", "--cache-bytes", "--min-restore-tokens", "--model", "--prompt-cache-size",
+                 "--kv-bits"):
+        assert flag in out
+    assert helps[1].returncode == 2 and "--no-such-flag" in bad
+    assert list(home.rglob("*")) == []  # neither created the default cache directory
 
 
-def test_bad_cache_bytes_is_a_usage_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--cache-bytes", "lots"], "not a size"), (["--min-restore-tokens", "0"], "must be at least 1")],
+)
+def test_bad_blockkv_flags_are_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "blockkv.serve", "--cache-dir", str(tmp_path), "--cache-bytes", "lots"],
+        [sys.executable, "-m", "blockkv.serve", "--cache-dir", str(tmp_path), *argv],
         capture_output=True, text=True, timeout=REQUEST_BOUND_S,
     )
-    assert out.returncode == 2 and "not a size" in out.stderr
+    assert out.returncode == 2 and message in out.stderr
