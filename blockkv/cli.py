@@ -21,7 +21,9 @@ import inspect
 import json
 import os
 import re
+import signal
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib.metadata import version
@@ -44,12 +46,15 @@ from blockkv.human import (
     parse_size,
     render_table,
 )
+from blockkv.identity import describe_fingerprint
 from blockkv.index import read_only_block_rows
+from blockkv.reader import DirectoryView, read_directory
 from blockkv.store import ROOT_MARKER, BlockStore, Entry, FingerprintDir, list_fingerprints
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process killed by SIGPIPE
 
 
 class UsageError(Exception):
@@ -89,9 +94,10 @@ def check_root(text: str) -> Path:
 def select_fingerprints(
     root: Path, wanted: Sequence[str] | None, everything: bool, *, mutating: str | None
 ) -> list[FingerprintDir]:
-    """The fingerprints a command works on: those named (exact config fingerprint,
-    directory name, or unique prefix of either), else all. A ``mutating`` command
-    must name them or say ``--all`` so it never touches another model by default."""
+    """The fingerprints a command works on: those named (exact model id, config
+    fingerprint or directory name, or a unique prefix of one), else all. A
+    ``mutating`` command must name them or say ``--all`` so it never touches
+    another model by default."""
     if mutating and not (wanted or everything):
         raise UsageError(
             f"{mutating} changes the store: name a fingerprint with -f/--fingerprint or pass --all"
@@ -101,7 +107,7 @@ def select_fingerprints(
         return known
     chosen: list[FingerprintDir] = []
     for want in wanted:
-        keys = [(fp, (fp.config_fingerprint, fp.path.name)) for fp in known]
+        keys = [(fp, (fp.model_id, fp.config_fingerprint, fp.path.name)) for fp in known]
         matches = [fp for fp, names in keys if want in names] or [
             fp for fp, names in keys if any(n.startswith(want) for n in names)
         ]
@@ -109,7 +115,7 @@ def select_fingerprints(
             have = ", ".join(fp.path.name for fp in known) or "none"
             raise UsageError(f"no fingerprint {want!r} in {root} (have: {have})")
         if len(matches) > 1:
-            have = ", ".join(fp.path.name for fp in matches)
+            have = ", ".join(label(fp_json(fp)) for fp in matches)
             raise UsageError(f"fingerprint {want!r} is ambiguous (matches: {have})")
         if matches[0] not in chosen:
             chosen.append(matches[0])
@@ -135,11 +141,15 @@ def default_gc_grace() -> float:
 
 def fp_json(fp: FingerprintDir) -> dict[str, Any]:
     """How every JSON output names a fingerprint, so scripts can join them."""
+    words = describe_fingerprint(fp.config_fingerprint)
     return {
         "fingerprint": fp.path.name,
         "config_fingerprint": fp.config_fingerprint,
         "model_id": fp.model_id,
         "tokenizer_hash": fp.tokenizer_hash,
+        # what blockkv serve / PersistentPromptCache wrote into the fingerprint; None for other stores
+        "kv_quantisation": words.kv if words else None,
+        "chat_template": words.template if words else None,
         "dir": str(fp.path),
     }
 
@@ -162,7 +172,14 @@ def entry_json(e: Entry) -> dict[str, Any]:
 
 def label(fp: dict[str, Any]) -> str:
     """How a fingerprint is named in human output (from its ``fp_json``)."""
-    return f"{fp['fingerprint']} ({fp['model_id']})"
+    words = [fp["model_id"]]
+    if fp["kv_quantisation"] is not None:
+        words += [f"kv {fp['kv_quantisation']}", f"template {fp['chat_template']}"]
+    return f"{fp['fingerprint']} ({', '.join(words)})"
+
+
+def or_dash(value: str | None) -> str:
+    return "-" if value is None else value
 
 
 # -- commands -------------------------------------------------------------------
@@ -173,10 +190,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     root = check_root(args.root)
     report: list[dict[str, Any]] = []
     for fp in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
-        with open_store(fp) as store:
-            entries = store.entries()
-            disk, logical = store.total_bytes, store.logical_bytes
-            blocks = store.block_count
+        view = read_directory(fp.path)
+        entries, disk, logical, blocks = view.entries, view.disk_bytes, view.logical_bytes, view.blocks
         by_ns: dict[str, list[Entry]] = {}
         for e in entries:
             by_ns.setdefault(e.ns, []).append(e)
@@ -190,6 +205,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 "dedup_ratio": logical / disk if disk else None,
                 "blocks": blocks,
                 "cap_bytes": args.cap,
+                **unservable(view),
                 "namespaces": [{"ns": ns, **usage(group)} for ns, group in sorted(by_ns.items())],
             }
         )
@@ -210,14 +226,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"{format_size(cap)} ({100 * fpr['disk_bytes'] / max(cap, 1):.0f}%)"
         )
         rows.append(
-            [fpr["fingerprint"], fpr["model_id"], "*", str(fpr["entries"]),
+            [fpr["fingerprint"], fpr["model_id"], or_dash(fpr["kv_quantisation"]),
+             or_dash(fpr["chat_template"]), "*", str(fpr["entries"]),
              format_size(fpr["logical_bytes"]), format_size(fpr["disk_bytes"]),
              format_ratio(fpr["logical_bytes"], fpr["disk_bytes"]), str(fpr["blocks"]),
              format_time(fpr["oldest_use"]), format_time(fpr["newest_use"]),
              cap_text]
         )
         rows.extend(
-            ["", "", show_ns(ns["ns"]), str(ns["entries"]), format_size(ns["logical_bytes"]),
+            ["", "", "", "", show_ns(ns["ns"]), str(ns["entries"]), format_size(ns["logical_bytes"]),
              "", "", str(ns["blocks"]), format_time(ns["oldest_use"]),
              format_time(ns["newest_use"]), ""]
             for ns in fpr["namespaces"]
@@ -226,13 +243,44 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print()
         print(
             render_table(
-                ["FINGERPRINT", "MODEL", "NAMESPACE", "ENTRIES", "LOGICAL", "ON DISK",
-                 "DEDUP", "BLOCKS", "OLDEST USE", "NEWEST USE", "CAP (USED)"],
+                ["FINGERPRINT", "MODEL", "KV", "TEMPLATE", "NAMESPACE", "ENTRIES", "LOGICAL",
+                 "ON DISK", "DEDUP", "BLOCKS", "OLDEST USE", "NEWEST USE", "CAP (USED)"],
                 rows,
-                right={3, 4, 5, 6, 7},
+                right={5, 6, 7, 8, 9},
             )
         )
+    notes = [(fpr, note) for fpr in report for note in unservable_notes(fpr)]
+    if notes:
+        print()
+    for fpr, note in notes:
+        print(f"{fpr['fingerprint']}: {note}")
     return EXIT_OK
+
+
+def unservable(view: DirectoryView) -> dict[str, Any]:
+    """What a directory holds that its store will not serve, for ``stats``."""
+    return {
+        "foreign_entries": [
+            {"model_id": i.model_id, "tokenizer_hash": i.tokenizer_hash, "entries": n}
+            for i, n in sorted(view.foreign.items(), key=lambda item: item[0].tokenizer_hash)
+        ],
+        "corrupt_headers": view.corrupt_headers,
+        "dangling_entries": view.dangling,
+    }
+
+
+def unservable_notes(fpr: dict[str, Any]) -> list[str]:
+    notes = [
+        f"{f['entries']} entries of another tokenizer or chat template ({f['model_id']}, tokenizer "
+        f"{f['tokenizer_hash'][:12]}): kept, never served here"
+        for f in fpr["foreign_entries"]
+    ]
+    if fpr["corrupt_headers"] or fpr["dangling_entries"]:
+        notes.append(
+            f"{len(fpr['corrupt_headers'])} corrupt header(s), {len(fpr['dangling_entries'])} entries "
+            "missing a block: not counted; 'blockkv check' lists them"
+        )
+    return notes
 
 
 def usage(entries: Sequence[Entry]) -> dict[str, Any]:
@@ -254,11 +302,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     root = check_root(args.root)
     rows: list[dict[str, Any]] = []
     for fp in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
-        with open_store(fp) as store:
-            entries = store.entries()
+        about = fp_json(fp)
         rows.extend(
-            {"fingerprint": fp.path.name, "model_id": fp.model_id, **entry_json(e)}
-            for e in entries
+            {"fingerprint": fp.path.name, "model_id": fp.model_id,
+             "kv_quantisation": about["kv_quantisation"], "chat_template": about["chat_template"],
+             **entry_json(e)}
+            for e in read_directory(fp.path).entries
             if args.namespace is None or e.ns in args.namespace
         )
     rows.sort(key=lambda r: r["last_use"])
@@ -267,16 +316,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(
         render_table(
-            ["FINGERPRINT", "NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE",
-             "TRIMMABLE", "CHECKPOINT"],
+            ["FINGERPRINT", "MODEL", "KV", "TEMPLATE", "NAMESPACE", "ENTRY", "TOKENS", "BYTES",
+             "LAST USE", "TRIMMABLE", "CHECKPOINT"],
             [
-                [r["fingerprint"], show_ns(r["ns"]), r["id"], str(r["tokens"]),
+                [r["fingerprint"], r["model_id"], or_dash(r["kv_quantisation"]),
+                 or_dash(r["chat_template"]), show_ns(r["ns"]), r["id"], str(r["tokens"]),
                  format_size(r["nbytes"]), format_time(r["last_use"]),
                  "yes" if r["trimmable"] else "no",
                  r["checkpoint"]["key"] if r["checkpoint"] else "-"]
                 for r in rows
             ],
-            right={3, 4},
+            right={6, 7},
         )
     )
     return EXIT_OK
@@ -349,7 +399,10 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "clean": not problems,
                 "unreadable_dirs": [str(d) for d in unreadable],
                 "fingerprints": [
-                    {**fp_json(fp), "clean": r.clean, "report": r.to_json()} for fp, r in results
+                    {**fp_json(fp), "clean": r.clean, "report": r.to_json(),
+                     "foreign_owners": foreign_owners(fp, r.foreign_headers),
+                     "blocks_awaiting_gc": awaiting_gc(fp) if args.repair else None}
+                    for fp, r in results
                 ],
             }
         )
@@ -366,13 +419,47 @@ def cmd_check(args: argparse.Namespace) -> int:
             print("  index missing or unusable (rebuild-index or check --repair rebuilds it)")
         for what, item in found:
             print(f"  {what}: {item if isinstance(item, str) else ' '.join(map(str, item))}")
-        for rel in report.foreign_headers:
-            print(f"  foreign header (kept, never served): {rel}")
+        for owner in foreign_owners(fp, report.foreign_headers):
+            print(
+                f"  {owner['entries']} foreign entries (kept, never served here) belong to model "
+                f"{owner['model_id']!r} with tokenizer {owner['tokenizer_hash'][:12]} (this directory's: "
+                f"{fp.tokenizer_hash[:12]}): two stores share this fingerprint with different "
+                "tokenizers or chat templates; give each its own config_fingerprint"
+            )
         for action in report.actions:
             print(f"  repaired: {action}")
+        waiting = awaiting_gc(fp) if args.repair else 0
+        if waiting:
+            print(
+                f"  {waiting} block(s) no longer referenced: 'blockkv gc -f {fp.path.name}' deletes "
+                f"them once unreferenced for {default_gc_grace():g} s (--grace 0: now)"
+            )
     for d in unreadable:
         print(f"{d.name}: unreadable IDENTITY, so not checked; left alone")
     return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def foreign_owners(fp: FingerprintDir, rels: Sequence[str]) -> list[dict[str, Any]]:
+    """Whose the foreign headers ``check`` found are: one row per identity."""
+    directory = Directory(fp.path, read_identity(fp.path), FileLayer())
+    owners: Counter[tuple[str, str, str]] = Counter()
+    for rel in rels:
+        try:
+            ident = directory.read_header(fp.path / rel).identity
+        except (BlockKVError, OSError):
+            continue  # gone or damaged since check read it
+        owners[(ident.model_id, ident.config_fingerprint, ident.tokenizer_hash)] += 1
+    return [
+        {"model_id": m, "config_fingerprint": c, "tokenizer_hash": t, "entries": n}
+        for (m, c, t), n in sorted(owners.items())
+    ]
+
+
+def awaiting_gc(fp: FingerprintDir) -> int:
+    """Blocks the index counts as referenced by nothing (after a repair removed
+    the entries that used them): what ``gc`` deletes once the grace period passes."""
+    rows = read_only_block_rows(fp.path / "index")
+    return sum(1 for row in (rows or {}).values() if row.refs == 0)
 
 
 def unreadable_dirs(root: Path, readable: Sequence[FingerprintDir]) -> list[Path]:
@@ -529,7 +616,7 @@ def build_parser() -> Parser:
         name: str, run: Callable[[argparse.Namespace], int], help: str, *, mutating: bool
     ) -> Parser:
         p: Parser = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, parser=p)
         p.add_argument("root", help="cache root (the directory holding .blockkv)")
         which = p.add_mutually_exclusive_group()
         which.add_argument(
@@ -578,16 +665,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in _PASSTHROUGH:
         return run_passthrough(args_list[0], args_list[1:])
-    args = build_parser().parse_args(args_list)
+    args, unknown = build_parser().parse_known_args(args_list)
+    if unknown:  # reported by the subcommand's parser: "blockkv stats: error: ..."
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     prog = f"blockkv {args.command}"
+    if hasattr(signal, "SIGPIPE"):
+        # `blockkv ls | head -1`: when the reader leaves, end quietly as ls and git
+        # do (killed by SIGPIPE), never with exit 1, "problems found". Only for
+        # these commands: serve's sockets must not die with their clients.
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return int(args.run(args))
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except BrokenPipeError:  # `blockkv ls | head`: the reader left; stay quiet
+    except BrokenPipeError:  # where there is no SIGPIPE: the same, as a shell would report it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_PROBLEMS
+        return EXIT_BROKEN_PIPE
     except (BlockKVError, OSError, ValueError, lmdb.Error) as exc:
         # what the disk or the store refused, in one line: a script gets exit 1
         print(f"{prog}: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ import pytest
 
 from blockkv import BlockStore, list_fingerprints
 from blockkv.human import format_size, parse_size
+from blockkv.identity import KVQuant, readable_fingerprint
 
 SCRIPT = Path(sys.executable).with_name("blockkv")
 Command = Sequence[str | os.PathLike[str]]
@@ -129,7 +130,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Root:
         return Model(model_id, fingerprint, frozenset(e.ns for e in entries),
                      tuple(sorted(e.length for e in entries)))
 
-    llama = fill("llama", "tiny-llama", "fp-llama-a1b2", ["", "chat"])
+    # llama's fingerprint is the readable one serve writes; mamba's a library user's own string
+    llama = fill("llama", "tiny-llama", readable_fingerprint("tiny-llama", KVQuant(), None, "a1b2"), ["", "chat"])
     mamba = fill("mamba", "tiny-mamba", "fp-mamba-c3d4", [""])
     return Root(root, llama, mamba)
 
@@ -177,7 +179,8 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
         "bad_file_root": ["ls", afile],
         "bad_foreign_root": ["gc", home, "--all", "--grace", "0"],
         "bad_unknown_fingerprint": ["stats", r, "-f", "no-such-fingerprint"],
-        "bad_ambiguous_fingerprint": ["ls", r, "-f", "fp-"],
+        "bad_ambiguous_fingerprint": ["ls", r, "-f", "tiny-"],
+        "bad_option": ["stats", r, "--bogus"],
         "bad_negative_size": ["evict", r, "--all", "--to", "-5G"],
         "bad_size": ["evict", r, "--all", "--to", "lots"],
         "bad_unnamed_gc": ["gc", r],
@@ -198,7 +201,7 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
 BAD = [
     "bad_missing_root", "bad_file_root", "bad_foreign_root", "bad_unknown_fingerprint",
     "bad_ambiguous_fingerprint", "bad_negative_size", "bad_size", "bad_unnamed_gc",
-    "bad_unnamed_repair", "bad_command",
+    "bad_unnamed_repair", "bad_command", "bad_option",
 ]
 
 
@@ -255,7 +258,7 @@ def test_ls_filters_by_fingerprint_and_namespace(built: Root, reads: Reads) -> N
     table = reads.results["ls_mamba"]
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split()[:3] == ["FINGERPRINT", "NAMESPACE", "ENTRY"]
+    assert lines[0].split()[:6] == ["FINGERPRINT", "MODEL", "KV", "TEMPLATE", "NAMESPACE", "ENTRY"]
     assert len(lines) == 1 + len(built.mamba.token_counts)
 
 
@@ -294,6 +297,8 @@ def test_bad_input_is_one_line_and_exit_2(reads: Reads, name: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == ""
+    command = proc.args[1] if name != "bad_command" else ""
+    assert proc.stderr.startswith(f"blockkv {command}: error:".replace(" :", ":")), proc.stderr
 
 
 # -- commands that change a root, each on its own copy ------------------------------------
