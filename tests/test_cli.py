@@ -7,7 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -171,6 +174,8 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
         "ls_chat": ["ls", r, "-f", built.llama.fingerprint, "-n", "chat", "--json"],
         "ls_json": ["ls", r, "--json"],
         "ls_mamba": ["ls", r, "-f", built.mamba.fingerprint[:8]],
+        "ls_model": ["ls", r, "-f", built.llama.model_id, "--json"],
+        "stats_model_prefix": ["stats", r, "-f", "tiny-ma", "--json"],
         "check_json": ["check", r, "--json"],
         "check_progress": ["check", r, "-f", built.mamba.fingerprint, "--progress"],
         "dry_run": ["evict", r, "--all", "--to", "0", "--dry-run"],
@@ -262,6 +267,27 @@ def test_ls_filters_by_fingerprint_and_namespace(built: Root, reads: Reads) -> N
     assert len(lines) == 1 + len(built.mamba.token_counts)
 
 
+def test_fingerprints_are_named_and_described_in_the_users_words(built: Root, reads: Reads) -> None:
+    """-f takes a model id or its unique prefix; stats and ls say which model,
+    KV quantisation and chat template each store is (when its fingerprint says)."""
+    rows = parsed(reads.results["ls_model"])["entries"]
+    assert {r["model_id"] for r in rows} == {built.llama.model_id}
+    assert sorted(r["tokens"] for r in rows) == sorted(built.llama.token_counts)
+    assert {(r["kv_quantisation"], r["chat_template"]) for r in rows} == {("off", "builtin")}
+    (mamba,) = parsed(reads.results["stats_model_prefix"])["fingerprints"]
+    assert mamba["model_id"] == built.mamba.model_id
+    assert (mamba["kv_quantisation"], mamba["chat_template"]) == (None, None)  # a library user's string
+    by_model = {fp["model_id"]: fp for fp in parsed(reads.results["stats_json"])["fingerprints"]}
+    assert (by_model["tiny-llama"]["kv_quantisation"], by_model["tiny-llama"]["chat_template"]) == ("off", "builtin")
+    assert Path(by_model["tiny-llama"]["dir"]).name.startswith("tiny-llama_kv-off_template-builtin")
+    table = reads.results["stats"].stdout.splitlines()
+    assert table[2].split()[:4] == ["FINGERPRINT", "MODEL", "KV", "TEMPLATE"]
+    llama_row = next(line for line in table if line.startswith("tiny-llama"))
+    assert llama_row.split()[1:4] == ["tiny-llama", "off", "builtin"]
+    assert "ambiguous" in reads.results["bad_ambiguous_fingerprint"].stderr
+    assert "tiny-llama, kv off, template builtin" in reads.results["bad_ambiguous_fingerprint"].stderr
+
+
 def test_check_of_a_sound_root_is_clean_with_a_progress_bar(built: Root, reads: Reads) -> None:
     out = parsed(reads.results["check_json"])
     assert out["clean"] is True and len(out["fingerprints"]) == 2
@@ -348,6 +374,11 @@ def test_check_reports_planted_faults_and_repair_fixes_them(root: Root) -> None:
     assert "repaired:" in fixed.stdout
     assert not orphan.exists() and not victim.exists()
     assert not (mamba_dir / "index").exists()  # only the named fingerprint was touched
+    # The dangling entries are gone, so blocks only they used await gc: it says so, and gc agrees.
+    hint = re.search(r"(\d+) block\(s\) no longer referenced: 'blockkv gc -f (\S+)'", fixed.stdout)
+    assert hint is not None and int(hint.group(1)) > 0, fixed.stdout
+    (gc,) = run_json("gc", root.path, "-f", hint.group(2), "--grace", "0")["fingerprints"]
+    assert gc["blocks_deleted"] == int(hint.group(1))
 
     fixed_all = run_json("check", root.path, "--repair", "--all", expect=1)
     assert all(fp["report"]["actions"] for fp in fixed_all["fingerprints"]
@@ -388,6 +419,94 @@ def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root)
         assert rebuilt["entries_indexed"] == len(store) == kept
     assert tree(mamba_dir) == mamba_before
     assert run_json("check", root.path)["clean"] is True
+
+
+# -- tools that only look ---------------------------------------------------------------
+
+
+def snapshot(path: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every file, directory and link under ``path``: its mode and, for a file, its bytes."""
+    out: dict[str, tuple[int, bytes | None]] = {}
+    for p in sorted(path.rglob("*")):
+        mode = p.lstat().st_mode
+        out[str(p.relative_to(path))] = (mode, p.read_bytes() if stat.S_ISREG(mode) else None)
+    return out
+
+
+def test_ls_and_stats_with_a_lost_index_and_a_corrupt_header_change_nothing(root: Root, tmp_path: Path) -> None:
+    """Opening a store there would rebuild the index and delete the header; the
+    tools that only look list the entries as the files say and touch nothing."""
+    llama_dir = root.fp_dir(root.llama)
+    shutil.rmtree(llama_dir / "index")
+    header = sorted((llama_dir / "entries").rglob("*.bkv"))[0]
+    data = bytearray(header.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    header.write_bytes(bytes(data))
+    untouched = tmp_path / "untouched"
+    shutil.copytree(root.path, untouched)
+    before = snapshot(root.path)
+    ls_json, ls_text, stats_json, stats_text, check = run_all(
+        ["ls", root.path, "--json"], ["ls", root.path], ["stats", root.path, "--json"],
+        ["stats", root.path], ["check", root.path, "--json"],
+    )
+    assert snapshot(root.path) == before
+    assert ls_text.returncode == 0 and stats_text.returncode == 0, (ls_text.stderr, stats_text.stderr)
+    assert "1 corrupt header(s)" in stats_text.stdout
+
+    listed = {r["id"]: r for r in parsed(ls_json)["entries"] if r["model_id"] == root.llama.model_id}
+    # What a store makes of the same files (on a copy: it deletes the header, rebuilds the index).
+    with BlockStore.open_dir(untouched / llama_dir.name) as store:
+        truth = {e.id: e for e in store.entries()}
+        disk = store.total_bytes
+    assert header.stem not in listed and len(listed) == len(root.llama.token_counts) - 1
+    assert {i: (r["tokens"], r["nbytes"], r["blocks"]) for i, r in listed.items()} == {
+        i: (e.length, e.nbytes, len(e.blocks)) for i, e in truth.items()
+    }
+    (llama,) = [fp for fp in parsed(stats_json)["fingerprints"] if fp["model_id"] == root.llama.model_id]
+    assert llama["disk_bytes"] == disk and llama["entries"] == len(truth)
+    assert llama["corrupt_headers"] == [str(header.relative_to(llama_dir))]
+    report = parsed(check, expect=1)
+    (llama_check,) = [fp["report"] for fp in report["fingerprints"] if fp["model_id"] == root.llama.model_id]
+    assert llama_check["index_missing"] and llama_check["corrupt_headers"] == llama["corrupt_headers"]
+
+
+def test_a_closed_pipe_ends_ls_quietly(built: Root) -> None:
+    """``blockkv ls | head -1``: the reader leaving is not "problems found" (exit 1)."""
+    proc = subprocess.Popen([SCRIPT, "ls", built.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the program writes a byte
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == -signal.SIGPIPE and err == b""
+    shell = subprocess.run(
+        ["bash", "-c", f'"{SCRIPT}" ls "{built.path}" | head -1; echo "status ${{PIPESTATUS[0]}}"'],
+        capture_output=True, text=True, timeout=120,
+    )
+    first, status = shell.stdout.splitlines()
+    assert first.startswith("FINGERPRINT") and status in ("status 0", "status 141"), shell.stdout
+    assert shell.stderr == ""
+
+
+def test_check_names_the_owner_of_foreign_entries(tmp_path: Path) -> None:
+    """Two stores sharing one fingerprint with different tokenizers never serve
+    each other's entries; check and stats say whose they are."""
+    from blockkv.testing.models import prefill, random_tokens, tiny_model
+
+    root = tmp_path / "cache"
+    tokens = random_tokens(40, seed=3)
+    cache, _ = prefill(tiny_model("llama"), tokens)
+    for tokenizer in ("tok-first-aaaa", "tok-second-bbbb"):
+        with BlockStore(root, model_id="m", config_fingerprint="shared", tokenizer_hash=tokenizer,
+                        max_bytes=1 << 30, block_tokens=16) as store:
+            assert store.store(tokens, cache)
+    text, as_json, stats = run_all(["check", root], ["check", root, "--json"], ["stats", root, "--json"])
+    assert text.returncode == 0, text.stdout  # foreign entries are no fault
+    assert "1 foreign entries" in text.stdout and "tok-second-b" in text.stdout
+    owner = {"model_id": "m", "config_fingerprint": "shared", "tokenizer_hash": "tok-second-bbbb", "entries": 1}
+    assert parsed(as_json)["fingerprints"][0]["foreign_owners"] == [owner]
+    (fp,) = parsed(stats)["fingerprints"]
+    assert fp["entries"] == 1 and fp["foreign_entries"] == [
+        {"model_id": "m", "tokenizer_hash": "tok-second-bbbb", "entries": 1}
+    ]
 
 
 # -- sizes --------------------------------------------------------------------------------
