@@ -199,6 +199,8 @@ def run(args: argparse.Namespace, workdir: Path) -> DemoResult:
     # Phase 1: the sessions take turns, as concurrent agents would.
     chats: list[Messages] = [[system] for _ in range(args.sessions)]
     with PersistentPromptCache(cache_dir=cache_dir) as cache:
+        if _disk_usage(cache, agent.key).entries:  # --cache-dir of an earlier run
+            first.name = "rerun (warm disk)"
         for turn in range(args.turns):
             for s in range(args.sessions):
                 chats[s].append(_user_turn(s, turn, args.user_words))

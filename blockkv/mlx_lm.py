@@ -54,10 +54,10 @@ class PersistentPromptCache(LRUPromptCache):
     store identity). ``identity`` maps a model key to a ``StoreIdentity``; the
     default hashes the files of the paths in mlx-lm's
     ``(model, adapter, draft_model)`` key. A disk match is restored only when it
-    saves at least ``min_restore_tokens`` of prefill over what the RAM tier
-    offers (default: one block, ``block_tokens``): reading a block to skip a
-    few tokens costs more than it saves. ``fs`` is the stores' file layer (the
-    fault-injection seam).
+    is longer than what the RAM tier offers and at least ``min_restore_tokens``
+    long (default: one block, ``block_tokens``): reading a block to skip a few
+    tokens of prefill costs more than it saves. ``fs`` is the stores' file
+    layer (the fault-injection seam).
     """
 
     def __init__(
@@ -157,8 +157,8 @@ class PersistentPromptCache(LRUPromptCache):
 
     # -- LRUPromptCache interface ------------------------------------------
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
-        """mlx-lm's RAM lookup, then the store when it restores a prefix at
-        least ``min_restore_tokens`` longer.
+        """mlx-lm's RAM lookup, then the store when it restores a longer prefix
+        of at least ``min_restore_tokens``.
 
         The disk tier holds caches, not logits: ``find`` caps a match at all but
         the last prompt token, so at least one token is always left to compute.
@@ -178,12 +178,14 @@ class PersistentPromptCache(LRUPromptCache):
     def _fetch_from_disk(
         self, model: Any, tokens: list[int], from_ram: int
     ) -> tuple[list[Any], list[int]] | None:
-        if len(tokens) - 1 - from_ram < self.min_restore_tokens or not _text_only(tokens):
+        longest = len(tokens) - 1  # find leaves at least one token to compute
+        if longest < self.min_restore_tokens or longest <= from_ram or not _text_only(tokens):
             return None
         try:
             store = self.store_for(model)
             match = store.find(list(tokens)) if store is not None else None
-            if store is None or match is None or match.prefix_len - from_ram < self.min_restore_tokens:
+            if (store is None or match is None or match.prefix_len < self.min_restore_tokens
+                    or match.prefix_len <= from_ram):
                 return None
             loaded = store.restore(match.entry, prefix_len=match.prefix_len)
             if loaded is None:

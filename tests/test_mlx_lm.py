@@ -584,6 +584,7 @@ def test_a_disk_hit_warms_the_ram_tier_for_the_next_session(tiny: Model, cache_d
 
 def test_disk_matches_shorter_than_the_minimum_are_not_restored(llama: Model, cache_dir: Path) -> None:
     stored = llama.encode(100, seed=25)
+    assert 90 < len(stored) < 128
     caches, _ = _prefill(llama, stored)
     with ShortPromptCache(cache_dir=cache_dir) as cache:
         cache.insert_cache(llama.key, stored, caches)
@@ -592,13 +593,13 @@ def test_disk_matches_shorter_than_the_minimum_are_not_restored(llama: Model, ca
         assert cache.min_restore_tokens == 128  # the default: one block
         assert cache.fetch_nearest_cache(llama.key, prompt) == (None, prompt)
         assert cache.tier_stats["disk_hits"] == 0 and cache.tier_stats["misses"] == 1
-    with PersistentPromptCache(cache_dir=cache_dir, min_restore_tokens=100) as cache:
+    with PersistentPromptCache(cache_dir=cache_dir, min_restore_tokens=len(stored)) as cache:
         _, rest = cache.fetch_nearest_cache(llama.key, prompt)
         assert rest == [5, 6] and cache.tier_stats["disk_hits"] == 1
-    # What counts is the prefill saved over the RAM tier's answer: 10 tokens here.
+    # The RAM tier's answer stands unless the disk's is longer and long enough.
     head, _ = _prefill(llama, stored[:90])
-    with PersistentPromptCache(cache_dir=cache_dir, min_restore_tokens=50) as cache:
-        cache.insert_cache(llama.key, stored[:90], head)
-        _, rest = cache.fetch_nearest_cache(llama.key, prompt)
-        assert rest == prompt[90:]
-        assert cache.tier_stats["ram_hits"] == 1 and cache.tier_stats["disk_hits"] == 0
+    for minimum, rest, stats in ((len(stored) + 1, prompt[90:], (1, 0)), (50, [5, 6], (0, 1))):
+        with PersistentPromptCache(cache_dir=cache_dir, min_restore_tokens=minimum) as cache:
+            cache.insert_cache(llama.key, stored[:90], head)
+            assert cache.fetch_nearest_cache(llama.key, prompt)[1] == rest
+            assert (cache.tier_stats["ram_hits"], cache.tier_stats["disk_hits"]) == stats
