@@ -178,6 +178,9 @@ def test_kv_quantised_server_reuses_its_own_entries_only(tmp_path: Path) -> None
     assert _cached(a) == 0 and _cached(b) == b["usage"]["prompt_tokens"] - 1
     assert _token_ids(b) == _token_ids(a)
     assert _cached(c) == 0 and "restored" not in log
+    # each store's directory starts with the model's name and says its KV quantisation
+    names = sorted(d.name for d in cache_dir.iterdir() if d.is_dir())
+    assert [n.split("_")[:2] for n in names] == [["model", "kv-8bit-g32-s0"], ["model", "kv-off"]]
 
 
 def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path) -> None:
