@@ -2,8 +2,9 @@
 mlx-lm model, through ``PersistentPromptCache`` — then a simulated restart.
 
 Everything printed is measured in the run: prefilled vs restored tokens per
-phase, time to first token for a cold prefill vs a restore from disk on the
-same prompts, bytes on disk vs one file per entry, and whether the restarted
+phase, time to first token for a cold prefill vs the restarted process on the
+same prompts (the first new session reads the system prompt from disk, later
+ones find it in RAM), bytes on disk vs one file per entry, and whether the restarted
 process finds every entry again and generates the same greedy tokens.
 By default it builds a small random-weight llama and a tokenizer in a
 throw-away directory, so it needs no network.
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace, workdir: Path) -> DemoResult:
 
     total = args.sessions * args.turns + args.sessions + 1 + min(args.cold_checks, args.sessions + 1)
     bar = tqdm(total=total, desc="blockkv demo", unit="req", file=sys.stderr)
-    first, restart, cold = Phase("first run"), Phase("after restart (disk)"), Phase("cold, no cache")
+    first, restart, cold = Phase("first run"), Phase("after restart"), Phase("cold, no cache")
 
     # Phase 1: the sessions take turns, as concurrent agents would.
     chats: list[Messages] = [[system] for _ in range(args.sessions)]
@@ -275,7 +276,7 @@ def report(args: argparse.Namespace, r: DemoResult) -> str:
         warm_ttft = statistics.median(x.ttft for x in restart.outcomes[:n])
         lines.append(
             f"time to first token, same {n} prompt(s): cold prefill {format_ms(cold_ttft)} vs "
-            f"from disk {format_ms(warm_ttft)} ({cold_ttft / warm_ttft:.1f}x faster)"
+            f"after restart {format_ms(warm_ttft)} ({cold_ttft / warm_ttft:.1f}x faster)"
         )
     disk = restart.disk or DiskUsage(0, 0, 0)
     ratio = f" ({disk.standalone_bytes / disk.bytes:.1f}x smaller)" if disk.bytes else ""

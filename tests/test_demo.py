@@ -24,17 +24,19 @@ def _row(out: str, phase: str) -> dict[str, int]:
 
 
 def _check_report(out: str, sessions: int, turns: int, cold_checks: int) -> None:
-    first, restart = _row(out, "first run"), _row(out, "after restart (disk)")
+    first, restart = _row(out, "first run"), _row(out, "after restart")
     assert first["requests"] == sessions * turns and restart["requests"] == sessions + 1
     for row in (first, restart):
         assert row["prefilled"] + row["from RAM"] + row["from disk"] == row["prompt tok"]
-    assert restart["from disk"] > restart["prefilled"] and restart["from RAM"] == 0
+    # The restarted process's RAM tier starts empty: the first new session reads the
+    # shared system prompt from disk, later ones from RAM or (their own history) disk.
+    assert restart["from disk"] > restart["prefilled"]
     found = re.search(r"restart: (\d+)/(\d+) entries found again", out)
     assert found is not None and found.group(1) == found.group(2) == str(sessions * turns)
     assert f"greedy output identical to a cold prefill: {cold_checks}/{cold_checks}" in out
     sizes = re.search(r"bytes on disk: .* one file per entry would take .* \((\d+\.\d)x smaller\)", out)
     assert sizes is not None and float(sizes.group(1)) > 1.0
-    assert re.search(r"cold prefill \d+ ms vs from disk \d+ ms", out)
+    assert re.search(r"cold prefill \d+ ms vs after restart \d+ ms", out)
 
 
 def test_cli_demo_runs_offline_and_reports_measured_figures() -> None:

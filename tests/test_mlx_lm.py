@@ -593,13 +593,16 @@ def test_disk_matches_shorter_than_the_minimum_are_not_restored(llama: Model, ca
         assert cache.min_restore_tokens == 128  # the default: one block
         assert cache.fetch_nearest_cache(llama.key, prompt) == (None, prompt)
         assert cache.tier_stats["disk_hits"] == 0 and cache.tier_stats["misses"] == 1
+    with PersistentPromptCache(cache_dir=cache_dir, min_restore_tokens=len(stored) + 1) as cache:
+        assert cache.fetch_nearest_cache(llama.key, prompt) == (None, prompt)
     with PersistentPromptCache(cache_dir=cache_dir, min_restore_tokens=len(stored)) as cache:
         _, rest = cache.fetch_nearest_cache(llama.key, prompt)
         assert rest == [5, 6] and cache.tier_stats["disk_hits"] == 1
-    # The RAM tier's answer stands unless the disk's is longer and long enough.
-    head, _ = _prefill(llama, stored[:90])
-    for minimum, rest, stats in ((len(stored) + 1, prompt[90:], (1, 0)), (50, [5, 6], (0, 1))):
-        with PersistentPromptCache(cache_dir=cache_dir, min_restore_tokens=minimum) as cache:
-            cache.insert_cache(llama.key, stored[:90], head)
+    # Against a RAM hit, a restore must save one token per 16 it reads: a near tie
+    # is served from RAM even with no minimum length at all.
+    for ram_len, rest, stats in ((len(stored) - 3, prompt[len(stored) - 3 :], (1, 0)), (60, [5, 6], (0, 1))):
+        head, _ = _prefill(llama, stored[:ram_len])
+        with PersistentPromptCache(cache_dir=cache_dir, min_restore_tokens=1) as cache:
+            cache.insert_cache(llama.key, stored[:ram_len], head)
             assert cache.fetch_nearest_cache(llama.key, prompt)[1] == rest
             assert (cache.tier_stats["ram_hits"], cache.tier_stats["disk_hits"]) == stats
