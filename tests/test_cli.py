@@ -507,20 +507,3 @@ def test_check_names_the_owner_of_foreign_entries(tmp_path: Path) -> None:
     assert fp["entries"] == 1 and fp["foreign_entries"] == [
         {"model_id": "m", "tokenizer_hash": "tok-second-bbbb", "entries": 1}
     ]
-
-
-# -- sizes --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("4096", 4096), ("500M", 500 << 20), ("10G", 10 << 30), ("1.5GiB", 3 << 29),
-     ("2kb", 2048), ("0", 0)],
-)
-def test_parse_size(text: str, expected: int) -> None:
-    assert parse_size(text) == expected
-
-
-def test_format_size_reads_back() -> None:
-    for n in (0, 1023, 1 << 20, 3 << 29, 7 << 40):
-        assert parse_size(format_size(n).replace(" ", "")) == pytest.approx(n, rel=0.05)
