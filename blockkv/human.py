@@ -40,6 +40,17 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def parse_count(text: str) -> int:
+    """A whole number of at least 1 (tokens, entries)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def format_size(n: int) -> str:
     """Human bytes in the same binary units ``parse_size`` reads."""
     if n < 1024:

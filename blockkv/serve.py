@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blockkv.human import format_size, parse_size
+from blockkv.human import format_size, parse_count, parse_size
 from blockkv.identity import KVQuant
 from blockkv.mlx_lm import DEFAULT_CACHE_BYTES, PersistentPromptCache
 
@@ -54,23 +54,13 @@ def _own_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--min-restore-tokens",
-        type=_positive_int,
+        type=parse_count,
         default=None,
         metavar="N",
         help="restore from disk only a match that saves at least N tokens of prefill "
         "(default: one block, 256)",
     )
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:

@@ -6,7 +6,15 @@ import argparse
 
 import pytest
 
-from blockkv.human import format_ms, format_ratio, format_size, parse_seconds, parse_size, render_table
+from blockkv.human import (
+    format_ms,
+    format_ratio,
+    format_size,
+    parse_count,
+    parse_seconds,
+    parse_size,
+    render_table,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,6 +44,10 @@ def test_seconds_ratios_and_milliseconds() -> None:
             parse_seconds(bad)
     assert format_ratio(3, 2) == "1.50x" and format_ratio(3, 0) == "-"
     assert format_ms(0.1234) == "123 ms"
+    assert parse_count("256") == 256
+    for bad, message in (("0", "at least 1"), ("1.5", "whole number")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse_count(bad)
 
 
 def test_render_table_aligns_numbers_right_and_can_underline_the_header() -> None:
