@@ -6,9 +6,9 @@ Safety rules, because this tool deletes on other people's disks:
 
 * a root without the ``.blockkv`` marker is refused, never cleaned;
 * a command that changes a store names its fingerprint (``-f``) or says ``--all``;
-* ``ls``, ``stats`` and ``check`` without ``--repair`` only look: they read the
-  files and a read-only view of the index (``reader.py``), never write, rename,
-  delete or lock, even on a damaged directory; ``evict --dry-run`` deletes nothing.
+* ``ls``, ``stats`` and ``check`` without ``--repair`` only look (``reader.py``,
+  ``gc.inspect``): they never write, rename, delete or lock, even on a damaged
+  directory; ``evict --dry-run`` deletes nothing.
 
 Exit codes: 0 clean / done, 1 problems found (or the operation failed), 2 usage
 error (bad arguments, missing or foreign root, unknown fingerprint).

@@ -1,13 +1,14 @@
 """Look at a fingerprint directory without changing it.
 
-``blockkv ls``, ``stats`` and ``check`` only look, so they must never write,
-rename, unlink or take the directory lock — not even when the index is lost or
-a header is corrupt, where opening a ``BlockStore`` would rebuild the index and
-delete what it cannot read. This reader lists the files (the truth), parses
-every header, stats the blocks they reference, and takes last-use times from
-the LMDB index opened read-only without a lock file when the index is one a
-store would trust; otherwise from each header's write time, which is what a
-store rebuilding its index would use.
+``blockkv ls`` and ``stats`` only look (as ``check`` does through
+``gc.inspect``), so they must never write, rename, unlink or take the directory
+lock — not even when the index is lost or a header is corrupt, where opening a
+``BlockStore`` would rebuild the index and delete what it cannot read. This reader lists the files (the truth) and stats
+the blocks the entries reference. When the LMDB index is one a store would
+trust (its format, this boot) it is opened read-only without a lock file, and
+its rows stand in for the headers it lists, with their last-use times, as they
+do for a store opening the directory; every other header is read and verified,
+and its write time is its last use, as for a store rebuilding its index.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from blockkv.directory import Directory, read_identity
 from blockkv.errors import CorruptError
 from blockkv.fs import FileLayer
 from blockkv.header import Identity
-from blockkv.index import FORMAT, boot_id
+from blockkv.index import FORMAT, EntryRecord, boot_id
 
 _LAST_USE = struct.Struct("<d")  # the index's lastuse table: f64 seconds per entry id
 _MAX_DBS = 16  # an upper bound on the index's named tables (lmdb needs one to open them)
@@ -41,7 +42,7 @@ class DirectoryView:
     dangling: list[str]  # entry ids missing a block; a store would delete these on open
     disk_bytes: int  # headers plus each referenced block once (what the store calls total_bytes)
     blocks: int  # distinct blocks referenced
-    index_used: bool  # last-use times came from a trusted index
+    index_used: bool  # a trusted index stood in for the headers it lists
 
     @property
     def logical_bytes(self) -> int:
@@ -54,44 +55,46 @@ def read_directory(path: Path) -> DirectoryView:
     identity = read_identity(path)
     directory = Directory(path, identity, FileLayer())
     listing = directory.listing()
-    last_use = index_last_use(directory.index_dir)
+    indexed = trusted_index(directory.index_dir)
+    rows, last_use = indexed if indexed is not None else ({}, {})
     own = identity.digest()
     entries: list[Entry] = []
     foreign: Counter[Identity] = Counter()
     corrupt: list[str] = []
     dangling: list[str] = []
     header_bytes = 0
-    referenced: set[str] = set()
-    sizes: dict[str, int] = {}
+    sizes: dict[str, int] = {}  # every block referenced, by its file's size
     for entry_id, p in sorted(listing.headers.items()):
         header_path = Path(p)
+        record = rows.get(entry_id)
         try:
-            header = directory.read_header(header_path)
-            stat = header_path.stat()
+            if record is None or record.owner != own:  # a foreign row does not name its owner
+                header = directory.read_header(header_path)
+                written = header_path.stat().st_mtime
+                record = directory.record(entry_id, header_path, header, header_path.stat().st_size)
+                if record.owner != own:
+                    if not any(n not in listing.blocks for n in record.blocks):
+                        foreign[header.identity] += 1
+                    header_bytes += record.header_bytes
+                    sizes.update((n, _block_size(directory, n)) for n in record.blocks if n in listing.blocks)
+                    continue
+                last_use.setdefault(entry_id, written)
         except FileNotFoundError:
             continue  # removed while we looked
         except (CorruptError, OSError):
             corrupt.append(directory.rel(header_path))
             continue
-        record = directory.record(entry_id, header_path, header, stat.st_size)
-        if record.owner == own and any(n not in listing.blocks for n in record.blocks):
+        if any(n not in listing.blocks for n in record.blocks):
             dangling.append(entry_id)
             continue
         header_bytes += record.header_bytes
-        referenced.update(n for n in record.blocks if n in listing.blocks)
-        for name in record.blocks:
-            if name not in sizes and name in listing.blocks:
-                sizes[name] = _block_size(directory, name)
-        if record.owner != own:
-            foreign[header.identity] += 1
-            continue
-        used = last_use.get(entry_id) if last_use is not None else None
+        sizes.update((n, _block_size(directory, n)) for n in record.blocks if n not in sizes)
         entries.append(
             Entry(
                 id=entry_id, ns=record.ns, token_array=record.tokens,
-                nbytes=record.header_bytes + sum(sizes.get(n, 0) for n in record.blocks),
+                nbytes=record.header_bytes + sum(sizes[n] for n in record.blocks),
                 header_bytes=record.header_bytes, blocks=record.blocks,
-                last_use=stat.st_mtime if used is None else used,
+                last_use=last_use.get(entry_id, 0.0),
                 trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
                 checkpoint=GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None,
                 attachments=record.attachments,
@@ -99,8 +102,7 @@ def read_directory(path: Path) -> DirectoryView:
         )
     return DirectoryView(
         identity=identity, entries=entries, foreign=foreign, corrupt_headers=corrupt, dangling=dangling,
-        disk_bytes=header_bytes + sum(sizes[n] for n in referenced), blocks=len(referenced),
-        index_used=last_use is not None,
+        disk_bytes=header_bytes + sum(sizes.values()), blocks=len(sizes), index_used=indexed is not None,
     )
 
 
@@ -111,9 +113,11 @@ def _block_size(directory: Directory, name: str) -> int:
         return 0
 
 
-def index_last_use(index_dir: Path) -> dict[str, float] | None:
-    """Last-use times from an index a store would trust (its format, this
-    boot), opened read-only and without a lock file; None otherwise."""
+def trusted_index(index_dir: Path) -> tuple[dict[str, EntryRecord], dict[str, float]] | None:
+    """The entry rows and last-use times of an index a store would trust (its
+    format, this boot), opened read-only and without a lock file; None otherwise.
+    Without the lock a writer may reuse pages under us: a row that does not
+    parse makes the whole index count as untrusted, and the headers are read."""
     if not (index_dir / "data.mdb").is_file():
         return None
     try:
@@ -125,9 +129,12 @@ def index_last_use(index_dir: Path) -> dict[str, float] | None:
             meta = env.open_db(b"meta", txn=txn, create=False)
             if txn.get(b"format", db=meta) != FORMAT or txn.get(b"boot", db=meta) != boot_id().encode():
                 return None
+            table = env.open_db(b"entries", txn=txn, create=False)
+            rows = {k.decode(): EntryRecord.unpack(k.decode(), v) for k, v in txn.cursor(db=table)}
             table = env.open_db(b"lastuse", txn=txn, create=False)
-            return {k.decode(): _LAST_USE.unpack(v)[0] for k, v in txn.cursor(db=table)}
-    except (lmdb.Error, struct.error, UnicodeDecodeError):
+            last_use = {k.decode(): _LAST_USE.unpack(v)[0] for k, v in txn.cursor(db=table)}
+            return rows, last_use
+    except (lmdb.Error, CorruptError, struct.error, UnicodeDecodeError):
         return None
     finally:
         env.close()
