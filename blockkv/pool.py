@@ -42,11 +42,12 @@ class BlobPool:
     def exists(self, name: str) -> bool:
         return self.path(name).is_file()
 
-    def write(self, name: str, parts: Sequence[Buffer]) -> int:
-        """Publish a block durably (tmp → fsync → rename → fsync dir)."""
+    def write(self, name: str, parts: Sequence[Buffer], *, tag: str = "") -> int:
+        """Publish a block durably (tmp → fsync → rename → fsync dir); ``tag``
+        names the writer in the temp file's name (writers.py)."""
         path = self.path(name)
         self._fs.makedirs(path.parent)
-        return self._fs.write_atomic(path, parts)
+        return self._fs.write_atomic(path, parts, tag=tag)
 
     def read(self, name: str) -> bytes:
         try:
@@ -81,10 +82,3 @@ class BlobPool:
             if f.name[:2] == shard and is_block_name(f.name):
                 st = f.stat(follow_symlinks=False)
                 yield BlockFile(f.name, st.st_size, st.st_mtime)
-
-    def freshen(self, name: str) -> None:
-        """Bump a reused block's mtime (git's freshen): orphan sweeps go by age."""
-        try:
-            os.utime(self.path(name))
-        except OSError:
-            pass
