@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ class CheckReport:
     corrupt_blocks: list[str] = field(default_factory=list)
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
     stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
+    in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
     index_missing: bool = False
     actions: list[str] = field(default_factory=list)
 
@@ -73,16 +74,22 @@ def verify_blocks(directory: Directory, progress: Progress | None = None) -> dic
 
 def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
             progress: Progress | None = None, *, verified: dict[str, bool] | None = None,
-            in_flight: Set[str] = frozenset(), stale_tmp: Sequence[str] = ()) -> CheckReport:
+            tmp_cutoff: float | None = None) -> CheckReport:
     """Findings for ``directory`` against index rows ``rows`` (None: no usable index).
 
     Meant to run under the directory lock, so no store is between taking its
     references and making its entry visible: what it reads is consistent.
     ``verified``: block hashes already checked (``verify_blocks``); the rest
-    are hashed here. ``in_flight``: names live writers may still reference
-    (writers.py): not orphans. ``stale_tmp``: dead writers' temp files."""
-    report = CheckReport(index_missing=rows is None, stale_tmp=list(stale_tmp))
+    are hashed here. Blocks live writers announced (writers.py) are in flight,
+    not orphans; the writers are surveyed *after* the listing, so every listed
+    block a live writer wants was announced by then. ``tmp_cutoff``: a temp
+    file without a writer token older than this is stale (default: one
+    ``DEFAULT_TMP_GRACE`` ago)."""
     listing = directory.listing()
+    live = writers.survey(directory.path / "writers")
+    cutoff = time.time() - writers.DEFAULT_TMP_GRACE if tmp_cutoff is None else tmp_cutoff
+    report = CheckReport(index_missing=rows is None, in_flight=sorted(live.names),
+                         stale_tmp=[directory.rel(p) for p in writers.stale_temp_files(listing.tmp, live, cutoff)])
     files = listing.blocks
     truth: Counter[str] = Counter()
     referencing: dict[str, tuple[str, ...]] = {}
@@ -123,7 +130,7 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     )
     waiting_for_gc = {n for n, row in (rows or {}).items() if row.refs == 0}
     report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc
-                                  and n not in in_flight)
+                                  and n not in live.names)
     if rows is not None:
         report.refcount_mismatches = sorted(
             (n, rows[n].refs if n in rows else 0, truth[n])
@@ -143,19 +150,16 @@ def check_directory(directory: Directory, *, lock_timeout: float | None = None,
     lock = DirLock(directory.path / "LOCK", create=False)
     try:
         with lock.held(lock_timeout, shared=True):
-            live = writers.survey(directory.path / "writers")
-            stale = writers.stale_temp_files(directory.listing().tmp, live, time.time() - writers.DEFAULT_TMP_GRACE)
-            return inspect(directory, read_only_block_rows(directory.index_dir), verified=verified,
-                           in_flight=live.names, stale_tmp=[directory.rel(p) for p in stale])
+            return inspect(directory, read_only_block_rows(directory.index_dir), verified=verified)
     finally:
         lock.close()
 
 
-def repair(directory: Directory, report: CheckReport, *, in_flight: Set[str] = frozenset()) -> None:
-    """Act on the findings, under the directory lock: unlink corrupt and
-    dangling headers of ours, delete corrupt blocks (hashed again first: only
-    proof deletes) and orphan blocks no live writer may still reference, and
-    dead writers' temp files."""
+def repair(directory: Directory, report: CheckReport) -> None:
+    """Act on the findings, in the same hold of the directory lock as
+    ``inspect``: unlink corrupt and dangling headers of ours, delete corrupt
+    blocks (hashed again first: only proof deletes) and orphan blocks (no live
+    writer had announced them), dead writers' temp files and intent files."""
     for rel in report.corrupt_headers:
         directory.unlink_quietly(directory.path / rel)
         report.actions.append(f"removed corrupt header {rel}")
@@ -172,7 +176,7 @@ def repair(directory: Directory, report: CheckReport, *, in_flight: Set[str] = f
             corrupt.append(name)
         except BlockMissingError:
             continue
-    orphans = [n for n in report.orphan_blocks if n not in in_flight]
+    orphans = report.orphan_blocks
     for name in corrupt + orphans:
         directory.pool.delete(name)
     for rel in report.stale_tmp:
@@ -181,6 +185,7 @@ def repair(directory: Directory, report: CheckReport, *, in_flight: Set[str] = f
         report.actions.append(f"deleted {len(corrupt)} corrupt block(s)")
     if orphans:
         report.actions.append(f"deleted {len(orphans)} unreferenced block(s)")
+    writers.reap(writers.survey(directory.path / "writers"))
     if report.stale_tmp:
         report.actions.append(f"removed {len(report.stale_tmp)} temp file(s) of dead writers")
     if report.refcount_mismatches:

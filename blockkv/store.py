@@ -481,14 +481,18 @@ class BlockStore:
         caller already has. A block freed less than ``gc_grace`` ago by this
         clock is kept for reuse; that is policy, not safety (design.md, "Block
         lifetime"), so a block stamped in our future is not kept."""
-        if live is None:
+        listing = self._dir.listing() if files is None else None
+        if listing is not None:
+            files = listing.blocks
+        if live is None:  # surveyed after the listing: a listed block's writer had announced it by then
             live = writers.survey(self._intents.directory)
-            self._reap_tmp(self._dir.listing().tmp, live)
+            if listing is not None:
+                self._reap_tmp(listing.tmp, live)
         now = self._clock()
         rows = self._index.blocks()
         doomed = [name for name, row in rows.items()
                   if row.refs == 0 and not now - self.gc_grace < row.zero_since <= now]
-        doomed += (self._pool.names() if files is None else files) - rows.keys()
+        doomed += files - rows.keys()
         doomed = [name for name in doomed if name not in live.names]
         for name in doomed:
             self._fs.crash_point("gc:block-unlinked")
@@ -977,13 +981,10 @@ class BlockStore:
         ``LockTimeout`` if the lock is not had within ``lock_timeout``."""
         verified = gc.verify_blocks(self._dir, progress)
         with self._locked():
-            live = writers.survey(self._intents.directory)
-            stale = [self._dir.rel(p) for p in self._stale_tmp(self._dir.listing().tmp, live)]
-            report = gc.inspect(self._dir, self._index.blocks(), verified=verified, in_flight=live.names,
-                                stale_tmp=stale)
+            report = gc.inspect(self._dir, self._index.blocks(), verified=verified,
+                                tmp_cutoff=self._clock() - self.tmp_grace)
             if repair and not report.clean:
-                gc.repair(self._dir, report, in_flight=live.names)
-                writers.reap(live)
+                gc.repair(self._dir, report)
                 self._rebuild()
                 report.actions.append("rebuilt the index from the headers")
                 self._load()
