@@ -91,8 +91,9 @@ class BlobPool(Protocol):
 
     A name, once created, always holds the same bytes until deleted: there is
     no overwrite. Reads are of whole objects or byte ranges and are never torn:
-    a reader gets the bytes of one put or ``BlockMissingError``. Names are
-    checked against the pool's ``layout`` (ValueError otherwise)."""
+    a reader gets the bytes of one put or ``BlockMissingError``.
+    ``put_if_absent`` and ``get`` check names against the pool's ``layout``
+    (ValueError); the rest take names the caller listed or indexed."""
 
     layout: Layout
     capabilities: PoolCapabilities
@@ -225,7 +226,7 @@ class LocalPool:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 stop = size if end is None else min(end, size)
-                return os.pread(f.fileno(), max(stop - start, 0), start) if start < stop else b""
+                return os.pread(f.fileno(), stop - start, start) if start < stop else b""
         except FileNotFoundError:
             raise BlockMissingError(f"{name} is not in the pool") from None
 
