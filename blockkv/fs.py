@@ -58,6 +58,11 @@ class FileLayer:
     def replace(self, src: Path, dst: Path) -> None:
         os.replace(src, dst)
 
+    def link(self, src: Path, dst: Path) -> None:
+        """A second name for ``src``; FileExistsError if ``dst`` exists: publishing
+        by link is create-if-absent, where a rename would replace."""
+        os.link(src, dst)
+
     def unlink(self, path: Path) -> None:
         os.unlink(path)
 

@@ -49,7 +49,7 @@ from .gc import CheckReport
 from .header import Header, Identity, encode_header
 from .index import EntryRecord, Index
 from .locks import DirLock
-from .pool import BlobPool
+from .pool import LocalPool
 from .prefix_index import PrefixIndex
 from .writers import IntentFile
 
@@ -1007,7 +1007,7 @@ class _BlockWriter:
     looks for it, and stays declared until the store references it or gives
     up (writers.py): deleters spare it meanwhile."""
 
-    def __init__(self, pool: BlobPool, index: Index, intents: IntentFile, io: ThreadPoolExecutor,
+    def __init__(self, pool: LocalPool, index: Index, intents: IntentFile, io: ThreadPoolExecutor,
                  compression: str | None) -> None:
         self._pool, self._index, self._intents, self._io = pool, index, intents, io
         self._compression = compression

@@ -1,7 +1,9 @@
 """Testing kit: an oracle of the store's rules, hypothesis strategies, a
-state machine users can subclass, and a fault-injecting file layer.
+state machine users can subclass, a fault-injecting file layer, and
+``PoolTests``, the tests every ``BlobPool`` backend must pass.
 
-``BlockStoreMachine`` imports the store, so it is loaded on first use."""
+``BlockStoreMachine`` imports the store and ``PoolTests`` imports pytest, so
+they are loaded on first use."""
 
 from typing import Any
 
@@ -22,6 +24,7 @@ __all__ = [
     "FaultyFileLayer",
     "ModelCheckpoint",
     "ModelEntry",
+    "PoolTests",
     "ReferenceStore",
     "SimulatedCrash",
     "StoreOutcome",
@@ -35,4 +38,8 @@ def __getattr__(name: str) -> Any:
         from blockkv.testing import stateful
 
         return getattr(stateful, name)
+    if name == "PoolTests":
+        from blockkv.testing.pool_tests import PoolTests
+
+        return PoolTests
     raise AttributeError(name)
