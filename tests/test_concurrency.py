@@ -96,17 +96,23 @@ def writer(root: Path, result: Path, kw: dict[str, Any], specs: list[Spec] | Non
             else:
                 refused += 1
             _save(result, {"acked": acked, "refused": refused})
+            if specs is None:
+                time.sleep(0.02)  # busy, not flat out: the test verifies every entry afterwards
     _save(result, {"acked": acked, "refused": refused})
 
 
-def looper(root: Path, stop: Any, kw: dict[str, Any], what: str) -> None:
-    """Until ``stop``: ``gc`` (and reopen the root), or ``repair`` (check(repair=True))."""
+def looper(root: Path, stop: Any, kw: dict[str, Any], what: str, ready: Any = None) -> None:
+    """Until ``stop``: ``gc``, ``gc+open`` (gc and reopen the root: recovery at
+    open is a deleter too) or ``repair`` (check(repair=True))."""
     logging.disable(logging.WARNING)
     with open_store(root, **kw) as store:
+        if ready is not None:
+            ready.set()
         while not stop.is_set():
-            if what == "gc":
+            if what.startswith("gc"):
                 store.gc()
-                open_store(root, **kw).close()  # recovery at open is a deleter too
+            if what == "gc+open":
+                open_store(root, **kw).close()
             elif what == "repair":
                 store.check(repair=True)
             time.sleep(0.01)
@@ -240,7 +246,7 @@ def test_refused_store_keeps_a_concurrent_stores_blocks(store_root: Path, tmp_pa
 def test_gc_and_open_leave_a_slow_writers_blocks_alone(store_root: Path, tmp_path: Path) -> None:
     result, stop = tmp_path / "w.json", CTX.Event()
     open_store(store_root).close()
-    sweeper = start(looper, store_root, stop, {"gc_grace": 0.0}, "gc")
+    sweeper = start(looper, store_root, stop, {"gc_grace": 0.0}, "gc+open")
     specs = [spec(i, 128, 100 + i, 8) for i in range(6)]
     w = start(writer, store_root, result, {"gc_grace": 0.0, "fs": SlowFS(0.02)}, specs)
     try:
@@ -261,8 +267,8 @@ def test_repair_loop_beside_workers_loses_nothing(store_root: Path, tmp_path: Pa
     open_store(store_root).close()
     fixer = start(looper, store_root, stop, {}, "repair")
     results = [tmp_path / f"w{i}.json" for i in range(2)]
-    workers = [start(writer, store_root, r, {"fs": SlowFS(0.005)}, [spec(i, 96, (i << 8) + k, 8, f"w{i}")
-                                                                    for k in range(8)])
+    workers = [start(writer, store_root, r, {"fs": SlowFS(0.02)},  # every entry a fresh prefix: new blocks
+                     [spec(100 * i + k, 96, (i << 8) + k, 8, f"w{i}") for k in range(8)])
                for i, r in enumerate(results)]
     try:
         finish(workers, 90)
@@ -288,7 +294,7 @@ def test_plain_check_on_a_busy_healthy_root_is_clean(store_root: Path, tmp_path:
                 report = store.check()
                 if not report.clean:
                     findings.append(f"check() round {round_}: {report.to_json()}")
-                if round_ % 3 == 0:
+                if round_ % 4 == 0:
                     cli = subprocess.run([sys.executable, "-m", "blockkv", "check", str(store_root)],
                                          capture_output=True, text=True, timeout=60)
                     if cli.returncode != 0:
@@ -304,7 +310,7 @@ def test_plain_check_on_a_busy_healthy_root_is_clean(store_root: Path, tmp_path:
 
 
 def test_index_deleted_by_an_operator_while_processes_run(store_root: Path, tmp_path: Path) -> None:
-    stop, started = CTX.Event(), CTX.Event()
+    stop, started, ready = CTX.Event(), CTX.Event(), CTX.Event()
     store = open_store(store_root)
     store.close()
     results = [tmp_path / f"w{i}.json" for i in range(2)]
@@ -314,8 +320,10 @@ def test_index_deleted_by_an_operator_while_processes_run(store_root: Path, tmp_
         assert started.wait(60), "no worker stored anything"
         time.sleep(0.5)
         shutil.rmtree(store.directory / "index")  # documented as safe: the index is only an accelerator
-        sweeper = start(looper, store_root, stop, {"gc_grace": 1.0}, "gc")  # a process that opens after it
-        time.sleep(5)
+        # a process that opens after it and then only gc's: it must learn of the others' new entries
+        sweeper = start(looper, store_root, stop, {"gc_grace": 1.0}, "gc", ready)
+        assert ready.wait(60), "the sweeper did not open"
+        time.sleep(4)
     finally:
         stop.set()
         finish(workers + ([sweeper] if sweeper else []), 60)
@@ -361,7 +369,7 @@ def test_rebuild_elsewhere_never_gives_a_phantom_or_a_false_store(store_root: Pa
                 call()
             except Exception as exc:  # noqa: BLE001 - any exception here is the finding
                 problems.append(f"eviction raised {exc!r}")
-    assert problems == []
+    assert problems == [], "\n".join(problems)
 
 
 # -- 6. two identities in one fingerprint directory share the cap ------------------------------------
@@ -371,14 +379,16 @@ def test_two_identities_share_the_cap_without_evicting_a_fresh_store(store_root:
     size = 128 * ENTRY_BYTES
     cap = int(4.5 * size)
     barrier = CTX.Barrier(2)
-    results = [tmp_path / "a.json", tmp_path / "b.json"]
-    open_store(store_root).close()
-    procs = [start(writer, store_root, r, {"tokenizer_hash": tok, "max_bytes": cap},
-                   [spec(10 * i + k, 0, 7000 + 10 * i + k, 128) for k in range(6)], barrier)
-             for i, (r, tok) in enumerate(zip(results, ("tok-chatml", "tok-llama3")))]
+    results = [tmp_path / "first.json", tmp_path / "a.json", tmp_path / "b.json"]
+    kws = [{"tokenizer_hash": tok, "max_bytes": cap} for tok in ("tok-chatml", "tok-llama3")]
+    # one identity fills the cap, then both store turn about
+    finish([start(writer, store_root, results[0], kws[0], [spec(k, 0, 7000 + k, 128) for k in range(4)])], 60)
+    procs = [start(writer, store_root, r, kw, [spec(10 * i + k, 0, 7010 + 10 * i + k, 128) for k in range(3)],
+                   barrier)
+             for i, (r, kw) in enumerate(zip(results[1:], kws))]
     finish(procs, 90)
     acked = [s for r in results for s in load(r)["acked"]]
-    assert len(acked) == 12
+    assert len(acked) == 10
     assert [s for s in acked if not s["present"]] == []  # each store still there right after it returned
     with open_store(store_root, max_bytes=cap) as store:
         assert store.total_bytes <= cap
