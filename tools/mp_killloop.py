@@ -311,7 +311,8 @@ def run(kills: int, workers: int, seed: int, root: Path, seconds: float | None =
                 slot = rng.choice(busy)
                 proc = procs[slot][0]
                 proc.send_signal(signal.SIGKILL)
-                proc.wait()
+                if proc.wait() != -signal.SIGKILL:  # it had died on its own just before
+                    fig.problems.append(f"worker {slot} exited with {proc.returncode}")
                 fig.kills += 1
                 start(slot)
                 fig.restarts += 1
@@ -364,7 +365,8 @@ def main() -> int:
     print(f"workers {args.workers}  kills {fig.kills}  restarts {fig.restarts}  acknowledged {fig.acknowledged}  "
           f"verified {fig.verified} (in {fig.rounds} rounds)  excused {fig.excused}  lost {fig.lost}  "
           f"wrong {fig.wrong}  ({time.monotonic() - t0:.0f} s)")
-    for p in fig.problems[:20]:
+    losses = [p for p in fig.problems if p.startswith("lost ")]  # counted above: other problems first
+    for p in ([p for p in fig.problems if p not in losses] + losses)[:20]:
         print("  problem:", p)
     return 0 if not (fig.lost or fig.wrong or fig.problems) else 1
 
