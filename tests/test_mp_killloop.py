@@ -15,7 +15,7 @@ _spec.loader.exec_module(mp_killloop)
 
 
 def test_mp_kill_loop_loses_nothing(store_root: Path) -> None:
-    fig = mp_killloop.run(kills=4, workers=3, seed=3, root=store_root, seconds=45, verify_every=8)
+    fig = mp_killloop.run(kills=4, workers=3, seed=3, root=store_root, seconds=120, verify_every=8)
     assert fig.kills == 4
     assert fig.acknowledged > 0 and fig.verified > 0
     assert (fig.lost, fig.wrong, fig.problems) == (0, 0, [])
