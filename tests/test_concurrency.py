@@ -10,7 +10,6 @@ hanging. Entries are synthetic bf16 ``KVCache`` layers regenerated from seeds
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import logging
 import multiprocessing as mp
@@ -28,14 +27,9 @@ import pytest
 
 from blockkv import BlockStore
 from blockkv.fs import FileLayer
+from tool_scripts import load
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "mp_killloop.py"
-if "mp_killloop" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("mp_killloop", _PATH)
-    assert _spec and _spec.loader
-    sys.modules["mp_killloop"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["mp_killloop"])
-mp_killloop = sys.modules["mp_killloop"]
+mp_killloop = load("mp_killloop")
 
 CTX = mp.get_context("spawn")
 IDENT = dict(model_id="tiny-conc", config_fingerprint="fp-conc", tokenizer_hash="tok")

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "mp_killloop.py"
-_spec = importlib.util.spec_from_file_location("mp_killloop", _PATH)
-assert _spec and _spec.loader
-mp_killloop = importlib.util.module_from_spec(_spec)
-sys.modules["mp_killloop"] = mp_killloop
-_spec.loader.exec_module(mp_killloop)
+from tool_scripts import load
+
+mp_killloop = load("mp_killloop")
 
 
 def test_mp_kill_loop_loses_nothing(store_root: Path) -> None:
