@@ -1,11 +1,13 @@
 """Testing kit: an oracle of the store's rules, hypothesis strategies, a
-state machine users can subclass, and a fault-injecting file layer.
+state machine users can subclass, a fault-injecting file layer and a
+recording one that produces power-loss crash states.
 
 ``BlockStoreMachine`` imports the store, so it is loaded on first use."""
 
 from typing import Any
 
 from blockkv.testing.faults import CRASH_POINTS, FaultyFileLayer, SimulatedCrash
+from blockkv.testing.powerloss import CrashPoint, CrashState, RecordingFileLayer
 from blockkv.testing.reference import (
     ModelCheckpoint,
     ModelEntry,
@@ -18,10 +20,13 @@ from blockkv.testing.reference import (
 __all__ = [
     "CRASH_POINTS",
     "BlockStoreMachine",
+    "CrashPoint",
+    "CrashState",
     "FakeClock",
     "FaultyFileLayer",
     "ModelCheckpoint",
     "ModelEntry",
+    "RecordingFileLayer",
     "ReferenceStore",
     "SimulatedCrash",
     "StoreOutcome",
