@@ -118,7 +118,7 @@ def test_every_crash_point_of_the_small_workloads(tmp_path: Path) -> None:
     assert (fig.lost, fig.wrong, fig.problems) == (0, 0, [])
     assert fig.workloads == len(tool.SMALL) + 1
     assert fig.states >= fig.crash_points > fig.workloads
-    assert fig.verified > 0 and fig.extra > 0
+    assert fig.verified > 0 and fig.successions > 0 and fig.extra > 0
 
 
 @pytest.mark.parametrize("forgets", ["file fsync", "directory fsync"])

@@ -46,12 +46,32 @@ SYSTEM = tuple(range(3, 13))  # a shared system prompt: stores after the first a
 
 @dataclass
 class Journal:
-    """What a workload did, by log position (0 = in the durable starting point)."""
+    """What a workload did, by log position: a cut at ``k`` saw operations
+    ``0..k-1``; -1 stands for the set-up (the durable starting point)."""
 
     bits: dict[str, tuple] = field(default_factory=dict)  # entry id -> raw bits its store wrote
     issued: dict[str, int] = field(default_factory=dict)  # entry id -> position its store() began
     acked: dict[str, int] = field(default_factory=dict)  # entry id -> position store() returned True
     doomed: dict[str, int] = field(default_factory=dict)  # entry id -> position an op removing it began
+    successor: dict[str, str] = field(default_factory=dict)  # entry id -> the store that replaced/superseded it
+
+    def owed(self, k: int) -> set[str]:
+        """Entries a cut at ``k`` must keep: acknowledged, and no op removing them had begun
+        (an op beginning at ``k`` has not written anything yet)."""
+        return {i for i, at in self.acked.items() if at <= k <= self.doomed.get(i, 1 << 62)}
+
+    def line(self, entry_id: str, k: int) -> set[str] | None:
+        """An acknowledged entry and the entries that, in turn, replaced or
+        superseded it by cut ``k``: a store removes nothing before its own entry
+        is durable, so one of them must be there. None if the line was removed
+        outright (remove, evict, gc, repair) before ``k``."""
+        line = {entry_id}
+        while self.doomed.get(entry_id, 1 << 62) < k:
+            if entry_id not in self.successor:
+                return None
+            entry_id = self.successor[entry_id]
+            line.add(entry_id)
+        return line
 
 
 class Driver:
@@ -74,7 +94,7 @@ class Driver:
         return self._store
 
     def pos(self) -> int:
-        return len(self.recorder.log) if self.recorder else 0
+        return len(self.recorder.log) if self.recorder else -1
 
     def ids(self) -> set[str]:
         return {e.id for e in self.store.entries()} if self._store is not None else set()
@@ -95,7 +115,7 @@ class Driver:
         self.recorder = self.fs_class(self.root, self.base)
         self._store = BlockStore(self.root, fs=self.recorder, clock=self.clock, **PARAMS)
         for entry_id in before - self.ids():  # recovery at open removed it
-            self.journal.doomed.setdefault(entry_id, 0)
+            self.journal.doomed.setdefault(entry_id, -1)
 
     def finish(self) -> RecordingFileLayer:
         self.store.close()
@@ -114,16 +134,18 @@ class Driver:
         else:
             ok = self.store.store_generation_checkpoint(tokens, caches, checkpoint)
         after = self.ids()
-        for entry_id in before - after:
-            self.journal.doomed.setdefault(entry_id, start)
         new = after - before
         if not ok:
             return None
         (entry_id,) = new
+        for old in before - after:
+            self.journal.doomed.setdefault(old, start)
+            self.journal.successor[old] = entry_id
         self.journal.bits[entry_id] = bits
         self.journal.issued[entry_id] = start
         self.journal.acked[entry_id] = self.pos()
-        self.by_tokens[(ns, tokens)] = entry_id
+        if checkpoint is None:
+            self.by_tokens[(ns, tokens)] = entry_id
         return entry_id
 
     def remove(self, tokens: tuple[int, ...], ns: str = "") -> None:
@@ -151,7 +173,7 @@ class Driver:
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0xFF
         path.write_bytes(bytes(raw))
-        self.journal.doomed[entry_id] = 0
+        self.journal.doomed[entry_id] = -1
 
 
 def _turn(i: int) -> tuple[int, ...]:
@@ -243,7 +265,7 @@ def long_workload(seed: int, steps: int) -> Callable[[Driver], None]:
         d.record()
         for i in range(steps):
             op = rng.choices(("store", "checkpoint", "remove", "evict", "gc"), (6, 1, 2, 1, 1))[0]
-            known = [k for k, v in d.by_tokens.items() if v in d.ids() and not k[0].startswith("__")]
+            known = [k for k, v in d.by_tokens.items() if v in d.ids()]
             if op == "store" or not known:
                 ns = rng.choice(("", "adapter:a"))
                 base = rng.choice([t for n, t in known if n == ns] or [SYSTEM])
@@ -272,20 +294,29 @@ class Figures:
     crash_points: int = 0
     states: int = 0
     verified: int = 0  # acknowledged entries found and restored bit-exact, summed over states
+    successions: int = 0  # entries being replaced/superseded whose successor was there instead
     extra: int = 0  # entries not owed (in flight or being removed) found and restored bit-exact
     lost: int = 0
     wrong: int = 0
     problems: list[str] = field(default_factory=list)
+    rows: list[tuple[str, int, str, int, int, int]] = field(default_factory=list)  # per workload
+
+    def table(self) -> str:
+        out = ["| workload | operations | crash points | crash states | entries verified | successors |",
+               "|---|---|---|---|---|---|"]
+        out += ["| " + " | ".join(map(str, row)) + " |" for row in self.rows]
+        return "\n".join(out)
 
     def line(self) -> str:
         return (f"workloads {self.workloads}  operations {self.operations}  crash points {self.crash_points}  "
-                f"crash states {self.states}  entries verified {self.verified}  also restored {self.extra}  "
+                f"crash states {self.states}  entries verified {self.verified}  successors {self.successions}  "
+                f"also restored {self.extra}  "
                 f"lost {self.lost}  wrong {self.wrong}  problems {len(self.problems)}")
 
 
 def check_state(dest: Path, state: CrashState, journal: Journal, fig: Figures, where: str) -> None:
     k = state.point.ops
-    owed = {i for i, at in journal.acked.items() if at <= k and journal.doomed.get(i, 1 << 62) > k}
+    owed = journal.owed(k)
     fig.states += 1
     problem = fig.problems.append
     with BlockStore(dest, **{**PARAMS, "gc_grace": 0.0}) as store:  # type: ignore[arg-type]
@@ -293,8 +324,9 @@ def check_state(dest: Path, state: CrashState, journal: Journal, fig: Figures, w
         for entry_id in owed - found.keys():
             fig.lost += 1
             problem(f"{where}: acknowledged entry {entry_id} missing")
+        restored: set[str] = set()
         for entry_id, entry in found.items():
-            if entry_id not in journal.bits or journal.issued[entry_id] > k:
+            if entry_id not in journal.bits or journal.issued[entry_id] >= k:
                 fig.wrong += 1
                 problem(f"{where}: entry {entry_id} no store had begun to write")
                 continue
@@ -307,10 +339,21 @@ def check_state(dest: Path, state: CrashState, journal: Journal, fig: Figures, w
             if tuple(live_bits(c) for c in loaded.caches) != journal.bits[entry_id]:
                 fig.wrong += 1
                 problem(f"{where}: entry {entry_id} restores wrong bits")
-            elif entry_id in owed:
+                continue
+            restored.add(entry_id)
+            if entry_id in owed:
                 fig.verified += 1
             else:
                 fig.extra += 1
+        for entry_id in {i for i, at in journal.acked.items() if at <= k} - owed:
+            line = journal.line(entry_id, k)
+            if line is None:
+                continue
+            if line & restored:
+                fig.successions += 1
+            else:
+                fig.lost += 1
+                problem(f"{where}: neither {entry_id} nor the store that replaced it is there")
         first = store.check(repair=True)
         if first.dangling or first.corrupt_headers or first.corrupt_blocks \
                 or any(idx < truth for _, idx, truth in first.refcount_mismatches):
@@ -335,12 +378,13 @@ def run_workload(name: str, workload: Callable[[Driver], None], work: Path, fig:
     driver = Driver(work / "live", work / "base", fs_class)
     workload(driver)
     recorder = driver.finish()
-    points = recorder.crash_points()
+    points = all_points = recorder.crash_points()
     if sample is not None and sample < len(points):
         points = sorted(rng.sample(points, sample), key=lambda p: (p.ops, p.lmdb_version))
     fig.workloads += 1
     fig.operations += len(recorder.log)
     fig.crash_points += len(points)
+    states_before, verified_before, successions_before = fig.states, fig.verified, fig.successions
     for j, point in enumerate(points):
         states = recorder.states(point, rng, n_random, exhaustive_upto)
         if per_point is not None:
@@ -351,6 +395,9 @@ def run_workload(name: str, workload: Callable[[Driver], None], work: Path, fig:
             check_state(dest, state, driver.journal, fig,
                         f"{name} @{point.ops}/{len(recorder.log)} ({state.label}, index {state.index})")
             shutil.rmtree(dest)
+    checked = f"{len(points)}" if points is all_points else f"{len(points)} of {len(all_points)}"
+    fig.rows.append((name, len(recorder.log), checked, fig.states - states_before, fig.verified - verified_before,
+                     fig.successions - successions_before))
 
 
 def run(work: Path, *, quick: bool, seed: int, long_runs: int, long_steps: int, sample: int) -> Figures:
@@ -382,6 +429,7 @@ def main() -> int:
                   long_runs=args.long_runs if args.long_runs is not None else (1 if args.quick else 4),
                   long_steps=args.long_steps or (8 if args.quick else 16),
                   sample=args.sample or (8 if args.quick else 40))
+    print(fig.table())
     print(fig.line() + f"  ({time.perf_counter() - t0:.0f} s)")
     for p in fig.problems[:20]:
         print("  problem:", p)
