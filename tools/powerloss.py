@@ -93,6 +93,11 @@ class Driver:
             self._store = BlockStore(self.root, fs=FileLayer(), clock=self.clock, **PARAMS)
         return self._store
 
+    def open_empty(self) -> None:
+        """Set-up that only opens the store: a root with its skeleton and no entry."""
+        self.store.close()  # the property opened it
+        self._store = None
+
     def pos(self) -> int:
         return len(self.recorder.log) if self.recorder else -1
 
@@ -182,7 +187,7 @@ def _turn(i: int) -> tuple[int, ...]:
 
 # -- the small workloads: (set-up, recorded part) -------------------------------------------
 def w_store(d: Driver) -> None:
-    d.store  # noqa: B018 - set-up: an opened, empty store
+    d.open_empty()
     d.record()
     d.store_(SYSTEM + _turn(1))
 
