@@ -59,7 +59,7 @@ import random
 import shutil
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -413,9 +413,3 @@ def _mark_previous_boot(env_dir: Path, size: int) -> None:
     finally:
         env.close()
 
-
-def iter_states(recorder: RecordingFileLayer, rng: random.Random, *, n_random: int = 2,
-                exhaustive_upto: int = 0) -> Iterator[CrashState]:
-    """Every crash point of a recording, each with its states (see ``states``)."""
-    for point in recorder.crash_points():
-        yield from recorder.states(point, rng, n_random, exhaustive_upto)
