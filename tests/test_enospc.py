@@ -193,3 +193,12 @@ def test_open_on_a_full_disk_serves_what_is_there(small_fs: Path, caplog: pytest
         _assert_restores(store, {_prompt(0): tuple(live_bits(c) for c in caches)})
         assert store.store(_prompt(1), make_caches("llama", _prompt(1))) is False
         assert len(_warnings(caplog)) == 1, _warnings(caplog)
+
+
+def test_ci_turns_a_mount_skip_into_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BLOCKKV_REQUIRE_MOUNT", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        _unavailable("no permission")
+    monkeypatch.setenv("BLOCKKV_REQUIRE_MOUNT", "1")
+    with pytest.raises(pytest.fail.Exception, match="no permission"):
+        _unavailable("no permission")
