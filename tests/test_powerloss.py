@@ -172,3 +172,17 @@ def test_replaying_the_whole_log_gives_the_live_directory(tmp_path: Path) -> Non
 
     assert files(tmp_path / "replayed") == files(work / "live")
     assert len(files(work / "live")) > 5
+
+
+def test_a_rename_between_directories_is_durable_at_its_target_first(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    (root / "a").mkdir()
+    (root / "b").mkdir()
+    (root / "a" / "f").write_bytes(b"moved")
+    rec = RecordingFileLayer(root, tmp_path / "base")
+    rec.replace(root / "a" / "f", root / "b" / "f")
+    rec.fsync_dir(root / "b")  # the target only
+    rec.finish()
+    finals = [files for cut, files, _ in _outcomes(rec, tmp_path / "states") if cut == len(rec.log)]
+    assert all(files.get("b/f") == b"moved" for files in finals)
+    assert {"a/f" in files for files in finals} == {True, False}

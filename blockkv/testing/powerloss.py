@@ -21,12 +21,14 @@ be lost, independently" — OSDI 2014):
   (the file is shorter or has a hole), torn (a prefix landed) or zeroed (the
   size landed, the bytes did not: ext4 ``data=writeback``).
 - Names: a create, rename, unlink or mkdir is durable once a later
-  ``fsync`` of its parent directory (both parents for a rename) happened
-  before the cut. Every other one is, independently, done or undone. An
-  fsync of a file does not make its name durable. A rename is atomic and
-  moves an inode, so a durable rename of a file whose creation was undone
-  still shows the file under its new name. Everything under a directory
-  whose mkdir was undone is gone.
+  ``fsync`` of its parent directory happened before the cut. Every other one
+  is, independently, done or undone. An fsync of a file does not make its
+  name durable. A rename is atomic and moves an inode, so a durable rename
+  of a file whose creation was undone still shows the file under its new
+  name. A rename between two directories is durable at its target once the
+  target directory is fsynced; until the source directory is too, the old
+  name may survive beside the new one. Everything under a directory whose
+  mkdir was undone is gone.
 - The LMDB index is not written through the seam (LMDB does its own I/O), so
   each crash point carries a copy of every ``data.mdb`` under the root as of
   that moment, and a crash state takes one of three forms: ``"lost"`` (no
@@ -113,6 +115,7 @@ class CrashState:
 class _Uncertain:
     names: list[int] = field(default_factory=list)  # name operations not yet made durable
     writes: list[int] = field(default_factory=list)  # writes not yet made durable
+    linked: set[int] = field(default_factory=set)  # renames durable at their target, not yet at their source
 
 
 def _parent(path: str) -> str:
@@ -290,9 +293,12 @@ class RecordingFileLayer(FileLayer):
             if op.kind == "write" and synced_upto.get(op.inode, -1) < i:
                 out.writes.append(i)
             elif op.kind in NAME_OPS:
-                parents = {_parent(op.path)} | ({_parent(op.dst)} if op.kind == "rename" else set())
-                if any(dir_synced.get(p, -1) < i for p in parents):
+                at = _parent(op.dst) if op.kind == "rename" else _parent(op.path)
+                if dir_synced.get(at, -1) < i:
                     out.names.append(i)
+                elif op.kind == "rename" and dir_synced.get(_parent(op.path), -1) < i:
+                    out.names.append(i)  # "undone" keeps the old name too
+                    out.linked.add(i)
         return out
 
     def states(self, point: CrashPoint, rng: random.Random, n_random: int = 2,
@@ -346,6 +352,8 @@ class RecordingFileLayer(FileLayer):
 
         for i, op in enumerate(self.log[:k]):
             if op.kind in NAME_OPS and i in undecided_names and i not in state.names_done:
+                if i in u.linked:  # the new name is durable; the old one is not yet gone
+                    files[op.dst] = op.inode
                 continue  # undone by the power cut
             if op.kind == "create":
                 files[op.path] = op.inode
