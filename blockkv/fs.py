@@ -66,6 +66,9 @@ class FileLayer:
     def unlink(self, path: Path) -> None:
         os.unlink(path)
 
+    def mkdir(self, path: Path) -> None:
+        os.mkdir(path, DIR_MODE)
+
     def read(self, path: Path) -> bytes:
         with open(path, "rb", buffering=0) as f:
             return f.read()
@@ -110,7 +113,7 @@ class FileLayer:
             p = p.parent
         for d in reversed(missing):
             try:
-                os.mkdir(d, DIR_MODE)
+                self.mkdir(d)
             except FileExistsError:
                 continue
             self.fsync_dir(d.parent)

@@ -1,6 +1,7 @@
 """Testing kit: an oracle of the store's rules, hypothesis strategies, a
-state machine users can subclass, a fault-injecting file layer, and
-``PoolTests``, the tests every ``BlobPool`` backend must pass.
+state machine users can subclass, a fault-injecting file layer, a recording
+one that produces power-loss crash states, and ``PoolTests``, the tests every
+``BlobPool`` backend must pass.
 
 ``BlockStoreMachine`` imports the store and ``PoolTests`` imports pytest, so
 they are loaded on first use."""
@@ -8,6 +9,7 @@ they are loaded on first use."""
 from typing import Any
 
 from blockkv.testing.faults import CRASH_POINTS, FaultyFileLayer, SimulatedCrash
+from blockkv.testing.powerloss import CrashPoint, CrashState, RecordingFileLayer
 from blockkv.testing.reference import (
     ModelCheckpoint,
     ModelEntry,
@@ -20,11 +22,14 @@ from blockkv.testing.reference import (
 __all__ = [
     "CRASH_POINTS",
     "BlockStoreMachine",
+    "CrashPoint",
+    "CrashState",
     "FakeClock",
     "FaultyFileLayer",
     "ModelCheckpoint",
     "ModelEntry",
     "PoolTests",
+    "RecordingFileLayer",
     "ReferenceStore",
     "SimulatedCrash",
     "StoreOutcome",
