@@ -23,3 +23,7 @@ class CorruptHeaderError(CorruptError):
 class BlockMissingError(BlockKVError, FileNotFoundError):
     """A block an entry references is not in the pool (removed by another process)."""
 
+
+
+class LockTimeout(BlockKVError, TimeoutError):
+    """The directory lock was not had within the timeout (a stopped or slow holder)."""

@@ -9,6 +9,7 @@ index afterwards).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from . import blocks as blk
+from . import writers
 from .directory import Directory
 from .errors import BlockMissingError, CorruptBlockError, CorruptError
-from .index import BlockRow
+from .index import BlockRow, read_only_block_rows
+from .locks import DirLock
 
 Progress = Callable[[int, int], None]
+DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 
 
 @dataclass
@@ -35,23 +39,57 @@ class CheckReport:
     corrupt_headers: list[str] = field(default_factory=list)  # paths relative to the fingerprint dir
     corrupt_blocks: list[str] = field(default_factory=list)
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
+    stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
+    in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
     index_missing: bool = False
     actions: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
         return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
-                    or self.corrupt_headers or self.corrupt_blocks or self.index_missing)
+                    or self.corrupt_headers or self.corrupt_blocks or self.stale_tmp or self.index_missing)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "clean": self.clean}
 
 
+def verify_blocks(directory: Directory, progress: Progress | None = None) -> dict[str, bool]:
+    """Hash every block file: name → whether it is corrupt. The slow part of a
+    check, so it runs without the directory lock (a block deleted meanwhile is
+    left out; one written meanwhile is verified by ``inspect``)."""
+    names = sorted(directory.pool.names())
+    out: dict[str, bool] = {}
+    for done, name in enumerate(names, 1):
+        try:
+            blk.decode_block(name, directory.pool.read(name))
+            out[name] = False
+        except CorruptBlockError:
+            out[name] = True
+        except BlockMissingError:
+            pass
+        if progress is not None:
+            progress(done, len(names))
+    return out
+
+
 def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
-            progress: Progress | None = None) -> CheckReport:
-    """Findings for ``directory`` against index rows ``rows`` (None: no usable index)."""
-    report = CheckReport(index_missing=rows is None)
+            progress: Progress | None = None, *, verified: dict[str, bool] | None = None,
+            tmp_cutoff: float | None = None) -> CheckReport:
+    """Findings for ``directory`` against index rows ``rows`` (None: no usable index).
+
+    Meant to run under the directory lock, so no store is between taking its
+    references and making its entry visible: what it reads is consistent.
+    ``verified``: block hashes already checked (``verify_blocks``); the rest
+    are hashed here. Blocks live writers announced (writers.py) are in flight,
+    not orphans; the writers are surveyed *after* the listing, so every listed
+    block a live writer wants was announced by then. ``tmp_cutoff``: a temp
+    file without a writer token older than this is stale (default: one
+    ``DEFAULT_TMP_GRACE`` ago)."""
     listing = directory.listing()
+    live = writers.survey(directory.path / "writers")
+    cutoff = time.time() - writers.DEFAULT_TMP_GRACE if tmp_cutoff is None else tmp_cutoff
+    report = CheckReport(index_missing=rows is None, in_flight=sorted(live.names),
+                         stale_tmp=[directory.rel(p) for p in writers.stale_temp_files(listing.tmp, live, cutoff)])
     files = listing.blocks
     truth: Counter[str] = Counter()
     referencing: dict[str, tuple[str, ...]] = {}
@@ -71,24 +109,28 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
             report.entries += 1
             referencing[entry_id] = record.blocks
         truth.update(record.blocks)
-    corrupt = set()
-    names = sorted(files)
-    for done, name in enumerate(names, 1):
+    known = verified or {}
+    rest = {n: known[n] for n in files if n in known}
+    fresh = [n for n in sorted(files) if n not in known]
+    for done, name in enumerate(fresh, 1):
         try:
             blk.decode_block(name, directory.pool.read(name))
+            rest[name] = False
         except CorruptBlockError:
-            corrupt.add(name)
+            rest[name] = True
         except BlockMissingError:
             files.discard(name)
-        if progress is not None:
-            progress(done, len(names))
+        if progress is not None and verified is None:
+            progress(done, len(fresh))
+    corrupt = {n for n, bad in rest.items() if bad and n in files}
     report.blocks = len(files)
     report.corrupt_blocks = sorted(corrupt)
     report.dangling = sorted(
         entry_id for entry_id, needed in referencing.items() if any(n not in files or n in corrupt for n in needed)
     )
     waiting_for_gc = {n for n, row in (rows or {}).items() if row.refs == 0}
-    report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc)
+    report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc
+                                  and n not in live.names)
     if rows is not None:
         report.refcount_mismatches = sorted(
             (n, rows[n].refs if n in rows else 0, truth[n])
@@ -98,8 +140,26 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     return report
 
 
+def check_directory(directory: Directory, *, lock_timeout: float | None = None,
+                    progress: Progress | None = None) -> CheckReport:
+    """``check`` for a tool that has not opened the directory as a store: it
+    changes nothing and takes no write lock. Block hashes are checked first
+    without any lock; the comparison holds the directory lock *shared*, so no
+    store is half-way through and a busy, healthy directory reports clean."""
+    verified = verify_blocks(directory, progress)
+    lock = DirLock(directory.path / "LOCK", create=False)
+    try:
+        with lock.held(lock_timeout, shared=True):
+            return inspect(directory, read_only_block_rows(directory.index_dir), verified=verified)
+    finally:
+        lock.close()
+
+
 def repair(directory: Directory, report: CheckReport) -> None:
-    """Unlink corrupt and dangling headers of ours, delete corrupt and orphan blocks."""
+    """Act on the findings, in the same hold of the directory lock as
+    ``inspect``: unlink corrupt and dangling headers of ours, delete corrupt
+    blocks (hashed again first: only proof deletes) and orphan blocks (no live
+    writer had announced them), dead writers' temp files and intent files."""
     for rel in report.corrupt_headers:
         directory.unlink_quietly(directory.path / rel)
         report.actions.append(f"removed corrupt header {rel}")
@@ -108,11 +168,25 @@ def repair(directory: Directory, report: CheckReport) -> None:
         if entry_id in paths:
             directory.unlink_quietly(Path(paths[entry_id]))
             report.actions.append(f"removed dangling entry {entry_id}")
-    for name in report.corrupt_blocks + report.orphan_blocks:
+    corrupt = []
+    for name in report.corrupt_blocks:
+        try:
+            blk.decode_block(name, directory.pool.read(name))
+        except CorruptBlockError:
+            corrupt.append(name)
+        except BlockMissingError:
+            continue
+    orphans = report.orphan_blocks
+    for name in corrupt + orphans:
         directory.pool.delete(name)
-    if report.corrupt_blocks:
-        report.actions.append(f"deleted {len(report.corrupt_blocks)} corrupt block(s)")
-    if report.orphan_blocks:
-        report.actions.append(f"deleted {len(report.orphan_blocks)} unreferenced block(s)")
+    for rel in report.stale_tmp:
+        directory.unlink_quietly(directory.path / rel)
+    if corrupt:
+        report.actions.append(f"deleted {len(corrupt)} corrupt block(s)")
+    if orphans:
+        report.actions.append(f"deleted {len(orphans)} unreferenced block(s)")
+    writers.reap(writers.survey(directory.path / "writers"))
+    if report.stale_tmp:
+        report.actions.append(f"removed {len(report.stale_tmp)} temp file(s) of dead writers")
     if report.refcount_mismatches:
         report.actions.append(f"fixed {len(report.refcount_mismatches)} refcount(s)")
