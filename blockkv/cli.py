@@ -618,7 +618,7 @@ def build_parser() -> Parser:
         name: str, run: Callable[[argparse.Namespace], int], help: str, *, mutating: bool
     ) -> Parser:
         p: Parser = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(run=run, parser=p)
+        p.set_defaults(run=run, parser=p, mutating=mutating)
         p.add_argument("root", help="cache root (the directory holding .blockkv)")
         which = p.add_mutually_exclusive_group()
         which.add_argument(
@@ -671,17 +671,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:  # reported by the subcommand's parser: "blockkv stats: error: ..."
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     prog = f"blockkv {args.command}"
-    if hasattr(signal, "SIGPIPE"):
-        # `blockkv ls | head -1`: when the reader leaves, end quietly as ls and git
-        # do (killed by SIGPIPE), never with exit 1, "problems found". Only for
-        # these commands: serve's sockets must not die with their clients.
+    if hasattr(signal, "SIGPIPE") and not (args.mutating or getattr(args, "repair", False)):
+        # `blockkv ls | head -1`: when the reader leaves, a command that only looks
+        # ends quietly as ls and git do (killed by SIGPIPE), never with exit 1,
+        # "problems found". Not serve (its sockets must not die with their
+        # clients), and not a command that changes a store: it finishes its work
+        # and then exits 141 below, as a shell would report SIGPIPE.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return int(args.run(args))
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except BrokenPipeError:  # where there is no SIGPIPE: the same, as a shell would report it
+    except BrokenPipeError:  # a command that changes a store, or no SIGPIPE on this platform
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except (BlockKVError, OSError, ValueError, lmdb.Error) as exc:

@@ -486,6 +486,19 @@ def test_a_closed_pipe_ends_ls_quietly(built: Root) -> None:
     assert shell.stderr == ""
 
 
+def test_a_closed_pipe_lets_a_changing_command_finish(root: Root) -> None:
+    """A command that changes a store is not killed mid-way by a closed pipe:
+    it finishes, then exits 141, as a shell reports SIGPIPE."""
+    proc = subprocess.Popen([SCRIPT, "evict", root.path, "-f", root.mamba.model_id, "--to", "0", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == b""
+    (mamba,) = run_json("stats", root.path, "-f", root.mamba.model_id)["fingerprints"]
+    assert mamba["entries"] == 0  # the eviction was done
+
+
 def test_check_names_the_owner_of_foreign_entries(tmp_path: Path) -> None:
     """Two stores sharing one fingerprint with different tokenizers never serve
     each other's entries; check and stats say whose they are."""
