@@ -412,18 +412,6 @@ def blocks_for_prefix(descriptor: Any, prefix_len: int | None) -> list[BlockRef]
 Fetch = Callable[[BlockRef], "bytes | memoryview"]
 
 
-def _payload(fetch: Fetch, ref: BlockRef) -> memoryview:
-    view = memoryview(fetch(ref)).cast("B")
-    if view.nbytes != ref.raw_bytes:
-        raise CorruptBlockError(f"block {ref.name} has {view.nbytes} bytes, expected {ref.raw_bytes}")
-    return view
-
-
-def _from_payload(payload: memoryview, part: Part, offset: int = 0) -> np.ndarray:
-    dtype, shape = part
-    return np.frombuffer(payload, DTYPES[dtype][1], math.prod(shape), offset).reshape(shape)
-
-
 def _fetcher(payloads: Mapping[str, bytes | memoryview] | Fetch) -> Fetch:
     if callable(payloads):
         return payloads
@@ -437,40 +425,104 @@ def _fetcher(payloads: Mapping[str, bytes | memoryview] | Fetch) -> Fetch:
     return fetch
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where one block's payload lands: the destination pieces (byte views of
+    the mlx arrays being rebuilt, plus scratch for rows cut off), in payload
+    order. A reader can fill them straight from the file with one scatter read
+    and hash them in place: no staging buffer, no second copy."""
+
+    ref: BlockRef
+    layout: bytes  # canonical layout JSON: part of the name and of the frame
+    pieces: list[memoryview]
+
+    @property
+    def frame_prefix(self) -> bytes:
+        """The exact bytes an uncompressed frame of this block has before its payload."""
+        return _HEADER.pack(MAGIC, FRAME_VERSION, COMPRESSIONS[None], 0, self.ref.raw_bytes,
+                            len(self.layout)) + self.layout
+
+    def scatter(self, payload: bytes | memoryview) -> None:
+        """Fill the pieces from a decoded, verified payload."""
+        view, offset = memoryview(payload).cast("B"), 0
+        if view.nbytes != self.ref.raw_bytes:
+            raise CorruptBlockError(f"block {self.ref.name} has {view.nbytes} bytes, expected {self.ref.raw_bytes}")
+        for piece in self.pieces:
+            piece[:] = view[offset : offset + piece.nbytes]
+            offset += piece.nbytes
+
+    def verify(self) -> None:
+        """CorruptBlockError unless the filled pieces hash to the block's name."""
+        h = blake3()
+        for piece in self.pieces:
+            h.update(piece)
+        if _name(h, self.layout) != self.ref.name:
+            raise _corrupt(self.ref.name, "content does not hash to the name")
+
+
+def _flat(view: np.ndarray) -> memoryview:
+    return memoryview(view.reshape(-1).view(np.uint8))
+
+
+def _token_target(ref: BlockRef, full: Sequence[TensorRecord], dest: Sequence[memoryview],
+                  rows: Sequence[int]) -> Target:
+    """Pieces of token block ``ref``: per tensor and per leading index (head), the
+    block's rows that the cut keeps, then scratch for the rows it drops."""
+    spec = _block_parts(full, ref.start, ref.stop)
+    layout = [_rows_part(full[i], a, b) for i, a, b in spec]
+    dropped = sum(_part_nbytes((full[i].dtype, (*full[i].shape[:-2], b - max(a, min(b, rows[i])), full[i].shape[-1])))
+                  for i, a, b in spec)
+    scratch, used = memoryview(bytearray(dropped)), 0
+    pieces = []
+    for i, a, b in spec:
+        t = full[i]
+        row = t.shape[-1] * DTYPES[t.dtype][1].itemsize
+        end = max(a, min(b, rows[i]))
+        for j in range(math.prod(t.shape[:-2])):
+            base = j * rows[i]
+            if end > a:
+                pieces.append(dest[i][(base + a) * row : (base + end) * row])
+            if b > end:
+                pieces.append(scratch[used : used + (b - end) * row])
+                used += (b - end) * row
+    return Target(ref, _layout_bytes(layout), pieces)
+
+
 def rebuild(
     descriptor: Any,
-    payloads: Mapping[str, bytes | memoryview] | Fetch,
+    payloads: Mapping[str, bytes | memoryview] | Fetch | None = None,
     prefix_len: int | None = None,
+    fill: Callable[[list[Target]], None] | None = None,
 ) -> tuple[list[Any], dict[str, mx.array]]:
     """Real mlx-lm caches (at ``prefix_len`` if given) and the attachments.
 
-    ``payloads`` maps names to verified payloads, or is a function fetching
-    one; it is asked only for the blocks ``blocks_for_prefix`` names, one at a
-    time, and a returned buffer may be reused once the next is asked for. Each
-    block is scattered straight into the memory of the mlx arrays that the
-    caches will hold (no intermediate host copy)."""
+    The blocks ``blocks_for_prefix`` names become ``Target`` s over the memory of
+    the mlx arrays that the caches will hold. ``fill(targets)`` fills them all
+    (in any order, on any threads; a store reads the files straight into them).
+    Without it, ``payloads`` maps names to verified payloads, or is a function
+    fetching one, asked one block at a time (a returned buffer may be reused
+    once the next is asked for), and each payload is scattered into its target."""
     entry = _parse(descriptor)
-    fetch = _fetcher(payloads)
     records = _prefix(entry, prefix_len)
     full = [t for t in _present(entry.records) if t.token_axis]
     cut = [t for t in _present(records) if t.token_axis]
     token_dest = [device_buffer(t.dtype, t.shape) for t in cut]
-    for ref in entry.token_refs:
-        if prefix_len is not None and ref.start >= prefix_len:
-            break
-        payload, offset = _payload(fetch, ref), 0
-        for i, a, b in _block_parts(full, ref.start, ref.stop):
-            part = _rows_part(full[i], a, b)
-            end = min(b, cut[i].shape[-2])
-            if end > a:
-                token_dest[i][1][..., a:end, :] = _from_payload(payload, part, offset)[..., : end - a, :]
-            offset += _part_nbytes(part)
+    flats = [_flat(view) for _, view in token_dest]
+    rows = [t.shape[-2] for t in cut]
+    targets = [_token_target(ref, full, flats, rows) for ref in entry.token_refs
+               if prefix_len is None or ref.start < prefix_len]
     state_tensors = [t for t in _present(entry.records) if not t.token_axis] + list(entry.attachments.values())
     state_dest = []
     for ref, t in zip(entry.state_refs, state_tensors):
         array, view = device_buffer(t.dtype, t.shape)
-        view[...] = _from_payload(_payload(fetch, ref), (t.dtype, t.shape))
+        targets.append(Target(ref, _layout_bytes([(t.dtype, t.shape)]), [_flat(view)]))
         state_dest.append(array)
+    if fill is not None:
+        fill(targets)
+    else:
+        fetch = _fetcher(payloads if payloads is not None else {})
+        for target in targets:
+            target.scatter(fetch(target.ref))
     token, state = iter(a for a, _ in token_dest), iter(state_dest)
     filled = map_tensors(records, lambda t: replace(t, data=next(token) if t.token_axis else next(state)))
     attachments = {k: next(state) for k in entry.attachments}

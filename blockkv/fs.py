@@ -62,22 +62,28 @@ class FileLayer:
         with open(path, "rb", buffering=0) as f:
             return f.read()
 
-    def read_into(self, path: Path, buffer: bytearray) -> memoryview:
-        """The whole file, read into ``buffer`` when it fits (a caller reusing one
-        buffer across files allocates once), else into fresh memory. The buffer
-        is never resized: views of its previous contents stay valid."""
+    def read_exact(self, path: Path, buffers: Sequence[memoryview]) -> bool:
+        """Fill ``buffers`` in order from the file with scatter reads, if the file
+        is exactly as long as they are together; False (nothing trusted) if it
+        is not, or shrinks while we read. This is the one place a block file is
+        opened for a restore."""
+        want = sum(b.nbytes for b in buffers)
         with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if len(buffer) < size:
-                return memoryview(f.read())
-            view = memoryview(buffer)[:size]
-            n = 0
-            while n < size:
-                got = f.readinto(view[n:])
-                if not got:
-                    break  # truncated while we read: the hash check will say so
-                n += got
-            return view[:n]
+            fd = f.fileno()
+            if os.fstat(fd).st_size != want:
+                return False
+            pending, offset = [b for b in buffers if b.nbytes], 0
+            while pending:
+                n = os.preadv(fd, pending[:_IOV_MAX], offset)
+                if n <= 0:
+                    return False
+                offset += n
+                while n and pending:  # drop what landed, keep the rest of a partial buffer
+                    if n >= pending[0].nbytes:
+                        n -= pending.pop(0).nbytes
+                    else:
+                        pending[0], n = pending[0][n:], 0
+            return True
 
     def crash_point(self, name: str) -> None:
         """A named point inside store/remove/gc (e.g. ``"store:refs-taken"``).

@@ -54,9 +54,9 @@ class BlobPool:
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 
-    def read_into(self, name: str, buffer: bytearray) -> memoryview:
+    def read_exact(self, name: str, buffers: Sequence[memoryview]) -> bool:
         try:
-            return self._fs.read_into(self.path(name), buffer)
+            return self._fs.read_exact(self.path(name), buffers)
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 

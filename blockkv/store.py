@@ -56,7 +56,6 @@ log = logging.getLogger("blockkv")
 ROOT_MARKER = ".blockkv"
 CHECKPOINT_NS = "__generation_checkpoint__:"
 _MAX_TOKEN = (1 << 32) - 1
-_FRAME_SLACK = 128 << 10  # a block frame's header and layout beyond its payload
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 
 
@@ -627,30 +626,40 @@ class BlockStore:
         p = _prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
-        reading = ""
-        buffer = bytearray()  # sized below, once the header says how big the blocks are
+        corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
 
-        def fetch(ref: blk.BlockRef) -> memoryview:
-            nonlocal reading
-            reading = ref.name
-            payload = blk.decode_block(ref.name, self._pool.read_into(ref.name, buffer), verify=self.verify)
-            reading = ""
-            return payload
+        def fill(target: blk.Target) -> None:
+            """Read a block straight into its destination and verify it there; a
+            frame that is not the expected uncompressed one (zstd, or damage)
+            is read whole and decoded, which names what is wrong."""
+            name = target.ref.name
+            try:
+                prefix = bytearray(len(target.frame_prefix))
+                if self._pool.read_exact(name, [memoryview(prefix), *target.pieces]) and prefix == target.frame_prefix:
+                    if self.verify:
+                        target.verify()
+                else:
+                    target.scatter(blk.decode_block(name, self._pool.read(name), verify=self.verify))
+            except CorruptBlockError as exc:
+                corrupt.append((exc, name))
+                raise
+
+        def fill_all(targets: list[blk.Target]) -> None:
+            # two threads: one block's read overlaps another's hash (both release the GIL)
+            for _ in self._io_executor().map(fill, targets):
+                pass
 
         try:
             header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
             if header.identity != self.identity or header.ns != entry.ns:
                 raise CorruptError("the header on disk is not the one indexed")
-            layout = blk.parse_descriptor(header.descriptor)
-            buffer = bytearray(max((r.raw_bytes for r in blk.blocks_for_prefix(layout, cut)), default=0)
-                               + _FRAME_SLACK)
-            caches, attachments = blk.rebuild(layout, fetch, cut)
+            caches, attachments = blk.rebuild(blk.parse_descriptor(header.descriptor), None, cut, fill_all)
             # materialise here: a lazy array built on a worker thread cannot be
             # evaluated from the caller's thread (restore_async)
             mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
                      if isinstance(v, mx.array)])
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            self._restore_failed(entry, exc, reading if isinstance(exc, CorruptBlockError) else "")
+            self._restore_failed(entry, exc, next((name for e, name in corrupt if e is exc), ""))
             return None
         try:
             self._index.touch(entry.id, self._clock())
