@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -469,11 +469,8 @@ def _token_target(ref: BlockRef, full: Sequence[TensorRecord], dest: Sequence[me
     """Pieces of token block ``ref``: per tensor and per leading index (head), the
     block's rows that the cut keeps, then scratch for the rows it drops."""
     spec = _block_parts(full, ref.start, ref.stop)
-    layout = [_rows_part(full[i], a, b) for i, a, b in spec]
-    dropped = sum(_part_nbytes((full[i].dtype, (*full[i].shape[:-2], b - max(a, min(b, rows[i])), full[i].shape[-1])))
-                  for i, a, b in spec)
-    scratch, used = memoryview(bytearray(dropped)), 0
-    pieces = []
+    pieces: list[memoryview | None] = []
+    dropped: list[tuple[int, int]] = []  # (piece index, bytes) of rows beyond the cut
     for i, a, b in spec:
         t = full[i]
         row = t.shape[-1] * DTYPES[t.dtype][1].itemsize
@@ -483,22 +480,27 @@ def _token_target(ref: BlockRef, full: Sequence[TensorRecord], dest: Sequence[me
             if end > a:
                 pieces.append(dest[i][(base + a) * row : (base + end) * row])
             if b > end:
-                pieces.append(scratch[used : used + (b - end) * row])
-                used += (b - end) * row
-    return Target(ref, _layout_bytes(layout), pieces)
+                dropped.append((len(pieces), (b - end) * row))
+                pieces.append(None)
+    if dropped:  # hashed after the read, so every dropped run needs its own bytes
+        scratch, used = memoryview(bytearray(sum(n for _, n in dropped))), 0
+        for k, n in dropped:
+            pieces[k], used = scratch[used : used + n], used + n
+    layout = _layout_bytes([_rows_part(full[i], a, b) for i, a, b in spec])
+    return Target(ref, layout, pieces)  # type: ignore[arg-type]
 
 
 def rebuild(
     descriptor: Any,
     payloads: Mapping[str, bytes | memoryview] | Fetch | None = None,
     prefix_len: int | None = None,
-    fill: Callable[[list[Target]], None] | None = None,
+    fill: Callable[[Iterator[Target]], None] | None = None,
 ) -> tuple[list[Any], dict[str, mx.array]]:
     """Real mlx-lm caches (at ``prefix_len`` if given) and the attachments.
 
     The blocks ``blocks_for_prefix`` names become ``Target`` s over the memory of
-    the mlx arrays that the caches will hold. ``fill(targets)`` fills them all
-    (in any order, on any threads; a store reads the files straight into them).
+    the mlx arrays that the caches will hold. ``fill(targets)`` fills them all as
+    they are made (in any order, on any threads; a store reads the files straight into them).
     Without it, ``payloads`` maps names to verified payloads, or is a function
     fetching one, asked one block at a time (a returned buffer may be reused
     once the next is asked for), and each payload is scattered into its target."""
@@ -509,19 +511,24 @@ def rebuild(
     token_dest = [device_buffer(t.dtype, t.shape) for t in cut]
     flats = [_flat(view) for _, view in token_dest]
     rows = [t.shape[-2] for t in cut]
-    targets = [_token_target(ref, full, flats, rows) for ref in entry.token_refs
-               if prefix_len is None or ref.start < prefix_len]
     state_tensors = [t for t in _present(entry.records) if not t.token_axis] + list(entry.attachments.values())
-    state_dest = []
-    for ref, t in zip(entry.state_refs, state_tensors):
-        array, view = device_buffer(t.dtype, t.shape)
-        targets.append(Target(ref, _layout_bytes([(t.dtype, t.shape)]), [_flat(view)]))
-        state_dest.append(array)
+    state_dest: list[mx.array] = []
+
+    def targets() -> Iterator[Target]:  # built while the first ones are being filled
+        for ref in entry.token_refs:
+            if prefix_len is not None and ref.start >= prefix_len:
+                break
+            yield _token_target(ref, full, flats, rows)
+        for ref, t in zip(entry.state_refs, state_tensors):
+            array, view = device_buffer(t.dtype, t.shape)
+            state_dest.append(array)
+            yield Target(ref, _layout_bytes([(t.dtype, t.shape)]), [_flat(view)])
+
     if fill is not None:
-        fill(targets)
+        fill(targets())
     else:
         fetch = _fetcher(payloads if payloads is not None else {})
-        for target in targets:
+        for target in targets():
             target.scatter(fetch(target.ref))
     token, state = iter(a for a, _ in token_dest), iter(state_dest)
     filled = map_tensors(records, lambda t: replace(t, data=next(token) if t.token_axis else next(state)))

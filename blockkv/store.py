@@ -644,7 +644,7 @@ class BlockStore:
                 corrupt.append((exc, name))
                 raise
 
-        def fill_all(targets: list[blk.Target]) -> None:
+        def fill_all(targets: Iterator[blk.Target]) -> None:
             # two threads: one block's read overlaps another's hash (both release the GIL)
             for _ in self._io_executor().map(fill, targets):
                 pass
