@@ -119,6 +119,20 @@ class FileLayer:
         A crash at any point leaves either no file or the whole file; the tmp
         file is removed on failure. Returns the bytes written.
         """
+        tmp, total = self.write_tmp(path, parts)
+        try:
+            self.replace(tmp, path)
+        except BaseException:
+            self.unlink_tmp(tmp)
+            raise
+        if sync_dir:
+            self.fsync_dir(path.parent)
+        return total
+
+    def write_tmp(self, path: Path, parts: Sequence[Buffer]) -> tuple[Path, int]:
+        """The first half of ``write_atomic``: a durable tmp file beside ``path``
+        (write → fsync), removed on failure. Returns it and the bytes written;
+        ``publish`` renames a batch of them."""
         tmp = tmp_name(path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
@@ -138,16 +152,27 @@ class FileLayer:
                 self.fsync(fd)
             finally:
                 os.close(fd)
-            self.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            self.unlink_tmp(tmp)
             raise
-        if sync_dir:
-            self.fsync_dir(path.parent)
-        return total
+        return tmp, total
+
+    def publish(self, moves: Sequence[tuple[Path, Path]]) -> None:
+        """Rename every (tmp, final) pair, then fsync each directory they touch
+        once: when this returns, every name is durable. A batch pays one
+        directory fsync per directory instead of one per file. On failure the
+        caller removes the tmp files not yet renamed (``unlink_tmp``)."""
+        for tmp, final in moves:
+            self.replace(tmp, final)
+        for directory in dict.fromkeys(final.parent for _, final in moves):
+            self.fsync_dir(directory)
+
+    def unlink_tmp(self, tmp: Path) -> None:
+        """Remove a tmp file if it is still there (cleanup: never raises)."""
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
     def scandir(self, path: Path) -> Iterator[os.DirEntry[str]]:
         """Entries of ``path``; nothing if it is missing or not a directory."""

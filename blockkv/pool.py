@@ -31,6 +31,15 @@ class BlockFile:
     mtime: float
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A block written and fsync'd under a tmp name, waiting for ``BlobPool.publish``."""
+
+    tmp: Path
+    path: Path
+    nbytes: int
+
+
 class BlobPool:
     def __init__(self, directory: Path, fs: FileLayer) -> None:
         self.directory = directory
@@ -47,6 +56,29 @@ class BlobPool:
         path = self.path(name)
         self._fs.makedirs(path.parent)
         return self._fs.write_atomic(path, parts)
+
+    def stage(self, name: str, parts: Sequence[Buffer]) -> Staged:
+        """Write a block to a durable tmp file; nothing can see it until ``publish``."""
+        path = self.path(name)
+        self._fs.makedirs(path.parent)
+        tmp, nbytes = self._fs.write_tmp(path, parts)
+        return Staged(tmp, path, nbytes)
+
+    def publish(self, staged: Sequence[Staged]) -> int:
+        """Give staged blocks their names, durably and as one batch (every rename,
+        then one fsync per shard directory); on failure the ones not yet renamed
+        are removed. Returns the bytes written."""
+        try:
+            self._fs.publish([(s.tmp, s.path) for s in staged])
+        except BaseException:
+            self.unstage(staged)
+            raise
+        return sum(s.nbytes for s in staged)
+
+    def unstage(self, staged: Sequence[Staged]) -> None:
+        """Remove staged tmp files that were not published."""
+        for s in staged:
+            self._fs.unlink_tmp(s.tmp)
 
     def read(self, name: str) -> bytes:
         try:

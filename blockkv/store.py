@@ -49,6 +49,7 @@ from .errors import BlockKVError, CorruptBlockError, CorruptError
 from .fs import FileLayer
 from .header import Header, Identity, encode_header
 from .index import EntryRecord, Index
+from .pool import Staged
 from .prefix_index import PrefixIndex
 
 log = logging.getLogger("blockkv")
@@ -932,7 +933,7 @@ class _BlockWriter:
         self._store = store
         self.sizes: dict[str, int] = {}  # stored bytes of every block the entry references
         self.new: set[str] = set()  # blocks this store wrote
-        self._writes: list[Future[int]] = []
+        self._writes: list[Future[Staged]] = []
 
     def submit(self, block: blk.Block) -> None:
         s, name = self._store, block.ref.name
@@ -944,14 +945,22 @@ class _BlockWriter:
         frame = blk.encode_block(block, s.compression)
         self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
         self.new.add(name)
-        self._writes.append(s._io_executor().submit(s._pool.write, name, frame))
+        self._writes.append(s._io_executor().submit(s._pool.stage, name, frame))
 
     def wait(self) -> int:
-        """Bytes written, once every block is durable (re-raises the first failure)."""
-        total = 0
+        """Bytes written, once every block is durable under its name (re-raises
+        the first failure). Blocks are published as one batch: one fsync per
+        shard directory rather than one per block."""
+        staged, failure = [], None
         for f in self._writes:
-            total += f.result()
-        return total
+            try:
+                staged.append(f.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised once every write has settled
+                failure = failure or exc
+        if failure is not None:
+            self._store._pool.unstage(staged)
+            raise failure
+        return self._store._pool.publish(staged)
 
     def revive_missing(self, layout: blk.EntryLayout) -> int:
         """Under the lock: rewrite any reused block that gc deleted since ``submit`` saw it."""
@@ -972,7 +981,7 @@ class _BlockWriter:
             f.cancel()
         for f in self._writes:
             try:
-                f.result()
+                s._pool.unstage([f.result()])  # a tmp file wait() never published
             except BaseException:  # noqa: BLE001 - the failure is reported by the caller
                 pass
         try:
