@@ -12,11 +12,12 @@ import json
 import math
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 import zstandard
 from blake3 import blake3
 
@@ -73,6 +74,7 @@ class BlockRef:
     raw_bytes: int
     start: int
     stop: int
+    xxh3: str = ""  # xxh3-128 of the same bytes as the name, from the header ("": none recorded)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class EntryLayout:
 
     descriptor: dict[str, Any]
     blocks: list[Block]
+    block_xxh3: list[str] = field(default_factory=list)  # per descriptor block ref, for the header
 
 
 # ---------------------------------------------------------------- naming
@@ -123,7 +126,7 @@ def _part_nbytes(part: Part) -> int:
     return math.prod(part[1]) * DTYPES[part[0]][1].itemsize
 
 
-def _name(h: blake3, layout: bytes) -> str:
+def _name(h: Any, layout: bytes) -> str:
     """Finish a hash of the payload with the layout and its u64 length.
 
     The payload goes first so that it starts at offset 0, where blake3 hashes
@@ -135,12 +138,14 @@ def _name(h: blake3, layout: bytes) -> str:
 
 
 def _make_block(layout: list[Part], parts: list[np.ndarray], start: int, stop: int) -> Block:
-    h = blake3()
+    h, check = blake3(), xxhash.xxh3_128()
     for p in parts:
         for chunk in _chunks(p):
             h.update(chunk)
-    raw = sum(p.nbytes for p in parts)
-    return Block(BlockRef(_name(h, _layout_bytes(layout)), raw, start, stop), parts, layout)
+            check.update(chunk)
+    raw, layout_bytes = sum(p.nbytes for p in parts), _layout_bytes(layout)
+    ref = BlockRef(_name(h, layout_bytes), raw, start, stop, _name(check, layout_bytes))
+    return Block(ref, parts, layout)
 
 
 # ---------------------------------------------------------------- layout planning
@@ -275,7 +280,7 @@ def split_entry(
         "token_blocks": [[r.name, r.raw_bytes, r.start, r.stop] for r in token_refs],
         "state_blocks": [[r.name, r.raw_bytes] for r in state_refs],
     }
-    return EntryLayout(descriptor, list(blocks.values()))
+    return EntryLayout(descriptor, list(blocks.values()), [r.xxh3 for r in token_refs + state_refs])
 
 
 # ---------------------------------------------------------------- descriptor
@@ -352,6 +357,21 @@ def _parse(obj: Any) -> _Entry:
             raise _bad("state block does not match its tensor")
         state_refs.append(BlockRef(ref[0], t.nbytes, -1, -1))
     return _Entry(block_tokens, records, attachments, token_refs, state_refs)
+
+
+def with_xxh3(descriptor: Any, block_xxh3: Any) -> _Entry:
+    """The parsed descriptor with each block ref's xxh3 from the header (``None``:
+    a header from before checksums; restores then verify blake3)."""
+    entry = _parse(descriptor)
+    if block_xxh3 is None:
+        return entry
+    n = len(entry.token_refs)
+    if not (isinstance(block_xxh3, list) and len(block_xxh3) == n + len(entry.state_refs)
+            and all(isinstance(c, str) and len(c) == 32 and all(ch in "0123456789abcdef" for ch in c)
+                    for c in block_xxh3)):
+        raise _bad("block_xxh3 must hold one 32-hex checksum per block")
+    return replace(entry, token_refs=[replace(r, xxh3=c) for r, c in zip(entry.token_refs, block_xxh3)],
+                   state_refs=[replace(r, xxh3=c) for r, c in zip(entry.state_refs, block_xxh3[n:])])
 
 
 def validate_descriptor(obj: Any) -> dict[str, Any]:
@@ -451,13 +471,27 @@ class Target:
             piece[:] = view[offset : offset + piece.nbytes]
             offset += piece.nbytes
 
-    def verify(self) -> None:
-        """CorruptBlockError unless the filled pieces hash to the block's name."""
-        h = blake3()
+    def verify(self, full: bool = False) -> None:
+        """Check the filled pieces against the block's xxh3-128 from the header,
+        or (``full``, or no xxh3 recorded) against its blake3 name.
+
+        CorruptBlockError only on proof that the block's bytes are wrong: an
+        xxh3 mismatch is confirmed with blake3 first, and a block that does
+        hash to its name convicts the header instead (CorruptHeaderError), so a
+        bad header can never get a good shared block deleted."""
+        if self.ref.xxh3 and not full:
+            if self._digest(xxhash.xxh3_128()) == self.ref.xxh3:
+                return
+            if self._digest(blake3()) == self.ref.name:
+                raise CorruptHeaderError(f"the header's xxh3-128 of block {self.ref.name} is wrong")
+        elif self._digest(blake3()) == self.ref.name:
+            return
+        raise _corrupt(self.ref.name, "content does not hash to the name")
+
+    def _digest(self, h: Any) -> str:
         for piece in self.pieces:
             h.update(piece)
-        if _name(h, self.layout) != self.ref.name:
-            raise _corrupt(self.ref.name, "content does not hash to the name")
+        return _name(h, self.layout)
 
 
 def _flat(view: np.ndarray) -> memoryview:

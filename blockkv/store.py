@@ -187,7 +187,7 @@ class BlockStore:
         limit: Callable[[], int] | None = None,
         block_tokens: int = blk.DEFAULT_BLOCK_TOKENS,
         compression: str | None = None,
-        verify: bool = True,
+        verify: bool | str = True,
         fs: FileLayer | None = None,
         clock: Callable[[], float] = time.time,
         gc_grace: float = 60.0,
@@ -203,6 +203,8 @@ class BlockStore:
             raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        if verify not in (True, False, "full"):
+            raise ValueError(f"verify must be True (xxh3-128 per read), 'full' (blake3 per read) or False, got {verify!r}")
         if limit is not None and not callable(limit):
             raise TypeError("limit must be a callable returning the live byte cap")
         for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace)):
@@ -638,9 +640,9 @@ class BlockStore:
                 prefix = bytearray(len(target.frame_prefix))
                 if self._pool.read_exact(name, [memoryview(prefix), *target.pieces]) and prefix == target.frame_prefix:
                     if self.verify:
-                        target.verify()
+                        target.verify(full=self.verify == "full")
                 else:
-                    target.scatter(blk.decode_block(name, self._pool.read(name), verify=self.verify))
+                    target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self.verify)))
             except CorruptBlockError as exc:
                 corrupt.append((exc, name))
                 raise
@@ -654,7 +656,7 @@ class BlockStore:
             header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
             if header.identity != self.identity or header.ns != entry.ns:
                 raise CorruptError("the header on disk is not the one indexed")
-            caches, attachments = blk.rebuild(blk.parse_descriptor(header.descriptor), None, cut, fill_all)
+            caches, attachments = blk.rebuild(blk.with_xxh3(header.descriptor, header.block_xxh3), None, cut, fill_all)
             # materialise here: a lazy array built on a worker thread cannot be
             # evaluated from the caller's thread (restore_async)
             mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
@@ -748,7 +750,7 @@ class BlockStore:
             layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit)
             written = writer.wait()
             header = encode_header(Header(self.identity, ns, tokens, layout.descriptor,
-                                          checkpoint.to_json() if checkpoint else None))
+                                          checkpoint.to_json() if checkpoint else None, layout.block_xxh3))
             entry_bytes = len(header) + sum(writer.sizes.values())
             if entry_bytes > self.max_bytes:
                 self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {self.max_bytes}-byte cap",
