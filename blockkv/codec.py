@@ -8,7 +8,6 @@ Decoding goes back through each class's own ``from_state``/state protocol."""
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -94,48 +93,16 @@ def to_device(data: np.ndarray, dtype: str) -> mx.array:
     return out.view(mx_dtype) if dtype in _BITS_VIEW else out
 
 
-class _Unfilled(io.RawIOBase):
-    """A .npy "file" of ``shape`` whose data region reads as whatever is already
-    in the buffer: loading it makes mlx allocate an array without writing to
-    it. mlx has no ``empty``; ``zeros`` wrote every byte at ~5 GB/s, more than
-    mlx-lm's whole load of the same cache takes."""
-
-    def __init__(self, host: np.dtype, shape: tuple[int, ...]) -> None:
-        header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(
-            header, {"descr": np.lib.format.dtype_to_descr(host), "fortran_order": False, "shape": tuple(shape)})
-        self._header, self._pos = header.getvalue(), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence != io.SEEK_SET:
-            raise io.UnsupportedOperation("absolute seeks only")
-        self._pos = offset
-        return offset
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        head = self._header[self._pos : self._pos + view.nbytes]
-        view[: len(head)] = head
-        self._pos += view.nbytes
-        return view.nbytes
-
-
 def device_buffer(dtype: str, shape: tuple[int, ...]) -> tuple[mx.array, np.ndarray]:
-    """A fresh, unfilled mlx array of ``dtype`` and a writable numpy view of its raw bits.
+    """A fresh mlx array of ``dtype`` and a writable numpy view of its raw bits.
 
     Filling the view fills the array: a restore reads block bytes straight
-    into the memory mlx will use, with no second copy; it writes every byte."""
+    into the memory mlx will use, with no second copy. (mlx has no ``empty``;
+    ``mx.load`` of an unfilled .npy stream gave one, but its reader thread
+    aborted 4 in 30 processes at exit, so the array is zeroed first.)"""
     mx_dtype, host = DTYPES[dtype]
-    bits = mx.load(_Unfilled(host, shape), format="npy")
+    bits = mx.zeros(shape, dtype=_BITS_VIEW.get(dtype, mx_dtype))
+    mx.eval(bits)
     view = np.asarray(memoryview(bits)).view(host)
     if not (view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(shape)):
         raise RuntimeError("mlx did not expose a writable contiguous buffer")
