@@ -1230,9 +1230,9 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
         "",
         (
             f"{cfg.large_shape.layers} layers x {cfg.large_shape.kv_heads} KV heads x head_dim {cfg.large_shape.head_dim}, "
-            "bf16, each size in its own fresh child process: the entry is built there, then stored, then the source "
-            "arrays are freed and it is restored (warm). Peak RSS growth of a step is VmHWM after it (reset just "
-            "before) minus VmRSS before it."
+            "bf16, in one fresh child process, the large entry first: each entry is built there, then stored, then "
+            "its source arrays are freed (and MLX's buffer cache cleared) and it is restored (warm). Peak RSS growth "
+            "of a step is VmHWM after it (reset just before) minus VmRSS before it."
         ),
         "",
         "| tokens | entry | store | store peak RSS growth | restore | restore peak RSS growth |",
