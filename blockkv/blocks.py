@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 import zstandard
 from blake3 import blake3
 
@@ -73,6 +74,7 @@ class BlockRef:
     raw_bytes: int
     start: int
     stop: int
+    xxh3: str = ""  # xxh3-128 of the same bytes as the name, from the header ("": none recorded)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class EntryLayout:
 
     descriptor: dict[str, Any]
     blocks: list[Block]
+    block_xxh3: list[str] = field(default_factory=list)  # per descriptor block ref, for the header
 
 
 # ---------------------------------------------------------------- naming
@@ -123,7 +126,7 @@ def _part_nbytes(part: Part) -> int:
     return math.prod(part[1]) * DTYPES[part[0]][1].itemsize
 
 
-def _name(h: blake3, layout: bytes) -> str:
+def _name(h: Any, layout: bytes) -> str:
     """Finish a hash of the payload with the layout and its u64 length.
 
     The payload goes first so that it starts at offset 0, where blake3 hashes
@@ -135,12 +138,14 @@ def _name(h: blake3, layout: bytes) -> str:
 
 
 def _make_block(layout: list[Part], parts: list[np.ndarray], start: int, stop: int) -> Block:
-    h = blake3()
+    h, check = blake3(), xxhash.xxh3_128()
     for p in parts:
         for chunk in _chunks(p):
             h.update(chunk)
-    raw = sum(p.nbytes for p in parts)
-    return Block(BlockRef(_name(h, _layout_bytes(layout)), raw, start, stop), parts, layout)
+            check.update(chunk)
+    raw, layout_bytes = sum(p.nbytes for p in parts), _layout_bytes(layout)
+    ref = BlockRef(_name(h, layout_bytes), raw, start, stop, _name(check, layout_bytes))
+    return Block(ref, parts, layout)
 
 
 # ---------------------------------------------------------------- layout planning
@@ -275,7 +280,7 @@ def split_entry(
         "token_blocks": [[r.name, r.raw_bytes, r.start, r.stop] for r in token_refs],
         "state_blocks": [[r.name, r.raw_bytes] for r in state_refs],
     }
-    return EntryLayout(descriptor, list(blocks.values()))
+    return EntryLayout(descriptor, list(blocks.values()), [r.xxh3 for r in token_refs + state_refs])
 
 
 # ---------------------------------------------------------------- descriptor
@@ -354,6 +359,21 @@ def _parse(obj: Any) -> _Entry:
     return _Entry(block_tokens, records, attachments, token_refs, state_refs)
 
 
+def with_xxh3(descriptor: Any, block_xxh3: Any) -> _Entry:
+    """The parsed descriptor with each block ref's xxh3 from the header (``None``:
+    a header from before checksums; restores then verify blake3)."""
+    entry = _parse(descriptor)
+    if block_xxh3 is None:
+        return entry
+    n = len(entry.token_refs)
+    if not (isinstance(block_xxh3, list) and len(block_xxh3) == n + len(entry.state_refs)
+            and all(isinstance(c, str) and len(c) == 32 and all(ch in "0123456789abcdef" for ch in c)
+                    for c in block_xxh3)):
+        raise _bad("block_xxh3 must hold one 32-hex checksum per block")
+    return replace(entry, token_refs=[replace(r, xxh3=c) for r, c in zip(entry.token_refs, block_xxh3)],
+                   state_refs=[replace(r, xxh3=c) for r, c in zip(entry.state_refs, block_xxh3[n:])])
+
+
 def validate_descriptor(obj: Any) -> dict[str, Any]:
     """``obj`` if it is a well-formed, self-consistent entry descriptor; else CorruptHeaderError."""
     _parse(obj)
@@ -412,18 +432,6 @@ def blocks_for_prefix(descriptor: Any, prefix_len: int | None) -> list[BlockRef]
 Fetch = Callable[[BlockRef], "bytes | memoryview"]
 
 
-def _payload(fetch: Fetch, ref: BlockRef) -> memoryview:
-    view = memoryview(fetch(ref)).cast("B")
-    if view.nbytes != ref.raw_bytes:
-        raise CorruptBlockError(f"block {ref.name} has {view.nbytes} bytes, expected {ref.raw_bytes}")
-    return view
-
-
-def _from_payload(payload: memoryview, part: Part, offset: int = 0) -> np.ndarray:
-    dtype, shape = part
-    return np.frombuffer(payload, DTYPES[dtype][1], math.prod(shape), offset).reshape(shape)
-
-
 def _fetcher(payloads: Mapping[str, bytes | memoryview] | Fetch) -> Fetch:
     if callable(payloads):
         return payloads
@@ -437,40 +445,125 @@ def _fetcher(payloads: Mapping[str, bytes | memoryview] | Fetch) -> Fetch:
     return fetch
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where one block's payload lands: the destination pieces (byte views of
+    the mlx arrays being rebuilt, plus scratch for rows cut off), in payload
+    order. A reader can fill them straight from the file with one scatter read
+    and hash them in place: no staging buffer, no second copy."""
+
+    ref: BlockRef
+    layout: bytes  # canonical layout JSON: part of the name and of the frame
+    pieces: list[memoryview]
+
+    @property
+    def frame_prefix(self) -> bytes:
+        """The exact bytes an uncompressed frame of this block has before its payload."""
+        return _HEADER.pack(MAGIC, FRAME_VERSION, COMPRESSIONS[None], 0, self.ref.raw_bytes,
+                            len(self.layout)) + self.layout
+
+    def scatter(self, payload: bytes | memoryview) -> None:
+        """Fill the pieces from a decoded, verified payload."""
+        view, offset = memoryview(payload).cast("B"), 0
+        if view.nbytes != self.ref.raw_bytes:
+            raise CorruptBlockError(f"block {self.ref.name} has {view.nbytes} bytes, expected {self.ref.raw_bytes}")
+        for piece in self.pieces:
+            piece[:] = view[offset : offset + piece.nbytes]
+            offset += piece.nbytes
+
+    def verify(self, full: bool = False) -> None:
+        """Check the filled pieces against the block's xxh3-128 from the header,
+        or (``full``, or no xxh3 recorded) against its blake3 name.
+
+        CorruptBlockError only on proof that the block's bytes are wrong: an
+        xxh3 mismatch is confirmed with blake3 first, and a block that does
+        hash to its name convicts the header instead (CorruptHeaderError), so a
+        bad header can never get a good shared block deleted."""
+        if self.ref.xxh3 and not full:
+            if self._digest(xxhash.xxh3_128()) == self.ref.xxh3:
+                return
+            if self._digest(blake3()) == self.ref.name:
+                raise CorruptHeaderError(f"the header's xxh3-128 of block {self.ref.name} is wrong")
+        elif self._digest(blake3()) == self.ref.name:
+            return
+        raise _corrupt(self.ref.name, "content does not hash to the name")
+
+    def _digest(self, h: Any) -> str:
+        for piece in self.pieces:
+            h.update(piece)
+        return _name(h, self.layout)
+
+
+def _flat(view: np.ndarray) -> memoryview:
+    return memoryview(view.reshape(-1).view(np.uint8))
+
+
+def _token_target(ref: BlockRef, full: Sequence[TensorRecord], dest: Sequence[memoryview],
+                  rows: Sequence[int]) -> Target:
+    """Pieces of token block ``ref``: per tensor and per leading index (head), the
+    block's rows that the cut keeps, then scratch for the rows it drops."""
+    spec = _block_parts(full, ref.start, ref.stop)
+    pieces: list[memoryview | None] = []
+    dropped: list[tuple[int, int]] = []  # (piece index, bytes) of rows beyond the cut
+    for i, a, b in spec:
+        t = full[i]
+        row = t.shape[-1] * DTYPES[t.dtype][1].itemsize
+        end = max(a, min(b, rows[i]))
+        for j in range(math.prod(t.shape[:-2])):
+            base = j * rows[i]
+            if end > a:
+                pieces.append(dest[i][(base + a) * row : (base + end) * row])
+            if b > end:
+                dropped.append((len(pieces), (b - end) * row))
+                pieces.append(None)
+    if dropped:  # hashed after the read, so every dropped run needs its own bytes
+        scratch, used = memoryview(bytearray(sum(n for _, n in dropped))), 0
+        for k, n in dropped:
+            pieces[k], used = scratch[used : used + n], used + n
+    layout = _layout_bytes([_rows_part(full[i], a, b) for i, a, b in spec])
+    return Target(ref, layout, pieces)  # type: ignore[arg-type]
+
+
 def rebuild(
     descriptor: Any,
-    payloads: Mapping[str, bytes | memoryview] | Fetch,
+    payloads: Mapping[str, bytes | memoryview] | Fetch | None = None,
     prefix_len: int | None = None,
+    fill: Callable[[Iterator[Target]], None] | None = None,
 ) -> tuple[list[Any], dict[str, mx.array]]:
     """Real mlx-lm caches (at ``prefix_len`` if given) and the attachments.
 
-    ``payloads`` maps names to verified payloads, or is a function fetching
-    one; it is asked only for the blocks ``blocks_for_prefix`` names, one at a
-    time, and a returned buffer may be reused once the next is asked for. Each
-    block is scattered straight into the memory of the mlx arrays that the
-    caches will hold (no intermediate host copy)."""
+    The blocks ``blocks_for_prefix`` names become ``Target`` s over the memory of
+    the mlx arrays that the caches will hold. ``fill(targets)`` fills them all as
+    they are made (in any order, on any threads; a store reads the files straight into them).
+    Without it, ``payloads`` maps names to verified payloads, or is a function
+    fetching one, asked one block at a time (a returned buffer may be reused
+    once the next is asked for), and each payload is scattered into its target."""
     entry = _parse(descriptor)
-    fetch = _fetcher(payloads)
     records = _prefix(entry, prefix_len)
     full = [t for t in _present(entry.records) if t.token_axis]
     cut = [t for t in _present(records) if t.token_axis]
     token_dest = [device_buffer(t.dtype, t.shape) for t in cut]
-    for ref in entry.token_refs:
-        if prefix_len is not None and ref.start >= prefix_len:
-            break
-        payload, offset = _payload(fetch, ref), 0
-        for i, a, b in _block_parts(full, ref.start, ref.stop):
-            part = _rows_part(full[i], a, b)
-            end = min(b, cut[i].shape[-2])
-            if end > a:
-                token_dest[i][1][..., a:end, :] = _from_payload(payload, part, offset)[..., : end - a, :]
-            offset += _part_nbytes(part)
+    flats = [_flat(view) for _, view in token_dest]
+    rows = [t.shape[-2] for t in cut]
     state_tensors = [t for t in _present(entry.records) if not t.token_axis] + list(entry.attachments.values())
-    state_dest = []
-    for ref, t in zip(entry.state_refs, state_tensors):
-        array, view = device_buffer(t.dtype, t.shape)
-        view[...] = _from_payload(_payload(fetch, ref), (t.dtype, t.shape))
-        state_dest.append(array)
+    state_dest: list[mx.array] = []
+
+    def targets() -> Iterator[Target]:  # built while the first ones are being filled
+        for ref in entry.token_refs:
+            if prefix_len is not None and ref.start >= prefix_len:
+                break
+            yield _token_target(ref, full, flats, rows)
+        for ref, t in zip(entry.state_refs, state_tensors):
+            array, view = device_buffer(t.dtype, t.shape)
+            state_dest.append(array)
+            yield Target(ref, _layout_bytes([(t.dtype, t.shape)]), [_flat(view)])
+
+    if fill is not None:
+        fill(targets())
+    else:
+        fetch = _fetcher(payloads if payloads is not None else {})
+        for target in targets():
+            target.scatter(fetch(target.ref))
     token, state = iter(a for a, _ in token_dest), iter(state_dest)
     filled = map_tensors(records, lambda t: replace(t, data=next(token) if t.token_axis else next(state)))
     attachments = {k: next(state) for k in entry.attachments}

@@ -96,8 +96,10 @@ def to_device(data: np.ndarray, dtype: str) -> mx.array:
 def device_buffer(dtype: str, shape: tuple[int, ...]) -> tuple[mx.array, np.ndarray]:
     """A fresh mlx array of ``dtype`` and a writable numpy view of its raw bits.
 
-    Filling the view fills the array: a restore scatters block bytes straight
-    into the memory mlx will use, with no second copy."""
+    Filling the view fills the array: a restore reads block bytes straight
+    into the memory mlx will use, with no second copy. (mlx has no ``empty``;
+    ``mx.load`` of an unfilled .npy stream gave one, but its reader thread
+    aborted 4 in 30 processes at exit, so the array is zeroed first.)"""
     mx_dtype, host = DTYPES[dtype]
     bits = mx.zeros(shape, dtype=_BITS_VIEW.get(dtype, mx_dtype))
     mx.eval(bits)

@@ -73,22 +73,28 @@ class FileLayer:
         with open(path, "rb", buffering=0) as f:
             return f.read()
 
-    def read_into(self, path: Path, buffer: bytearray) -> memoryview:
-        """The whole file, read into ``buffer`` when it fits (a caller reusing one
-        buffer across files allocates once), else into fresh memory. The buffer
-        is never resized: views of its previous contents stay valid."""
+    def read_exact(self, path: Path, buffers: Sequence[memoryview]) -> bool:
+        """Fill ``buffers`` in order from the file with scatter reads, if the file
+        is exactly as long as they are together; False (nothing trusted) if it
+        is not, or shrinks while we read. This is the one place a block file is
+        opened for a restore."""
+        want = sum(b.nbytes for b in buffers)
         with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if len(buffer) < size:
-                return memoryview(f.read())
-            view = memoryview(buffer)[:size]
-            n = 0
-            while n < size:
-                got = f.readinto(view[n:])
-                if not got:
-                    break  # truncated while we read: the hash check will say so
-                n += got
-            return view[:n]
+            fd = f.fileno()
+            if os.fstat(fd).st_size != want:
+                return False
+            pending, offset = [b for b in buffers if b.nbytes], 0
+            while pending:
+                n = os.preadv(fd, pending[:_IOV_MAX], offset)
+                if n <= 0:
+                    return False
+                offset += n
+                while n and pending:  # drop what landed, keep the rest of a partial buffer
+                    if n >= pending[0].nbytes:
+                        n -= pending.pop(0).nbytes
+                    else:
+                        pending[0], n = pending[0][n:], 0
+            return True
 
     def crash_point(self, name: str) -> None:
         """A named point inside store/remove/gc (e.g. ``"store:refs-taken"``).
@@ -124,6 +130,20 @@ class FileLayer:
         A crash at any point leaves either no file or the whole file; the tmp
         file is removed on failure. Returns the bytes written.
         """
+        tmp, total = self.write_tmp(path, parts, tag=tag)
+        try:
+            self.replace(tmp, path)
+        except BaseException:
+            self.unlink_tmp(tmp)
+            raise
+        if sync_dir:
+            self.fsync_dir(path.parent)
+        return total
+
+    def write_tmp(self, path: Path, parts: Sequence[Buffer], *, tag: str = "") -> tuple[Path, int]:
+        """The first half of ``write_atomic``: a durable tmp file beside ``path``
+        (write → fsync), removed on failure. Returns it and the bytes written;
+        ``publish`` renames a batch of them. ``tag`` names the writer (writers.py)."""
         tmp = tmp_name(path, tag)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
@@ -143,16 +163,27 @@ class FileLayer:
                 self.fsync(fd)
             finally:
                 os.close(fd)
-            self.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            self.unlink_tmp(tmp)
             raise
-        if sync_dir:
-            self.fsync_dir(path.parent)
-        return total
+        return tmp, total
+
+    def publish(self, moves: Sequence[tuple[Path, Path]]) -> None:
+        """Rename every (tmp, final) pair, then fsync each directory they touch
+        once: when this returns, every name is durable. A batch pays one
+        directory fsync per directory instead of one per file. On failure the
+        caller removes the tmp files not yet renamed (``unlink_tmp``)."""
+        for tmp, final in moves:
+            self.replace(tmp, final)
+        for directory in dict.fromkeys(final.parent for _, final in moves):
+            self.fsync_dir(directory)
+
+    def unlink_tmp(self, tmp: Path) -> None:
+        """Remove a tmp file if it is still there (cleanup: never raises)."""
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
     def scandir(self, path: Path) -> Iterator[os.DirEntry[str]]:
         """Entries of ``path``; nothing if it is missing or not a directory."""

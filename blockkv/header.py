@@ -61,6 +61,9 @@ class Header:
     tokens: np.ndarray  # uint32, read-only
     descriptor: dict[str, Any]  # the block layer's entry layout (records + block refs)
     checkpoint: dict[str, Any] | None = None
+    # xxh3-128 of each block (token blocks, then state blocks, descriptor order): the
+    # fast per-read check; absent in headers written before it existed
+    block_xxh3: list[str] | None = None
 
 
 def encode_header(header: Header) -> bytes:
@@ -70,6 +73,8 @@ def encode_header(header: Header) -> bytes:
         "descriptor": header.descriptor,
         "checkpoint": header.checkpoint,
     }
+    if header.block_xxh3 is not None:
+        meta["block_xxh3"] = header.block_xxh3
     meta_bytes = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode()
     tokens = np.ascontiguousarray(header.tokens, dtype="<u4")
     if len(meta_bytes) > MAX_META_BYTES or len(tokens) > MAX_TOKENS:
@@ -102,12 +107,14 @@ def decode_header(data: bytes) -> Header:
         ns = _str(meta, "ns")
         descriptor = meta["descriptor"]
         checkpoint = meta.get("checkpoint")
+        block_xxh3 = meta.get("block_xxh3")
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptHeaderError(f"header metadata unreadable: {exc}") from None
-    if not isinstance(descriptor, dict) or not (checkpoint is None or isinstance(checkpoint, dict)):
+    if not isinstance(descriptor, dict) or not (checkpoint is None or isinstance(checkpoint, dict)) or not (
+            block_xxh3 is None or isinstance(block_xxh3, list)):
         raise CorruptHeaderError("header metadata has the wrong shape")
     tokens = np.frombuffer(body, dtype="<u4", count=n_tokens, offset=_FIXED.size + meta_len)
-    return Header(identity, ns, tokens, descriptor, checkpoint)
+    return Header(identity, ns, tokens, descriptor, checkpoint, block_xxh3)
 
 
 def _str(meta: dict[str, Any], key: str) -> str:

@@ -75,6 +75,15 @@ BLOCK_LAYOUT = Layout(_NAME, sharded=True)
 
 
 @dataclass(frozen=True)
+class Staged:
+    """A block written and fsync'd under a tmp name, waiting for ``LocalPool.publish``."""
+
+    tmp: Path
+    path: Path
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class PoolCapabilities:
     """What a backend can promise; the store picks its write order and sweeps by them."""
 
@@ -157,17 +166,50 @@ class LocalPool:
         self._fs.makedirs(path.parent)
         return self._fs.write_atomic(path, parts, tag=tag)
 
+    def stage(self, name: str, parts: Sequence[Buffer], *, tag: str = "") -> Staged:
+        """Write a block to a durable tmp file; nothing can see it until ``publish``."""
+        path = self.path(name)
+        self._fs.makedirs(path.parent)
+        tmp, nbytes = self._fs.write_tmp(path, parts, tag=tag)
+        return Staged(tmp, path, nbytes)
+
+    def publish(self, staged: Sequence[Staged]) -> int:
+        """Give staged blocks their names, durably and as one batch (every rename,
+        then one fsync per shard directory); on failure the ones not yet renamed
+        are removed. Returns the bytes written."""
+        try:
+            self._fs.publish([(s.tmp, s.path) for s in staged])
+        except BaseException:
+            self.unstage(staged)
+            raise
+        return sum(s.nbytes for s in staged)
+
+    def unstage(self, staged: Sequence[Staged]) -> None:
+        """Remove staged tmp files that were not published."""
+        for s in staged:
+            self._fs.unlink_tmp(s.tmp)
+
     def read(self, name: str) -> bytes:
         try:
             return self._fs.read(self.path(name))
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 
-    def read_into(self, name: str, buffer: bytearray) -> memoryview:
+    def read_exact(self, name: str, buffers: Sequence[memoryview]) -> bool:
+        """The restore's fast path (FileLayer.read_exact)."""
         try:
-            return self._fs.read_into(self.path(name), buffer)
+            return self._fs.read_exact(self.path(name), buffers)
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
+
+    def read_into(self, name: str, buffer: bytearray) -> memoryview:
+        """The protocol's whole-object read, into ``buffer`` when it fits (never resized)."""
+        data = self.read(name)
+        if len(data) > len(buffer):
+            return memoryview(data)
+        view = memoryview(buffer)[: len(data)]
+        view[:] = data
+        return view
 
     def delete(self, name: str) -> None:
         try:

@@ -49,7 +49,7 @@ from .gc import CheckReport
 from .header import Header, Identity, encode_header
 from .index import EntryRecord, Index
 from .locks import DirLock
-from .pool import LocalPool
+from .pool import LocalPool, Staged
 from .prefix_index import PrefixIndex
 from .writers import IntentFile
 
@@ -58,7 +58,6 @@ log = logging.getLogger("blockkv")
 ROOT_MARKER = ".blockkv"
 CHECKPOINT_NS = "__generation_checkpoint__:"
 _MAX_TOKEN = (1 << 32) - 1
-_FRAME_SLACK = 128 << 10  # a block frame's header and layout beyond its payload
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 # liblmdb errors that prove an environment broken (not a transient failure):
@@ -166,7 +165,7 @@ class BlockStore:
         limit: Callable[[], int] | None = None,
         block_tokens: int = blk.DEFAULT_BLOCK_TOKENS,
         compression: str | None = None,
-        verify: bool = True,
+        verify: bool | str = True,
         fs: FileLayer | None = None,
         clock: Callable[[], float] = time.time,
         gc_grace: float = gc.DEFAULT_GC_GRACE,
@@ -183,6 +182,8 @@ class BlockStore:
             raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        if verify not in (True, False, "full"):
+            raise ValueError(f"verify must be True (xxh3-128 per read), 'full' (blake3 per read) or False, got {verify!r}")
         if limit is not None and not callable(limit):
             raise TypeError("limit must be a callable returning the live byte cap")
         for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace), ("lock_timeout", lock_timeout)):
@@ -667,30 +668,40 @@ class BlockStore:
         p = _prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
-        reading = ""
-        buffer = bytearray()  # sized below, once the header says how big the blocks are
+        corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
 
-        def fetch(ref: blk.BlockRef) -> memoryview:
-            nonlocal reading
-            reading = ref.name
-            payload = blk.decode_block(ref.name, self._pool.read_into(ref.name, buffer), verify=self.verify)
-            reading = ""
-            return payload
+        def fill(target: blk.Target) -> None:
+            """Read a block straight into its destination and verify it there; a
+            frame that is not the expected uncompressed one (zstd, or damage)
+            is read whole and decoded, which names what is wrong."""
+            name = target.ref.name
+            try:
+                prefix = bytearray(len(target.frame_prefix))
+                if self._pool.read_exact(name, [memoryview(prefix), *target.pieces]) and prefix == target.frame_prefix:
+                    if self.verify:
+                        target.verify(full=self.verify == "full")
+                else:
+                    target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self.verify)))
+            except CorruptBlockError as exc:
+                corrupt.append((exc, name))
+                raise
+
+        def fill_all(targets: Iterator[blk.Target]) -> None:
+            # two threads: one block's read overlaps another's hash (both release the GIL)
+            for _ in self._executor("read").map(fill, targets):
+                pass
 
         try:
             header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
             if header.identity != self.identity or header.ns != entry.ns:
                 raise CorruptError("the header on disk is not the one indexed")
-            layout = blk.parse_descriptor(header.descriptor)
-            buffer = bytearray(max((r.raw_bytes for r in blk.blocks_for_prefix(layout, cut)), default=0)
-                               + _FRAME_SLACK)
-            caches, attachments = blk.rebuild(layout, fetch, cut)
+            caches, attachments = blk.rebuild(blk.with_xxh3(header.descriptor, header.block_xxh3), None, cut, fill_all)
             # materialise here: a lazy array built on a worker thread cannot be
             # evaluated from the caller's thread (restore_async)
             mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
                      if isinstance(v, mx.array)])
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            self._restore_failed(entry, exc, reading if isinstance(exc, CorruptBlockError) else "")
+            self._restore_failed(entry, exc, next((name for e, name in corrupt if e is exc), ""))
             return None
         try:
             self._index.touch(entry.id, self._clock())
@@ -751,12 +762,13 @@ class BlockStore:
             self._warn("lock", f"checkpoints of {key!r} not removed: {exc}")
 
     def _executor(self, job: str) -> ThreadPoolExecutor:
-        """One worker per kind of job ("store", "restore"; "io": the block writes
-        of a store, in parallel), so a restore never queues behind a store."""
+        """Workers per kind of job, so a restore never queues behind a store:
+        "store" and "restore" (the async calls), "io" (a store's block writes)
+        and "read" (a restore's block reads and checks), two threads each."""
         with self._mutex:
             pool = self._executors.get(job)
             if pool is None:
-                workers = _IO_THREADS if job == "io" else 1
+                workers = _IO_THREADS if job in ("io", "read") else 1
                 pool = self._executors[job] = ThreadPoolExecutor(max_workers=workers,
                                                                  thread_name_prefix=f"blockkv-{job}")
             return pool
@@ -786,7 +798,7 @@ class BlockStore:
             layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit)
             written = writer.wait()
             header = encode_header(Header(self.identity, ns, tokens, layout.descriptor,
-                                          checkpoint.to_json() if checkpoint else None))
+                                          checkpoint.to_json() if checkpoint else None, layout.block_xxh3))
             entry_bytes = len(header) + sum(writer.sizes.values())
             if entry_bytes > self.max_bytes:
                 self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {self.max_bytes}-byte cap",
@@ -1014,7 +1026,7 @@ class _BlockWriter:
         self.sizes: dict[str, int] = {}  # stored bytes of every block the entry references
         self.new: set[str] = set()  # blocks this store wrote
         self._declared: list[str] = []
-        self._writes: list[Future[int]] = []
+        self._writes: list[Future[Staged]] = []
 
     def submit(self, block: blk.Block) -> None:
         name = block.ref.name
@@ -1027,14 +1039,22 @@ class _BlockWriter:
         frame = blk.encode_block(block, self._compression)
         self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
         self.new.add(name)
-        self._writes.append(self._io.submit(self._pool.write, name, frame, tag=self._intents.token))
+        self._writes.append(self._io.submit(self._pool.stage, name, frame, tag=self._intents.token))
 
     def wait(self) -> int:
-        """Bytes written, once every block is durable (re-raises the first failure)."""
-        total = 0
+        """Bytes written, once every block is durable under its name (re-raises
+        the first failure). Blocks are published as one batch: one fsync per
+        shard directory rather than one per block."""
+        staged, failure = [], None
         for f in self._writes:
-            total += f.result()
-        return total
+            try:
+                staged.append(f.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised once every write has settled
+                failure = failure or exc
+        if failure is not None:
+            self._pool.unstage(staged)
+            raise failure
+        return self._pool.publish(staged)
 
     def ensure_present(self, layout: blk.EntryLayout) -> int:
         """Under the lock, right before taking references: every block of the
@@ -1056,7 +1076,7 @@ class _BlockWriter:
             f.cancel()
         for f in self._writes:
             try:
-                f.result()
+                self._pool.unstage([f.result()])  # a tmp file wait() never published
             except BaseException:  # noqa: BLE001 - the failure is reported by the caller
                 pass
         self.release()

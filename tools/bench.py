@@ -83,6 +83,9 @@ class Config:
     index_shape: Shape  # the tiny caches of the index benchmark
     index_tokens: tuple[int, int]  # tokens per index entry, uniform in [lo, hi]
     find_queries: int
+    size_tokens: tuple[int, ...]  # entry sizes of the per-size store/restore table
+    large_shape: Shape  # the large-entry run (child process)
+    large_tokens: tuple[int, int]  # (reference entry, large entry) tokens of large_shape
     block_tokens: int = 256
 
 
@@ -101,6 +104,9 @@ FULL = Config(
     index_shape=Shape(layers=1, kv_heads=1, head_dim=8),
     index_tokens=(48, 160),
     find_queries=2_000,
+    size_tokens=(1024, 4096, 8192, 32768),
+    large_shape=Shape(layers=32, kv_heads=8, head_dim=128),  # 128 KiB per token
+    large_tokens=(2048, 16384),  # 256 MiB and 2 GiB
 )
 
 QUICK = Config(
@@ -118,6 +124,9 @@ QUICK = Config(
     index_shape=Shape(layers=1, kv_heads=1, head_dim=8),
     index_tokens=(48, 160),
     find_queries=100,
+    size_tokens=(256, 1024),
+    large_shape=Shape(layers=2, kv_heads=2, head_dim=64),
+    large_tokens=(256, 2048),
 )
 
 STORE_IDENTITY = {
@@ -317,7 +326,7 @@ def bench_mlx_load(src: KVSource, work: Path, reps: int) -> dict[str, float]:
 # peak RSS of one restore, in a child process
 
 
-def child_restore(spec: dict[str, Any]) -> dict[str, float]:
+def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
     """Run a restore (blockkv) or load (mlx-lm) in a fresh process, whose allocator
     state is the same for both: the peak RSS growth of the first run in bytes (VmHWM
     after, with the peak reset just before, minus VmRSS before), then the median
@@ -346,6 +355,9 @@ def _status_kib(field: str) -> int:
 
 def rss_child(spec: dict[str, Any]) -> int:
     """The child side of ``child_restore``: prints ``{"peak_delta": bytes, "seconds": s}``."""
+    if spec["kind"] == "large":
+        print(json.dumps(large_child(spec)))
+        return 0
     if spec["kind"] == "mlx":
         run: Callable[[], Any] = lambda: eval_caches(load_prompt_cache(spec["path"]))
     else:
@@ -385,9 +397,9 @@ class CountingFileLayer(FileLayer):
         self._count(path)
         return super().read(path)
 
-    def read_into(self, path: Path, buffer: bytearray) -> memoryview:
+    def read_exact(self, path: Path, buffers: Sequence[memoryview]) -> bool:
         self._count(path)
-        return super().read_into(path, buffer)
+        return super().read_exact(path, buffers)
 
 
 def open_store(
@@ -395,15 +407,17 @@ def open_store(
     block_tokens: int,
     fs: FileLayer | None = None,
     gc_grace: float = 60.0,
+    verify: bool | str = True,
     **identity: str,
 ) -> BlockStore:
-    """A store with no practical byte cap, verify on, no compression."""
+    """A store with no practical byte cap, verify on (default: xxh3-128), no compression."""
     return BlockStore(
         root,
         max_bytes=1 << 50,
         block_tokens=block_tokens,
         fs=fs,
         gc_grace=gc_grace,
+        verify=verify,
         **(identity or STORE_IDENTITY),
     )
 
@@ -465,6 +479,157 @@ def bench_writes(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
     }
 
 
+def same_process(restore: Callable[[], Any], caches: list[KVCache], work: Path, reps: int) -> dict[str, float]:
+    """blockkv's full restore and mlx-lm's load of the same cache in this one
+    long-lived process, both warmed, alternating rep by rep: where a server runs
+    them, with MLX's buffer cache warm for both."""
+    path = work / "same-process.safetensors"
+    save_prompt_cache(str(path), caches)
+
+    def load() -> None:
+        eval_caches(load_prompt_cache(str(path)))
+
+    for fn in (load, restore, load, restore):  # warm: page cache and MLX's buffer cache
+        fn()
+    runs: dict[str, list[float]] = {"mlx": [], "blockkv": []}
+    for _ in range(max(reps, 3)):
+        for key, fn in (("mlx", load), ("blockkv", restore)):
+            t0 = time.perf_counter()
+            fn()
+            runs[key].append(time.perf_counter() - t0)
+    path.unlink()
+    return {"mlx_s": statistics.median(runs["mlx"]), "blockkv_s": statistics.median(runs["blockkv"])}
+
+
+def drop_cache(paths: Sequence[Path]) -> None:
+    """Evict these files' pages from the page cache (clean pages: every file here was fsync'd)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def store_files(root: Path) -> list[Path]:
+    """Every header and block file under a store root."""
+    return [p for p in root.rglob("*") if p.is_file() and (is_block_name(p.name) or p.name.endswith(HEADER_SUFFIX))]
+
+
+def sequential_read(path: Path, buf: bytearray) -> None:
+    """A plain sequential read of a whole file, 8 MiB at a time (the cold-read limit)."""
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(view):
+            pass
+
+
+def bench_sizes(cfg: Config, work: Path) -> dict[str, Any]:
+    """Per entry size: fresh store vs mlx-lm save + fsync (interleaved reps),
+    warm full restore vs mlx-lm load in this process (alternating reps), and cold
+    restore vs a plain sequential read of the same bytes (page cache dropped with
+    posix_fadvise before each, interleaved). At most 3 reps per size: the
+    32k-token entry is 1 GiB."""
+    out: dict[str, Any] = {}
+    reps = min(cfg.reps, 3)
+    for n in cfg.size_tokens:
+        src = KVSource.random(cfg.shape, n, seed=n)
+        nbytes, root, mlx_path = n * cfg.shape.bytes_per_token, work / f"size-{n}", work / f"size-{n}.safetensors"
+        runs: dict[str, list[float]] = {k: [] for k in ("mlx_save", "store", "seq_read", "cold_restore")}
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            mlx_save_fsync(mlx_path, src.caches())
+            runs["mlx_save"].append(time.perf_counter() - t0)
+            mlx_path.unlink()
+            shutil.rmtree(root, ignore_errors=True)
+            with open_store(root, cfg.block_tokens) as store:
+                t0 = time.perf_counter()
+                assert store.store(src.tokens, src.caches()), "store refused"
+                runs["store"].append(time.perf_counter() - t0)
+        raw = work / f"size-{n}.raw"
+        FileLayer().write_atomic(raw, [src.raw_bytes()])
+        buf = bytearray(8 * MIB)
+        with open_store(root, cfg.block_tokens) as store:
+            match = store.find_exact(src.tokens)
+            assert match is not None
+
+            def restore() -> None:
+                loaded = store.restore(match.entry)
+                assert loaded is not None, "restore failed"
+                eval_caches(loaded.caches)
+
+            same = same_process(restore, src.caches(), work, reps)
+            files = store_files(root)
+            for _ in range(reps):
+                drop_cache([raw])
+                t0 = time.perf_counter()
+                sequential_read(raw, buf)
+                runs["seq_read"].append(time.perf_counter() - t0)
+                drop_cache(files)
+                t0 = time.perf_counter()
+                restore()
+                runs["cold_restore"].append(time.perf_counter() - t0)
+        raw.unlink()
+        shutil.rmtree(root)
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        out[str(n)] = {"tokens": n, "bytes": nbytes, "runs_s": runs, "mlx_save_fsync_s": med["mlx_save"],
+                       "store_s": med["store"], "mlx_load_s": same["mlx_s"], "restore_s": same["blockkv_s"],
+                       "seq_read_cold_s": med["seq_read"], "restore_cold_s": med["cold_restore"]}
+        del src
+    return out
+
+
+def bench_large(cfg: Config, work: Path) -> dict[str, Any]:
+    """Store and restore of the large entry, then of the reference entry, of
+    ``cfg.large_shape`` in one fresh child process: peak RSS growth of each step
+    (the large entry's first, before anything else ran) and throughput."""
+    root = work / "large"
+    out = child_restore({"kind": "large", "root": str(root), "block_tokens": cfg.block_tokens,
+                         "shape": asdict(cfg.large_shape), "tokens": sorted(cfg.large_tokens, reverse=True)})
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def large_child(spec: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The child side of ``bench_large``: each entry is made here, so RSS before
+    each step already holds it; what a step adds is its own."""
+    shape = Shape(**spec["shape"])
+    return {str(n): large_entry(shape, n, Path(spec["root"]) / str(n), spec["block_tokens"])
+            for n in spec["tokens"]}
+
+
+def large_entry(shape: Shape, n: int, root: Path, block_tokens: int) -> dict[str, float]:
+    src = KVSource.random(shape, n, seed=7)
+    out: dict[str, float] = {"bytes": n * shape.bytes_per_token}
+    with open_store(root, block_tokens) as store:
+        def step(key: str, fn: Callable[[], Any]) -> Any:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            before = _status_kib("VmRSS")
+            t0 = time.perf_counter()
+            result = fn()
+            out[f"{key}_s"] = time.perf_counter() - t0
+            out[f"{key}_peak_delta"] = (_status_kib("VmHWM") - before) * 1024
+            return result
+
+        assert step("store", lambda: store.store(src.tokens, src.caches())), "large store refused"
+        match = store.find_exact(src.tokens)
+        assert match is not None
+        del src  # the restore's growth is measured against a process without the source arrays
+        mx.clear_cache()  # nor MLX's cache of their freed buffers
+
+        def restore() -> Any:
+            loaded = store.restore(match.entry)
+            assert loaded is not None, "large restore failed"
+            eval_caches(loaded.caches)
+            return loaded
+
+        loaded = step("restore", restore)
+        del loaded
+    mx.clear_cache()
+    return out
+
+
 def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
     """Full and partial restore of the next-turn entry ``bench_writes`` left, block files
     a partial restore reads, peak RSS of a full restore."""
@@ -484,10 +649,23 @@ def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
             return loaded.caches
 
         check_restored(restore(), src, n1)  # also warms the page cache
-        out["full_restore_s"] = median_time(restore, cfg.reps)
+        same = same_process(restore, src.caches(), work, cfg.reps)
+        out["full_restore_s"], out["same_process_mlx_load_s"] = same["blockkv_s"], same["mlx_s"]
         out["partial_restore_s"] = median_time(
             lambda: restore(cfg.partial_tokens), cfg.reps
         )
+
+    with open_store(root, cfg.block_tokens, verify="full") as store:
+        match = store.find_exact(src.tokens[:n1])
+        assert match is not None
+
+        def restore_full() -> None:
+            loaded = store.restore(match.entry)
+            assert loaded is not None, "restore failed"
+            eval_caches(loaded.caches)
+
+        same = same_process(restore_full, src.caches(), work, cfg.reps)
+        out["full_restore_blake3_s"], out["same_process_mlx_load_blake3_s"] = same["blockkv_s"], same["mlx_s"]
 
     counting = CountingFileLayer()
     with open_store(root, cfg.block_tokens, fs=counting) as store:
@@ -750,6 +928,7 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
     w, bk, ml, ag, ix = r["writes"], r["restore"], r["mlx"], r["agent"], r["index"]
     bpt, big = cfg.shape.bytes_per_token, cfg.index_sizes[-1]
     block = cfg.block_tokens * bpt
+    lg, (ref_tokens, big_tokens) = r["large"], cfg.large_tokens
     return [
         Target(
             "fresh store (fsync'd) speed vs mlx-lm save + fsync",
@@ -770,6 +949,13 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
             w["next_turn_bytes_written"]
             / (cfg.new_tokens * bpt + 2 * block + w["header_bytes"]),
             "<=",
+            1.0,
+            "x",
+        ),
+        Target(
+            "full restore (verify, warm) vs mlx-lm load + eval, same long-lived process",
+            bk["same_process_mlx_load_s"] / bk["full_restore_s"],
+            ">=",
             1.0,
             "x",
         ),
@@ -817,7 +1003,32 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
             1.0,
             "x",
         ),
+        *(
+            Target(f"fresh store vs mlx-lm save + fsync, {z['tokens']} tokens",
+                   z["mlx_save_fsync_s"] / z["store_s"], ">=", 1.0, "x")
+            for z in r["sizes"].values()
+        ),
+        *(
+            Target(f"cold restore vs sequential read of the same bytes, {z['tokens']} tokens",
+                   z["seq_read_cold_s"] / z["restore_cold_s"], ">=", 0.8, "x")
+            for z in r["sizes"].values()
+        ),
+        *(
+            Target(f"large entry ({big_tokens} tokens): {step} peak RSS growth / entry bytes",
+                   lg[str(big_tokens)][f"{step}_peak_delta"] / lg[str(big_tokens)]["bytes"], "<=", 1.1, "x")
+            for step in ("store", "restore")
+        ),
+        *(
+            Target(f"large entry ({big_tokens} tokens): {step} throughput / {ref_tokens}-token entry's",
+                   speed(lg[str(big_tokens)], step) / speed(lg[str(ref_tokens)], step), ">=", 0.8, "x")
+            for step in ("store", "restore")
+        ),
     ]
+
+
+def speed(run: dict[str, float], step: str) -> float:
+    """Bytes per second of one step of a large-entry child run."""
+    return run["bytes"] / run[f"{step}_s"]
 
 
 def machine() -> dict[str, Any]:
@@ -908,7 +1119,7 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             f"Real mlx-lm `KVCache` objects, random bf16 contents: {sh.layers} layers x {sh.kv_heads} KV heads x "
             f"head_dim {sh.head_dim} ({bpt // 1024} KiB per token). Fresh entry {n0} tokens ({b0 / MIB:.0f} MiB); "
             f"next turn {n0} shared + {cfg.new_tokens} new tokens ({b1 / MIB:.0f} MiB); block_tokens {cfg.block_tokens}, "
-            f"verify on, no compression. Median of {cfg.reps} runs. Agent workload: {cfg.agent_sessions} sessions x "
+            f"verify on (xxh3-128 per read unless a row says blake3), no compression. Median of {cfg.reps} runs. Agent workload: {cfg.agent_sessions} sessions x "
             f"{cfg.agent_turns} turns over a {cfg.agent_system_tokens}-token system prompt, {cfg.agent_turn_tokens[0]}-"
             f"{cfg.agent_turn_tokens[1]} new tokens per turn (every turn stored). Index: {big} entries of "
             f"{cfg.index_tokens[0]}-{cfg.index_tokens[1]} tokens with tiny caches."
@@ -940,13 +1151,20 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             f"{w['next_turn_bytes_written'] / (cfg.new_tokens * bpt):.2f}x |"
         ),
         (
-            f"| **blockkv full restore**, {n1} tokens, verify, warm, fresh process | {bk['full_restore_child_s'] * 1e3:.0f} ms "
-            f"({gbps(b1, bk['full_restore_child_s'])}) | mlx-lm load {ml['load_eval_child_s'] * 1e3:.0f} ms | "
-            f"{ml['load_eval_child_s'] / bk['full_restore_child_s']:.2f}x |"
+            f"| **blockkv full restore**, {n1} tokens, verify, warm, same long-lived process as mlx-lm's load "
+            f"(alternating reps) | {bk['full_restore_s'] * 1e3:.0f} ms ({gbps(b1, bk['full_restore_s'])}) | mlx-lm load "
+            f"{bk['same_process_mlx_load_s'] * 1e3:.0f} ms ({gbps(b1, bk['same_process_mlx_load_s'])}) | "
+            f"{bk['same_process_mlx_load_s'] / bk['full_restore_s']:.2f}x |"
         ),
         (
-            f"| blockkv full restore, same, in the benchmark process | {bk['full_restore_s'] * 1e3:.0f} ms "
-            f"| mlx-lm load {ml['load_eval_s'] * 1e3:.0f} ms | {ml['load_eval_s'] / bk['full_restore_s']:.2f}x |"
+            f"| blockkv full restore, same, `verify=\"full\"` (blake3 per read) | {bk['full_restore_blake3_s'] * 1e3:.0f} ms "
+            f"({gbps(b1, bk['full_restore_blake3_s'])}) | mlx-lm load {bk['same_process_mlx_load_blake3_s'] * 1e3:.0f} ms | "
+            f"{bk['same_process_mlx_load_blake3_s'] / bk['full_restore_blake3_s']:.2f}x |"
+        ),
+        (
+            f"| blockkv full restore, {n1} tokens, verify, warm, each in a fresh process | {bk['full_restore_child_s'] * 1e3:.0f} ms "
+            f"({gbps(b1, bk['full_restore_child_s'])}) | mlx-lm load {ml['load_eval_child_s'] * 1e3:.0f} ms | "
+            f"{ml['load_eval_child_s'] / bk['full_restore_child_s']:.2f}x |"
         ),
         (
             f"| **blockkv partial restore**, {cfg.partial_tokens} tokens | {bk['partial_restore_s'] * 1e3:.0f} ms, "
@@ -983,6 +1201,48 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
         *(
             f"| {t.name} | {t.value:.3f} {t.unit} | {t.op} {t.bound:g} | {'yes' if t.met else '**no**'} |"
             for t in targets(cfg, r)
+        ),
+        "",
+        "## Entry sizes",
+        "",
+        (
+            f"Fresh entries of {sh.layers} layers x {sh.kv_heads} KV heads x head_dim {sh.head_dim}, bf16; median of "
+            f"{min(cfg.reps, 3)} reps. Store: "
+            "fresh store vs mlx-lm save + fsync, interleaved reps. Warm restore: full restore with verify vs "
+            "mlx-lm load + eval, both in this one process, warmed, alternating reps. Cold restore: page cache of "
+            "the store's files dropped (posix_fadvise DONTNEED) before each rep, vs a plain sequential read "
+            "(8 MiB reads) of the same bytes from one file dropped the same way, interleaved."
+        ),
+        "",
+        "| tokens | MiB | mlx-lm save+fsync | blockkv store | ratio | mlx-lm load | blockkv restore | ratio "
+        "| sequential read, cold | blockkv restore, cold | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {z['tokens']} | {z['bytes'] / MIB:.0f} | {z['mlx_save_fsync_s'] * 1e3:.0f} ms | {z['store_s'] * 1e3:.0f} ms "
+            f"| {z['mlx_save_fsync_s'] / z['store_s']:.2f}x | {z['mlx_load_s'] * 1e3:.1f} ms | {z['restore_s'] * 1e3:.1f} ms "
+            f"| {z['mlx_load_s'] / z['restore_s']:.2f}x | {z['seq_read_cold_s'] * 1e3:.0f} ms ({gbps(z['bytes'], z['seq_read_cold_s'])}) "
+            f"| {z['restore_cold_s'] * 1e3:.0f} ms ({gbps(z['bytes'], z['restore_cold_s'])}) "
+            f"| {z['seq_read_cold_s'] / z['restore_cold_s']:.2f}x |"
+            for z in r["sizes"].values()
+        ),
+        "",
+        "## Large entry",
+        "",
+        (
+            f"{cfg.large_shape.layers} layers x {cfg.large_shape.kv_heads} KV heads x head_dim {cfg.large_shape.head_dim}, "
+            "bf16, in one fresh child process, the large entry first: each entry is built there, then stored, then "
+            "its source arrays are freed (and MLX's buffer cache cleared) and it is restored (warm). Peak RSS growth "
+            "of a step is VmHWM after it (reset just before) minus VmRSS before it."
+        ),
+        "",
+        "| tokens | entry | store | store peak RSS growth | restore | restore peak RSS growth |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {t} | {g['bytes'] / MIB:.0f} MiB | {g['store_s'] * 1e3:.0f} ms ({gbps(int(g['bytes']), g['store_s'])}) "
+            f"| {g['store_peak_delta'] / MIB:.0f} MiB ({g['store_peak_delta'] / g['bytes']:.2f}x) "
+            f"| {g['restore_s'] * 1e3:.0f} ms ({gbps(int(g['bytes']), g['restore_s'])}) "
+            f"| {g['restore_peak_delta'] / MIB:.0f} MiB ({g['restore_peak_delta'] / g['bytes']:.2f}x) |"
+            for t, g in r["large"].items()
         ),
         "",
         "## Agent workload by number of sessions",
@@ -1085,6 +1345,8 @@ def run(cfg: Config, out: Path, workdir: Path | None) -> dict[str, Any]:
             ("writes", lambda: bench_writes(cfg, src, work)),
             ("mlx", lambda: bench_mlx_load(src, work, cfg.reps)),
             ("restore", lambda: bench_restore(cfg, src, work)),
+            ("sizes", lambda: bench_sizes(cfg, work)),
+            ("large", lambda: bench_large(cfg, work)),
             ("agent", lambda: bench_agent(cfg, work)),
             ("index", lambda: bench_index(cfg, work)),
         ]

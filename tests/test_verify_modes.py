@@ -1,0 +1,117 @@
+"""Both per-read checks catch every flipped byte, for every cache kind.
+
+``verify=True`` checks each block read against its xxh3-128 from the
+(blake3-checked) header; ``verify="full"`` against its blake3 name. A flipped
+byte anywhere in a block file (frame, layout or payload) must make the restore
+a miss in both modes, and never hand out wrong tensors; an intact block under
+a header whose xxh3 is wrong convicts the header, never the shared block."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blockkv import blocks as blk
+from blockkv.errors import CorruptBlockError, CorruptHeaderError
+from blockkv.header import Header, encode_header
+from blockkv.store import BlockStore
+from blockkv.testing.stateful import live_bits
+from blockkv.testing.strategies import CACHE_KINDS, make_caches
+
+MODES = (True, "full")
+
+
+def _open(root: Path, verify: bool | str) -> BlockStore:
+    return BlockStore(root, model_id="tiny", config_fingerprint="fp", tokenizer_hash="tok",
+                      max_bytes=1 << 40, block_tokens=4, verify=verify)
+
+
+def _bits(caches: list) -> tuple:
+    return tuple(live_bits(c) for c in caches)
+
+
+@pytest.mark.parametrize("verify", MODES)
+def test_every_payload_byte_flip_fails_the_check(verify: bool | str) -> None:
+    """Target.verify over every byte of every block of an entry."""
+    caches = make_caches("llama", list(range(1, 10)))
+    layout = blk.split_entry(caches, block_tokens=4)
+    payloads = {b.ref.name: b"".join(bytes(c) for p in b.parts for c in blk._chunks(p)) for b in layout.blocks}
+    entry = blk.with_xxh3(layout.descriptor, layout.block_xxh3)
+    targets: list[blk.Target] = []
+    blk.rebuild(entry, None, None, lambda ts: targets.extend(ts))
+    for target in targets:
+        target.scatter(payloads[target.ref.name])
+        target.verify(full=verify == "full")  # intact: passes
+        for piece in target.pieces:
+            for i in range(piece.nbytes):
+                piece[i] ^= 0x10
+                with pytest.raises(CorruptBlockError):
+                    target.verify(full=verify == "full")
+                piece[i] ^= 0x10
+
+
+@pytest.mark.parametrize("verify", MODES)
+@pytest.mark.parametrize("kind", CACHE_KINDS)
+def test_flipped_block_byte_is_a_miss_for_every_kind(tmp_path: Path, kind: str, verify: bool | str) -> None:
+    tokens = list(range(3, 14))
+    caches = make_caches(kind, tokens)
+    rng = random.Random(f"{kind}-{verify}")
+    with _open(tmp_path, verify) as store:
+        assert store.store(tokens, caches)
+        names = sorted(store.find_exact(tokens).entry.blocks)
+        for round_ in range(12):
+            if round_:
+                assert store.store(tokens, caches)  # rewrites the quarantined block
+            entry = store.find_exact(tokens).entry
+            name = rng.choice(names)
+            path = store._pool.path(name)
+            data = bytearray(path.read_bytes())
+            at = round_ if round_ < 4 else rng.randrange(len(data))  # frame header first, then anywhere
+            data[at] ^= rng.randrange(1, 256)
+            path.write_bytes(bytes(data))
+            assert store.restore(entry) is None, f"flip at {at} of {name} went unnoticed"
+            assert store.find_exact(tokens) is None and not path.exists()
+        assert store.store(tokens, caches)
+        loaded = store.restore(store.find_exact(tokens).entry)
+        assert loaded is not None and _bits(loaded.caches) == _bits(caches)
+        assert store.check().clean
+
+
+def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(tmp_path: Path) -> None:
+    tokens = list(range(1, 12))
+    caches = make_caches("llama", tokens)
+    with _open(tmp_path, True) as store:
+        assert store.store(tokens, caches)
+        assert store.store(tokens, caches, ns="other")  # shares every block
+        entry = store.find_exact(tokens).entry
+        path = store._dir.header_path("", entry.id)
+        header = store._dir.read_header(path)
+        wrong = ["0" * 32] + header.block_xxh3[1:]
+        path.write_bytes(encode_header(Header(header.identity, header.ns, header.tokens, header.descriptor,
+                                              header.checkpoint, wrong)))
+        assert store.restore(entry) is None
+        assert all(store._pool.exists(n) for n in entry.blocks)  # no good block deleted
+        other = store.find_exact(tokens, ns="other")
+        assert other is not None and store.restore(other.entry) is not None
+
+
+def test_headers_without_xxh3_verify_blake3(tmp_path: Path) -> None:
+    """A header written before per-block checksums still restores (blake3 per read)."""
+    tokens = list(range(1, 12))
+    caches = make_caches("llama", tokens)
+    with _open(tmp_path, True) as store:
+        assert store.store(tokens, caches)
+        entry = store.find_exact(tokens).entry
+        path = store._dir.header_path("", entry.id)
+        h = store._dir.read_header(path)
+        path.write_bytes(encode_header(Header(h.identity, h.ns, h.tokens, h.descriptor, h.checkpoint)))
+        loaded = store.restore(entry)
+        assert loaded is not None and _bits(loaded.caches) == _bits(caches)
+        with pytest.raises(CorruptHeaderError):
+            blk.with_xxh3(h.descriptor, h.block_xxh3[:-1])
+    with pytest.raises(ValueError, match="verify"):
+        _open(tmp_path / "x", "fast")
+    assert np.array_equal(h.tokens, np.array(tokens, np.uint32))
