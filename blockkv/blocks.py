@@ -552,6 +552,12 @@ def decode_block(name: str, data: bytes | memoryview, verify: bool = True) -> me
     return payload
 
 
+def max_raw_bytes(stored: int) -> int:
+    """The most payload bytes a block file of ``stored`` bytes can decode to:
+    what a reader may allocate for it, whatever a header declares."""
+    return stored * _ZSTD_MAX_RATIO
+
+
 def _unshuffle(name: str, stored: memoryview, raw: int, layout: list[Part]) -> memoryview:
     if raw > stored.nbytes * _ZSTD_MAX_RATIO:
         raise _corrupt(name, "raw length impossible for this much zstd data")

@@ -23,3 +23,8 @@ class CorruptHeaderError(CorruptError):
 class BlockMissingError(BlockKVError, FileNotFoundError):
     """A block an entry references is not in the pool (removed by another process)."""
 
+
+
+class NotRegularFileError(BlockKVError, FileNotFoundError):
+    """Where a file of ours should be, something else: a symlink, FIFO, device
+    or directory. Treated as absent: never followed, never read."""

@@ -35,13 +35,14 @@ class CheckReport:
     corrupt_headers: list[str] = field(default_factory=list)  # paths relative to the fingerprint dir
     corrupt_blocks: list[str] = field(default_factory=list)
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
+    unreadable: list[str] = field(default_factory=list)  # headers and blocks a transient error kept us from reading
     index_missing: bool = False
     actions: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
         return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
-                    or self.corrupt_headers or self.corrupt_blocks or self.index_missing)
+                    or self.corrupt_headers or self.corrupt_blocks or self.index_missing or self.unreadable)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "clean": self.clean}
@@ -62,8 +63,11 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
             record = directory.record(entry_id, path, header, path.stat().st_size)
         except FileNotFoundError:
             continue  # removed while we looked
-        except (CorruptError, OSError):
+        except CorruptError:
             report.corrupt_headers.append(directory.rel(path))
+            continue
+        except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
+            report.unreadable.append(directory.rel(path))
             continue
         if record.owner != directory.identity.digest():
             report.foreign_headers.append(record.path)
@@ -80,6 +84,8 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
             corrupt.add(name)
         except BlockMissingError:
             files.discard(name)
+        except Exception:  # noqa: BLE001 - not proof of corruption: neither corrupt nor an orphan
+            report.unreadable.append(f"blobs/{name[:2]}/{name}")
         if progress is not None:
             progress(done, len(names))
     report.blocks = len(files)
@@ -87,6 +93,8 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     report.dangling = sorted(
         entry_id for entry_id, needed in referencing.items() if any(n not in files or n in corrupt for n in needed)
     )
+    if any(u.startswith("entries/") for u in report.unreadable):
+        return report  # a header we could not read may reference any block: no orphans, no refcounts
     waiting_for_gc = {n for n, row in (rows or {}).items() if row.refs == 0}
     report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc)
     if rows is not None:
@@ -99,7 +107,8 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
 
 
 def repair(directory: Directory, report: CheckReport) -> None:
-    """Unlink corrupt and dangling headers of ours, delete corrupt and orphan blocks."""
+    """Unlink corrupt and dangling headers of ours, delete corrupt and orphan blocks.
+    Unreadable files are left alone: only proof of corruption deletes."""
     for rel in report.corrupt_headers:
         directory.unlink_quietly(directory.path / rel)
         report.actions.append(f"removed corrupt header {rel}")

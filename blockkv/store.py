@@ -21,11 +21,13 @@ holds the directory lock, so a dedup hit and a gc delete never interleave.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -45,7 +47,7 @@ from . import blocks as blk
 from . import gc
 from .gc import CheckReport
 from .directory import CODEC_ID, Directory, fingerprint_dirname, read_identity
-from .errors import BlockKVError, CorruptBlockError, CorruptError
+from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
 from .fs import FileLayer
 from .header import Header, Identity, encode_header
 from .index import EntryRecord, Index
@@ -56,7 +58,6 @@ log = logging.getLogger("blockkv")
 ROOT_MARKER = ".blockkv"
 CHECKPOINT_NS = "__generation_checkpoint__:"
 _MAX_TOKEN = (1 << 32) - 1
-_FRAME_SLACK = 128 << 10  # a block frame's header and layout beyond its payload
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 
 
@@ -225,6 +226,7 @@ class BlockStore:
         self._dir = Directory(self.directory, self.identity, self._fs)
         self._pool = self._dir.pool
         self.recovery: list[str] = []  # what the last scan() had to fix
+        self._unread_headers: dict[str, str] = {}  # entry id -> header path a transient error kept unindexed
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
@@ -246,13 +248,18 @@ class BlockStore:
                  **kwargs: Any) -> BlockStore:
         """Open an existing fingerprint directory with the identity it records (for tools)."""
         d = Path(directory)
-        ident = read_identity(d)
+        ident = read_identity(d, kwargs.get("fs"))
         return cls(d.parent, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                    tokenizer_hash=ident.tokenizer_hash, max_bytes=max_bytes if max_bytes is not None else 1 << 62,
                    **kwargs)
 
     # -- lifecycle ------------------------------------------------------------
     def _make_directory(self) -> None:
+        for fixed in (self.directory, self.directory / "entries", self.directory / "blobs",
+                      self._dir.index_dir, self.directory / "LOCK", self.directory / "IDENTITY"):
+            if fixed.is_symlink():  # writing through it would write outside the root
+                raise OSError(errno.ELOOP, "a symlink where blockkv keeps its own files; refusing to follow it",
+                              str(fixed))
         self._fs.makedirs(self.root)
         marker = self.root / ROOT_MARKER
         if not marker.exists():
@@ -363,17 +370,28 @@ class BlockStore:
     def _scan_header(self, entry_id: str, path: Path, block_files: Container[str]) -> EntryRecord | None:
         """Index-worthy record of a header file, or None. A corrupt header is
         unlinked (its uuid name in our directory makes it ours); a foreign one
-        is kept and counted for its references, never served or deleted."""
+        is kept and counted for its references, never served or deleted. One
+        that cannot be read now (EMFILE, EIO, MemoryError...) is not proof of
+        anything: it is kept, and until it is indexed no orphan block is swept
+        (it may reference them)."""
         try:
             header = self._dir.read_header(path)
             record = self._dir.record(entry_id, path, header, path.stat().st_size)
         except FileNotFoundError:
+            self._unread_headers.pop(entry_id, None)
             return None
-        except (CorruptError, OSError) as exc:
+        except CorruptError as exc:
+            self._unread_headers.pop(entry_id, None)
             self._warn("corrupt-header", f"removing corrupt header {path.name}: {exc}")
             self._note(f"removed corrupt header {self._dir.rel(path)}")
             self._dir.unlink_quietly(path)
             return None
+        except Exception as exc:  # noqa: BLE001 - transient: a miss, never a deletion
+            self._unread_headers[entry_id] = str(path)
+            self._warn("unreadable-header", f"could not read header {path.name} ({exc!r}); kept, not indexed yet")
+            self._note(f"could not read header {self._dir.rel(path)} ({exc!r}): kept")
+            return None
+        self._unread_headers.pop(entry_id, None)
         if record.owner == self._owner and any(n not in block_files for n in record.blocks):
             self._warn("dangling", f"removing entry {entry_id}: some of its blocks are gone")
             self._note(f"removed dangling entry {entry_id}")
@@ -409,8 +427,10 @@ class BlockStore:
         for entry_id, rec in pending.items():
             self._index.rollback_pending(entry_id, now)
             self._note(f"rolled back the references of an unfinished store ({entry_id})")
-            path = self.directory / rec["path"]
-            if entry_id not in known and path.exists():  # header landed, entry never indexed
+            path = self._dir.recorded_header_path(entry_id, rec.get("path") if isinstance(rec, dict) else None)
+            if path is None:
+                self._note(f"pending record {entry_id[:80]!r} names no header of ours: ignored its path")
+            elif entry_id not in known and path.exists():  # header landed, entry never indexed
                 sizes = {f.name: f.size for f in self._pool.files()}
                 record = self._scan_header(entry_id, path, sizes)
                 if record is not None:
@@ -431,7 +451,7 @@ class BlockStore:
             elif dangling:
                 self._warn("dangling", f"removing entry {entry_id}: its blocks are gone")
                 self._note(f"removed dangling entry {entry_id}")
-                self._dir.unlink_quietly(self.directory / record.path)
+                self._dir.unlink_quietly(Path(on_disk[entry_id]))  # the listing's path: ours by its shape
             else:
                 continue
             self._index.remove_entry(entry_id, now)
@@ -448,6 +468,8 @@ class BlockStore:
     def _sweep_orphans(self, files: set[str] | None = None) -> int:
         """Delete blocks nothing references once they are older than the grace
         period (``files``: a listing of the pool, if the caller has one)."""
+        if not self._index_unread_headers():
+            return 0  # a header we could not read may reference any unreferenced block
         cutoff = self._clock() - self.gc_grace
         rows = self._index.blocks()
         doomed = [name for name, row in rows.items() if row.refs == 0 and row.zero_since <= cutoff]
@@ -462,6 +484,20 @@ class BlockStore:
             self._pool.delete(name)
         self._index.drop_blocks(doomed)
         return len(doomed)
+
+    def _index_unread_headers(self) -> bool:
+        """Retry the headers a transient error kept out of the index; True once none is left."""
+        if not self._unread_headers:
+            return True
+        sizes = {f.name: f.size for f in self._pool.files()}
+        for entry_id, p in list(self._unread_headers.items()):
+            record = self._scan_header(entry_id, Path(p), sizes)
+            if record is not None and self._index.entry(entry_id) is None:
+                self._index.add_scanned(record, {n: sizes.get(n, 0) for n in record.blocks}, self._clock())
+                self._note(f"indexed header {self._dir.rel(Path(p))} once it could be read")
+        if self._unread_headers:
+            self._warn("gc-deferred", "not sweeping unreferenced blocks while a header cannot be read")
+        return not self._unread_headers
 
     # -- the in-memory index ------------------------------------------------------
     def _load(self, records: list[EntryRecord] | None = None) -> None:
@@ -638,19 +674,23 @@ class BlockStore:
             return payload
 
         try:
+            reading = "header"
             header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
+            reading = ""
             if header.identity != self.identity or header.ns != entry.ns:
-                raise CorruptError("the header on disk is not the one indexed")
+                raise _IndexDisagrees("the header on disk is not the one indexed")
             layout = blk.parse_descriptor(header.descriptor)
-            buffer = bytearray(max((r.raw_bytes for r in blk.blocks_for_prefix(layout, cut)), default=0)
-                               + _FRAME_SLACK)
+            stored = self._stored_sizes(blk.blocks_for_prefix(layout, cut))
+            # the buffer (and every array rebuild allocates) is bounded by the bytes actually on
+            # disk, never by a size the header declares: a planted header cannot force a huge allocation
+            buffer = bytearray(max(stored.values(), default=0))
             caches, attachments = blk.rebuild(layout, fetch, cut)
             # materialise here: a lazy array built on a worker thread cannot be
             # evaluated from the caller's thread (restore_async)
             mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
                      if isinstance(v, mx.array)])
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            self._restore_failed(entry, exc, reading if isinstance(exc, CorruptBlockError) else "")
+            self._restore_failed(entry, exc, reading)
             return None
         try:
             self._index.touch(entry.id, self._clock())
@@ -664,7 +704,35 @@ class BlockStore:
         _prefix_len(entry, prefix_len)
         return self._pool_executor().submit(self.restore, entry, prefix_len)
 
-    def _restore_failed(self, entry: Entry, exc: BaseException, corrupt_block: str) -> None:
+    def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
+        """Bytes on disk of each block a restore needs. A block whose file could not
+        hold the raw bytes the header declares is a corrupt entry, found before
+        anything of the declared size is allocated."""
+        sizes: dict[str, int] = {}
+        for ref in refs:
+            try:
+                st = os.lstat(self._pool.path(ref.name))
+            except FileNotFoundError:
+                raise BlockMissingError(f"block {ref.name} is not in the pool") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise BlockMissingError(f"block {ref.name} is not a regular file")
+            if ref.raw_bytes > blk.max_raw_bytes(st.st_size):
+                raise CorruptError(f"the header declares {ref.raw_bytes} bytes for block {ref.name}, "
+                                   f"whose {st.st_size}-byte file cannot hold them")
+            sizes[ref.name] = st.st_size
+        return sizes
+
+    def _restore_failed(self, entry: Entry, exc: BaseException, reading: str) -> None:
+        """Only proof of corruption deletes: a corrupt header or block, or the
+        entry's own header or block file gone. Anything else (EMFILE, EIO,
+        MemoryError, an exception from mlx or mlx-lm) is a miss that keeps the
+        entry, its header and its index row as they were."""
+        proof = (isinstance(exc, (CorruptError, BlockMissingError))
+                 or (reading == "header" and isinstance(exc, FileNotFoundError)))
+        if not proof:
+            self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc!r}); kept, served as a miss")
+            return
+        corrupt_block = reading if isinstance(exc, CorruptBlockError) and reading != "header" else ""
         self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
         try:
             with self._lock.held():
@@ -825,12 +893,17 @@ class BlockStore:
         """Unlink the header first, then drop its references (a crash between leaks, never dangles)."""
         record = self._index.entry(entry_id)
         if record is not None:
-            path = self.directory / record.path
-            try:
-                self._fs.unlink(path)
-            except FileNotFoundError:
-                pass
-            self._fs.fsync_dir(path.parent)
+            try:  # derived from (ns, id), never the record's path: the index is not trusted as a path
+                path: Path | None = self._dir.header_path(record.ns, entry_id)
+            except CorruptError as exc:
+                self._warn("index-path", f"index row {entry_id[:80]!r} is not ours ({exc}); dropping the row only")
+                path = None
+            if path is not None:
+                try:
+                    self._fs.unlink(path)
+                except FileNotFoundError:
+                    pass
+                self._fs.fsync_dir(path.parent)
             self._fs.crash_point("remove:header-unlinked")
             self._index.remove_entry(entry_id, self._clock())
         self._refresh()
@@ -973,6 +1046,11 @@ class _BlockWriter:
                         s._pool.delete(name)
         except (OSError, lmdb.Error):
             pass  # left as garbage: gc reclaims it after the grace period
+
+
+class _IndexDisagrees(BlockKVError):
+    """The header at an entry's path is valid but not the one its index row
+    describes: nothing proves either wrong, so restore misses and deletes nothing."""
 
 
 def _tokens(tokens: Sequence[int]) -> np.ndarray:
