@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 import mlx.core as mx
@@ -46,6 +47,7 @@ from mlx.utils import tree_flatten
 from . import blocks as blk
 from . import gc
 from .gc import CheckReport
+from .codec import record_offsets
 from .directory import CODEC_ID, Directory, fingerprint_dirname, read_identity
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
 from .fs import FileLayer
@@ -54,9 +56,11 @@ from .index import EntryRecord, Index
 from .prefix_index import PrefixIndex
 
 log = logging.getLogger("blockkv")
+_T = TypeVar("_T")
 
 ROOT_MARKER = ".blockkv"
-CHECKPOINT_NS = "__generation_checkpoint__:"
+CHECKPOINT_NS = "__generation_checkpoint__:"  # reserved: no caller's ns may start with it
+MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
 _MAX_TOKEN = (1 << 32) - 1
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 
@@ -130,7 +134,7 @@ class FingerprintDir:
 def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
     """The fingerprint directories under a blockkv root (read-only)."""
     out = []
-    for d in sorted(Path(root).iterdir()):
+    for d in sorted(Path(root).expanduser().iterdir()):
         if d.is_dir() and not d.is_symlink() and (d / "IDENTITY").is_file():
             try:
                 ident = read_identity(d)
@@ -139,6 +143,22 @@ def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
                 continue
             out.append(FingerprintDir(d, ident.model_id, ident.config_fingerprint, ident.tokenizer_hash))
     return out
+
+
+def _open_only(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Refuse a call on a closed handle, or on one inherited through fork (LMDB
+    and flock state do not survive fork: the child must open its own)."""
+
+    @functools.wraps(method)
+    def guarded(self: BlockStore, *args: Any, **kwargs: Any) -> _T:
+        if self._closed:
+            raise ValueError("store is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this BlockStore was opened in process {self._pid} and used in a child "
+                               f"created by fork ({os.getpid()}): open a new BlockStore in the child")
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 class _DirLock:
@@ -209,7 +229,7 @@ class BlockStore:
         for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-        self.root = Path(root)
+        self.root = Path(root).expanduser()
         self.identity = Identity(model_id, config_fingerprint, tokenizer_hash, CODEC_ID)
         self._owner = self.identity.digest()
         self.directory = self.root / fingerprint_dirname(config_fingerprint)
@@ -234,6 +254,7 @@ class BlockStore:
         self._executor: ThreadPoolExecutor | None = None  # store_async / restore_async
         self._io: ThreadPoolExecutor | None = None  # block writes of one store, in parallel
         self._closed = False
+        self._pid = os.getpid()
         self._make_directory()
         self._lock = _DirLock(self.directory / "LOCK")
         try:
@@ -247,7 +268,7 @@ class BlockStore:
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
                  **kwargs: Any) -> BlockStore:
         """Open an existing fingerprint directory with the identity it records (for tools)."""
-        d = Path(directory)
+        d = Path(directory).expanduser()
         ident = read_identity(d, kwargs.get("fs"))
         return cls(d.parent, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                    tokenizer_hash=ident.tokenizer_hash, max_bytes=max_bytes if max_bytes is not None else 1 << 62,
@@ -276,10 +297,13 @@ class BlockStore:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        for pool in (self._executor, self._io):
+        if os.getpid() != self._pid:  # a forked child's copy: the parent still owns the environment
+            self._closed = True
+            return
+        for pool in (self._executor, self._io):  # pending writes finish before the handle closes
             if pool is not None:
                 pool.shutdown(wait=True)
+        self._closed = True
         self._index.close()
         self._lock.close()
 
@@ -290,6 +314,7 @@ class BlockStore:
         self.close()
 
     # -- recovery ---------------------------------------------------------------
+    @_open_only
     def scan(self) -> int:
         """Recover and index: reap stale tmp files, trust or rebuild the LMDB
         tables, reconcile them with a directory listing, reclaim unreferenced
@@ -333,6 +358,7 @@ class BlockStore:
         if finished:
             self.evict_to_cap()
 
+    @_open_only
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
         with self._lock.held():
@@ -575,11 +601,13 @@ class BlockStore:
             self._seq = seq
 
     # -- queries (pure index lookups) ------------------------------------------------
+    @_open_only
     def __len__(self) -> int:
         self._refresh()
         return len(self._entries)
 
     @property
+    @_open_only
     def total_bytes(self) -> int:
         """Headers plus every referenced block, each counted once."""
         return self._index.total_bytes()
@@ -589,27 +617,33 @@ class BlockStore:
         return self._limit() if self._limit is not None else self._max_bytes
 
     @property
+    @_open_only
     def block_count(self) -> int:
         return sum(1 for row in self._index.blocks().values() if row.refs > 0)
 
     @property
+    @_open_only
     def logical_bytes(self) -> int:
         """What one self-contained file per entry would take (no sharing)."""
         return sum(e.nbytes for e in self.entries())
 
+    @_open_only
     def entries(self) -> list[Entry]:
         self._refresh()
         with self._mutex:
             return list(self._entries.values())
 
     @property
+    @_open_only
     def longest_durable_prefix_tokens(self) -> int:
         return max((e.length for e in self.entries()), default=0)
 
+    @_open_only
     def token_prefixes(self) -> Iterator[tuple[int, ...]]:
         for entry in self.entries():
             yield entry.tokens
 
+    @_open_only
     def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
         arr = _tokens(tokens)
         _check_ns(ns)
@@ -618,6 +652,7 @@ class BlockStore:
             trie = self._tries.get(ns)
             return trie is not None and trie.has_durable_prefix(arr)
 
+    @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
         arr = _tokens(prompt)
         _check_ns(ns)
@@ -627,6 +662,7 @@ class BlockStore:
             found = trie.find(arr) if trie is not None else None
         return Match(*found) if found else None
 
+    @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
         arr = _tokens(tokens)
         _check_ns(ns)
@@ -636,6 +672,7 @@ class BlockStore:
             entry = self._entries.get(entry_id) if entry_id else None
         return Match(entry, len(arr)) if entry is not None else None
 
+    @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
         arr = _tokens(prompt)
         best: Entry | None = None
@@ -652,6 +689,7 @@ class BlockStore:
         return best
 
     # -- restore ---------------------------------------------------------------------
+    @_open_only
     def restore(self, entry: Entry, prefix_len: int | None = None) -> Loaded | None:
         """Rebuild an entry's caches (cut to ``prefix_len`` tokens when given).
 
@@ -700,6 +738,7 @@ class BlockStore:
         self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
         return Loaded(caches, tuple(header.tokens[:p].tolist()), attachments, entry.checkpoint)
 
+    @_open_only
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
         _prefix_len(entry, prefix_len)
         return self._pool_executor().submit(self.restore, entry, prefix_len)
@@ -748,18 +787,21 @@ class BlockStore:
             self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
 
     # -- store --------------------------------------------------------------------------
+    @_open_only
     def store(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
               attachments: Mapping[str, Any] | None = None) -> bool:
         """Persist a prompt cache. Returns False (with one warning) on any disk failure."""
         job = self._prepare(tokens, caches, ns, attachments, None)
         return self._commit(*job)
 
+    @_open_only
     def store_async(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
                     attachments: Mapping[str, Any] | None = None) -> Future[bool]:
         """Snapshot the caches now (the caller may keep using them), write in the background."""
         job = self._prepare(tokens, caches, ns, attachments, None)
         return self._pool_executor().submit(self._commit, *job)
 
+    @_open_only
     def store_generation_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any],
                                     checkpoint: GenerationCheckpoint) -> bool:
         """Persist an in-flight generation; older checkpoints of its key go only once it is durable."""
@@ -768,6 +810,7 @@ class BlockStore:
         job = self._prepare(tokens, caches, CHECKPOINT_NS + checkpoint.key, None, checkpoint)
         return self._commit(*job)
 
+    @_open_only
     def remove_generation_checkpoints(self, key: str) -> None:
         with self._lock.held():
             self._refresh()
@@ -788,12 +831,21 @@ class BlockStore:
         input raises here). Capturing is cheap; the host copy and hashing happen
         in ``_commit``, which ``store_async`` runs on its worker thread."""
         arr = _tokens(tokens)
-        _check_ns(ns)
+        _check_ns(ns, reserved_ok=checkpoint is not None)
+        if not len(arr):
+            raise ValueError("tokens is empty: there is no prompt to store")
         if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
             raise TypeError(f"caches must be a list of mlx-lm cache objects, got {type(caches).__name__}")
+        if not caches:
+            raise ValueError("caches is empty: pass the model's cache list (one per layer)")
         if attachments is not None and not isinstance(attachments, Mapping):
             raise TypeError("attachments must be a mapping of name to mx.array")
-        return arr, ns, blk.snapshot(list(caches), attachments), checkpoint
+        snap = blk.snapshot(list(caches), attachments)
+        counts = record_offsets(snap.records)
+        if counts and counts != {len(arr)}:  # restoring it would hand mlx-lm a cache that is not the prompt's
+            raise ValueError(f"{len(arr)} tokens but the caches hold {' / '.join(map(str, sorted(counts)))} "
+                             "tokens: pass exactly the tokens the caches were filled with")
+        return arr, ns, snap, checkpoint
 
     def _commit(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
@@ -876,6 +928,7 @@ class BlockStore:
             self._remove_quietly(entry.id)
 
     # -- remove, evict, gc --------------------------------------------------------------------
+    @_open_only
     def remove(self, entry: Entry) -> None:
         if not isinstance(entry, Entry):
             raise TypeError(f"remove takes an Entry, got {type(entry).__name__}")
@@ -910,6 +963,7 @@ class BlockStore:
         with self._mutex:
             self._drop_memory(entry_id)
 
+    @_open_only
     def evict_plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first. Changes nothing."""
         _check_size("target_bytes", target_bytes)
@@ -936,6 +990,7 @@ class BlockStore:
                     total -= sizes[name]
         return plan
 
+    @_open_only
     def evict_to(self, target_bytes: int) -> list[Entry]:
         """Remove least recently used entries until ``total_bytes <= target_bytes``."""
         _check_size("target_bytes", target_bytes)
@@ -948,9 +1003,11 @@ class BlockStore:
                 self._sweep_quietly()
         return plan
 
+    @_open_only
     def evict_to_cap(self) -> None:
         self.evict_to(self.max_bytes)
 
+    @_open_only
     def gc(self) -> int:
         """Delete blocks unreferenced for longer than the grace period; returns how many."""
         with self._lock.held():
@@ -964,6 +1021,7 @@ class BlockStore:
         except (OSError, lmdb.Error) as exc:
             self._warn("gc", f"gc failed: {exc}")
 
+    @_open_only
     def check(self, repair: bool = False,
               progress: Callable[[int, int], None] | None = None) -> CheckReport:
         """Compare the index with the files and verify every block hash.
@@ -1055,6 +1113,8 @@ class _IndexDisagrees(BlockKVError):
 
 def _tokens(tokens: Sequence[int]) -> np.ndarray:
     """Tokens as uint32, or a TypeError/ValueError naming what is wrong."""
+    if isinstance(tokens, mx.array):  # what MLX users hold; same rules as a numpy array
+        tokens = np.array(tokens)
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise TypeError(f"tokens must be a 1-D sequence of ints, got an array of {tokens.dtype} {tokens.shape}")
@@ -1071,9 +1131,18 @@ def _tokens(tokens: Sequence[int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
-def _check_ns(ns: str) -> None:
+def _check_ns(ns: str, *, reserved_ok: bool = False) -> None:
+    """A caller's namespace: a str of at most MAX_NS_BYTES UTF-8 bytes, not reserved."""
     if not isinstance(ns, str):
         raise TypeError(f"ns must be a str, got {type(ns).__name__}")
+    try:
+        size = len(ns.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"ns must be encodable as UTF-8 ({exc.reason} at index {exc.start})") from None
+    if size > MAX_NS_BYTES:
+        raise ValueError(f"ns is {size} bytes of UTF-8; at most {MAX_NS_BYTES} are allowed")
+    if not reserved_ok and ns.startswith(CHECKPOINT_NS):
+        raise ValueError(f"ns may not start with {CHECKPOINT_NS!r}: reserved for generation checkpoints")
 
 
 def _check_size(name: str, value: int) -> None:
