@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import blocks as blk
-from .directory import Directory
+from .directory import Directory, block_key
 from .errors import BlockMissingError, CorruptBlockError, CorruptError
 from .index import BlockRow
 
@@ -56,6 +56,7 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     files = listing.blocks
     truth: Counter[str] = Counter()
     referencing: dict[str, tuple[str, ...]] = {}
+    keys: dict[str, bytes | None] = {}  # block -> the key its referencing header names it with
     for entry_id, p in listing.headers.items():
         path = Path(p)
         try:
@@ -75,11 +76,17 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
             report.entries += 1
             referencing[entry_id] = record.blocks
         truth.update(record.blocks)
+        key = block_key(header.identity, header.ns)
+        keys.update((n, key) for n in record.blocks)
     corrupt = set()
     names = sorted(files)
     for done, name in enumerate(names, 1):
         try:
-            blk.decode_block(name, directory.pool.read(name))
+            data = directory.pool.read(name)
+            if name in keys:
+                blk.decode_block(name, data, key=keys[name])
+            else:  # no header names it, so its key (if any) is unknown: check the frame only
+                blk.decode_block(name, data, verify=False)
         except CorruptBlockError:
             corrupt.add(name)
         except BlockMissingError:

@@ -48,7 +48,7 @@ from . import blocks as blk
 from . import gc
 from .gc import CheckReport
 from .codec import record_offsets
-from .directory import CODEC_ID, Directory, fingerprint_dirname, read_identity
+from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
 from .fs import FileLayer
 from .header import Header, Identity, encode_header
@@ -214,6 +214,7 @@ class BlockStore:
         gc_grace: float = 60.0,
         tmp_grace: float = 3600.0,
         index_map_size: int = 256 << 20,
+        isolate_namespaces: bool = False,
     ) -> None:
         for name, value in (("model_id", model_id), ("config_fingerprint", config_fingerprint),
                             ("tokenizer_hash", tokenizer_hash)):
@@ -229,8 +230,13 @@ class BlockStore:
         for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        if not isinstance(isolate_namespaces, bool):
+            raise TypeError(f"isolate_namespaces must be a bool, got {type(isolate_namespaces).__name__}")
         self.root = Path(root).expanduser()
-        self.identity = Identity(model_id, config_fingerprint, tokenizer_hash, CODEC_ID)
+        self.isolate_namespaces = isolate_namespaces
+        # the codec id in every header says how its blocks are named; the two modes' entries are foreign to each other
+        self.identity = Identity(model_id, config_fingerprint, tokenizer_hash,
+                                 KEYED_CODEC_ID if isolate_namespaces else CODEC_ID)
         self._owner = self.identity.digest()
         self.directory = self.root / fingerprint_dirname(config_fingerprint)
         self.block_tokens = block_tokens
@@ -628,19 +634,32 @@ class BlockStore:
         return sum(e.nbytes for e in self.entries())
 
     @_open_only
-    def entries(self) -> list[Entry]:
+    def entries(self, ns: str | None = None) -> list[Entry]:
+        """Every entry, or (``ns`` given) only that namespace's: a tenant sees its own."""
+        if ns is not None:
+            _check_ns(ns)
         self._refresh()
         with self._mutex:
-            return list(self._entries.values())
+            return [e for e in self._entries.values() if ns is None or e.ns == ns]
+
+    @_open_only
+    def count(self, ns: str | None = None) -> int:
+        """``len(store)``, or (``ns`` given) the entries of that namespace."""
+        return len(self) if ns is None else len(self.entries(ns))
 
     @property
     @_open_only
     def longest_durable_prefix_tokens(self) -> int:
-        return max((e.length for e in self.entries()), default=0)
+        return self.longest_entry_tokens()
 
     @_open_only
-    def token_prefixes(self) -> Iterator[tuple[int, ...]]:
-        for entry in self.entries():
+    def longest_entry_tokens(self, ns: str | None = None) -> int:
+        """The longest entry's length, across namespaces or (``ns`` given) in one."""
+        return max((e.length for e in self.entries(ns)), default=0)
+
+    @_open_only
+    def token_prefixes(self, ns: str | None = None) -> Iterator[tuple[int, ...]]:
+        for entry in self.entries(ns):
             yield entry.tokens
 
     @_open_only
@@ -703,11 +722,12 @@ class BlockStore:
         t0 = time.perf_counter()
         reading = ""
         buffer = bytearray()  # sized below, once the header says how big the blocks are
+        key = block_key(self.identity, entry.ns)
 
         def fetch(ref: blk.BlockRef) -> memoryview:
             nonlocal reading
             reading = ref.name
-            payload = blk.decode_block(ref.name, self._pool.read_into(ref.name, buffer), verify=self.verify)
+            payload = blk.decode_block(ref.name, self._pool.read_into(ref.name, buffer), verify=self.verify, key=key)
             reading = ""
             return payload
 
@@ -855,7 +875,8 @@ class BlockStore:
         refs_taken = False
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
-            layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit)
+            layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit,
+                                     key=block_key(self.identity, ns))
             written = writer.wait()
             header = encode_header(Header(self.identity, ns, tokens, layout.descriptor,
                                           checkpoint.to_json() if checkpoint else None))
