@@ -37,6 +37,13 @@ def tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
 
 
+def refuse_linked(path: Path) -> None:
+    """OSError(ELOOP) if ``path`` (a directory or file blockkv creates) is a
+    symlink: nothing is written through a link out of the root."""
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, "a symlink where blockkv keeps its own files; not followed", str(path))
+
+
 class FileLayer:
     """Durable file primitives. Subclass and override a primitive to inject faults."""
 

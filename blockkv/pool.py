@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BlockMissingError
-from .fs import Buffer, FileLayer
+from .fs import Buffer, FileLayer, refuse_linked
 
 _NAME = re.compile(r"[0-9a-f]{64}")
 
@@ -45,6 +45,7 @@ class BlobPool:
     def write(self, name: str, parts: Sequence[Buffer]) -> int:
         """Publish a block durably (tmp → fsync → rename → fsync dir)."""
         path = self.path(name)
+        refuse_linked(path.parent)
         self._fs.makedirs(path.parent)
         return self._fs.write_atomic(path, parts)
 
@@ -61,8 +62,11 @@ class BlobPool:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 
     def delete(self, name: str) -> None:
+        path = self.path(name)
+        if path.parent.is_symlink():
+            return  # not ours: the listing never saw what is behind a linked shard
         try:
-            self._fs.unlink(self.path(name))
+            self._fs.unlink(path)
         except FileNotFoundError:
             pass
 

@@ -21,7 +21,6 @@ holds the directory lock, so a dedup hit and a gc delete never interleave.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import functools
 import json
@@ -50,7 +49,7 @@ from .gc import CheckReport
 from .codec import record_offsets
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
-from .fs import FileLayer
+from .fs import FileLayer, refuse_linked
 from .header import Header, Identity, encode_header
 from .index import EntryRecord, Index
 from .prefix_index import PrefixIndex
@@ -284,9 +283,7 @@ class BlockStore:
     def _make_directory(self) -> None:
         for fixed in (self.directory, self.directory / "entries", self.directory / "blobs",
                       self._dir.index_dir, self.directory / "LOCK", self.directory / "IDENTITY"):
-            if fixed.is_symlink():  # writing through it would write outside the root
-                raise OSError(errno.ELOOP, "a symlink where blockkv keeps its own files; refusing to follow it",
-                              str(fixed))
+            refuse_linked(fixed)  # writing through it would write outside the root
         self._fs.makedirs(self.root)
         marker = self.root / ROOT_MARKER
         if not marker.exists():
@@ -892,6 +889,7 @@ class BlockStore:
                 self._index.take_refs(entry_id, self._dir.rel(path), writer.sizes)
                 refs_taken = True
                 self._fs.crash_point("store:refs-taken")
+                refuse_linked(path.parent)
                 self._fs.makedirs(path.parent)
                 written += self._fs.write_atomic(path, [header])
                 self._fs.crash_point("store:header-written")
@@ -972,6 +970,8 @@ class BlockStore:
             except CorruptError as exc:
                 self._warn("index-path", f"index row {entry_id[:80]!r} is not ours ({exc}); dropping the row only")
                 path = None
+            if path is not None and path.parent.is_symlink():
+                path = None  # what is behind a linked namespace directory is not ours
             if path is not None:
                 try:
                     self._fs.unlink(path)

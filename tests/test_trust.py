@@ -333,3 +333,33 @@ def test_symlinked_fingerprint_directory_is_refused(tmp_path: Path, stored: tupl
     with pytest.raises(OSError, match="symlink"):
         BlockStore.open_dir(root / fp_name)
     assert [p.name for p in outside.iterdir()] == ["IDENTITY"]  # nothing written through the link
+
+
+def test_linked_shard_and_namespace_directories_are_never_written_or_deleted_through(
+    tmp_path: Path, stored: tuple[list[int], list[Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens, cache = stored
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    with BlockStore(root, gc_grace=0.0, **IDENT) as s:
+        # every shard a new block could land in, and the namespace's directory, link out of the root
+        links = [s.directory / "blobs" / f"{i:02x}" for i in range(256)]
+        links.append(s._dir.header_path("ns", "0" * 32).parent)
+        for link in links:
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(outside)
+        assert not s.store(tokens, cache, "ns")  # refused with a warning, not raised
+        assert list(outside.iterdir()) == []
+        for link in links:
+            link.unlink()
+        assert s.store(tokens, cache, "ns")
+        # now the real shard of a stored block is swapped for a link to a copy outside
+        block = _block(s)
+        (outside / block.name).write_bytes(block.read_bytes())
+        real = block.parent.rename(tmp_path / "real-shard")
+        block.parent.symlink_to(outside)
+        s.remove(s.find_exact(tokens, "ns").entry)
+        s.gc()
+        s.check(repair=True)
+    assert (outside / block.name).read_bytes() == (real / block.name).read_bytes()  # never deleted through the link
+    assert [p.name for p in outside.iterdir()] == [block.name]
