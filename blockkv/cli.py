@@ -365,6 +365,7 @@ PROBLEMS = {
     "dangling": "dangling entry (needs a missing or corrupt block)",
     "orphan_blocks": "orphan block (nothing references it)",
     "refcount_mismatches": "refcount mismatch (block, index says, headers say)",
+    "unreadable": "unreadable file (a transient error such as EMFILE or EIO; kept, never deleted)",
 }
 
 

@@ -709,9 +709,9 @@ class BlockStore:
     def restore(self, entry: Entry, prefix_len: int | None = None) -> Loaded | None:
         """Rebuild an entry's caches (cut to ``prefix_len`` tokens when given).
 
-        Reads only the blocks that cover the prefix. Any failure (a block gone,
-        a hash mismatch, a damaged header) warns, drops the entry and returns
-        None: never wrong tensors."""
+        Reads only the blocks that cover the prefix. Any failure warns and
+        returns None, never wrong tensors; only proof of corruption (a block
+        gone, a hash mismatch, a damaged header) also drops the entry."""
         if not isinstance(entry, Entry):
             raise TypeError(f"restore takes an Entry from find/find_exact, got {type(entry).__name__}")
         p = _prefix_len(entry, prefix_len)
