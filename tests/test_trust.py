@@ -188,6 +188,21 @@ def test_unreadable_header_during_rebuild_check_and_gc_is_kept(
         _assert_restores(s, tokens, cache)
 
 
+def test_unreadable_block_during_check_is_not_corrupt(tmp_path: Path, stored: tuple[list[int], list[Any]]) -> None:
+    tokens, cache = stored
+    fs = FlakyFiles()
+    with BlockStore(tmp_path, fs=fs, gc_grace=0.0, **IDENT) as s:
+        assert s.store(tokens, cache)
+        before = _files(s.directory)
+        fs.fault, fs.match = OSError(errno.EIO, "Input/output error"), "/blobs/"
+        report = s.check(repair=True)
+        assert report.unreadable and not report.corrupt_blocks and not report.dangling and not report.orphan_blocks
+        assert _files(s.directory) == before
+        fs.fault = None
+        assert s.check().clean
+        _assert_restores(s, tokens, cache)
+
+
 # -- nothing from the root or the index is trusted as a path or a size ------------
 
 
