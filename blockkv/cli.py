@@ -36,7 +36,7 @@ from blockkv.directory import Directory, read_identity
 from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
 from blockkv.gc import CheckReport
-from blockkv.gc import inspect as inspect_files
+from blockkv.gc import check_directory
 from blockkv.index import read_only_block_rows
 from blockkv.store import ROOT_MARKER, BlockStore, Entry, FingerprintDir, list_fingerprints
 
@@ -379,7 +379,7 @@ def check_one(
     directory = Directory(fp.path, read_identity(fp.path), FileLayer())
     rows = read_only_block_rows(directory.index_dir)
     if not repair:
-        return inspect_files(directory, rows, progress)
+        return check_directory(directory, progress=progress)
     with open_store(fp) as store:
         report: CheckReport = store.check(repair=True, progress=progress)
     if rows is None:

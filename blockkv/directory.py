@@ -21,7 +21,7 @@ from .errors import CorruptError
 from .fs import TMP_SUFFIX, FileLayer
 from .header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
 from .index import EntryRecord
-from .pool import BlobPool, is_block_name
+from .pool import Layout, LocalPool, is_block_name
 
 CODEC_ID = f"blockkv-blocks-{blk.FORMAT}"
 KEYED_CODEC_ID = f"{CODEC_ID}+ns-keyed"  # isolate_namespaces: blocks named with their namespace's key
@@ -29,6 +29,8 @@ _UUID = re.compile(r"[0-9a-f]{32}")
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
 _HEADER_REL = re.compile(rf"entries/[0-9a-f]{{16}}/([0-9a-f]{{32}}){re.escape(SUFFIX)}")
 _MAX_IDENTITY_BYTES = 1 << 20
+# headers as pool names (``<ns dir>/<uuid>.bkv``), for a pool protocol backend
+HEADER_LAYOUT = Layout(re.compile(rf"{_NS_DIR.pattern}/{_UUID.pattern}{re.escape(SUFFIX)}"), sharded=False)
 
 
 def fingerprint_dirname(config_fingerprint: str) -> str:
@@ -83,7 +85,7 @@ class Directory:
         self.path = path
         self.identity = identity
         self.fs = fs
-        self.pool = BlobPool(path / "blobs", fs)
+        self.pool = LocalPool(path / "blobs", fs)
         self.entries_dir = path / "entries"
         self.index_dir = path / "index"
 

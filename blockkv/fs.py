@@ -31,10 +31,13 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 
-def tmp_name(final: Path) -> Path:
+def tmp_name(final: Path, tag: str = "") -> Path:
     """A temporary name beside ``final``: dot-prefixed, random, ``.tmp``-suffixed,
-    so a scan can never mistake it for a finished file (oMLX's lesson)."""
-    return final.with_name(f".{final.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+    so a scan can never mistake it for a finished file (oMLX's lesson). ``tag``
+    names the writer (its intent-file token): its liveness decides when the
+    file may be reaped (writers.py)."""
+    middle = f"{tag}.{secrets.token_hex(4)}" if tag else secrets.token_hex(6)
+    return final.with_name(f".{final.name}.{middle}{TMP_SUFFIX}")
 
 
 def refuse_linked(path: Path) -> None:
@@ -66,6 +69,11 @@ class FileLayer:
     def replace(self, src: Path, dst: Path) -> None:
         os.replace(src, dst)
 
+    def link(self, src: Path, dst: Path) -> None:
+        """A second name for ``src``; FileExistsError if ``dst`` exists: publishing
+        by link is create-if-absent, where a rename would replace."""
+        os.link(src, dst)
+
     def unlink(self, path: Path) -> None:
         os.unlink(path)
 
@@ -90,6 +98,9 @@ class FileLayer:
             os.close(fd)
             raise
         return fd
+
+    def mkdir(self, path: Path) -> None:
+        os.mkdir(path, DIR_MODE)
 
     def read(self, path: Path) -> bytes:
         """The whole file, at most its size when opened (a growing file cannot feed us more)."""
@@ -136,18 +147,18 @@ class FileLayer:
             p = p.parent
         for d in reversed(missing):
             try:
-                os.mkdir(d, DIR_MODE)
+                self.mkdir(d)
             except FileExistsError:
                 continue
             self.fsync_dir(d.parent)
 
-    def write_atomic(self, path: Path, parts: Sequence[Buffer], *, sync_dir: bool = True) -> int:
+    def write_atomic(self, path: Path, parts: Sequence[Buffer], *, sync_dir: bool = True, tag: str = "") -> int:
         """tmp in the target directory → write → fsync → rename → fsync dir.
 
         A crash at any point leaves either no file or the whole file; the tmp
         file is removed on failure. Returns the bytes written.
         """
-        tmp = tmp_name(path)
+        tmp = tmp_name(path, tag)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
             total = 0

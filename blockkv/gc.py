@@ -9,6 +9,7 @@ index afterwards).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from . import blocks as blk
+from . import writers
 from .directory import Directory, block_key
 from .errors import BlockMissingError, CorruptBlockError, CorruptError
-from .index import BlockRow
+from .index import BlockRow, read_only_block_rows
+from .locks import DirLock
 
 Progress = Callable[[int, int], None]
+DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 
 
 @dataclass
@@ -36,23 +40,91 @@ class CheckReport:
     corrupt_blocks: list[str] = field(default_factory=list)
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
     unreadable: list[str] = field(default_factory=list)  # headers and blocks a transient error kept us from reading
+    stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
+    in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
     index_missing: bool = False
     actions: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
         return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
-                    or self.corrupt_headers or self.corrupt_blocks or self.index_missing or self.unreadable)
+                    or self.corrupt_headers or self.corrupt_blocks or self.stale_tmp or self.index_missing
+                    or self.unreadable)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "clean": self.clean}
 
 
+Keys = dict[str, "bytes | None"]  # block name -> the key its referencing header names it with
+Verified = tuple[dict[str, bool], list[str]]  # block -> corrupt?, and the blocks that could not be read
+
+
+def block_keys(directory: Directory) -> Keys:
+    """The key of every block some readable header references (None: not keyed).
+    Headers that do not read are left out here; ``inspect`` reports them."""
+    keys: Keys = {}
+    for p in directory.listing().headers.values():
+        try:
+            header = directory.read_header(Path(p))
+        except Exception:  # noqa: BLE001 - reported by inspect, which reads every header again
+            continue
+        key = block_key(header.identity, header.ns)
+        keys.update((r.name, key) for r in blk.blocks_for_prefix(header.descriptor, None))
+    return keys
+
+
+def _verify(name: str, data: bytes, keys: Keys) -> None:
+    """Check a block's frame and, when a header names it, its hash under that
+    header's key; a block no header references has no known key (isolation
+    keys blocks by namespace), so only its frame is checked."""
+    if name in keys:
+        blk.decode_block(name, data, key=keys[name])
+    else:
+        blk.decode_block(name, data, verify=False)
+
+
+def verify_blocks(directory: Directory, progress: Progress | None = None) -> Verified:
+    """Hash every block file: name → whether it is corrupt, and the blocks a
+    transient error kept us from reading (never corrupt). The slow part of a
+    check, so it runs without the directory lock (a block deleted meanwhile is
+    left out; one written meanwhile is verified by ``inspect``)."""
+    keys = block_keys(directory)
+    names = sorted(directory.pool.names())
+    out: dict[str, bool] = {}
+    unreadable: list[str] = []
+    for done, name in enumerate(names, 1):
+        try:
+            _verify(name, directory.pool.read(name), keys)
+            out[name] = False
+        except CorruptBlockError:
+            out[name] = True
+        except BlockMissingError:
+            pass
+        except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
+            unreadable.append(name)
+        if progress is not None:
+            progress(done, len(names))
+    return out, unreadable
+
+
 def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
-            progress: Progress | None = None) -> CheckReport:
-    """Findings for ``directory`` against index rows ``rows`` (None: no usable index)."""
-    report = CheckReport(index_missing=rows is None)
+            progress: Progress | None = None, *, verified: Verified | None = None,
+            tmp_cutoff: float | None = None) -> CheckReport:
+    """Findings for ``directory`` against index rows ``rows`` (None: no usable index).
+
+    Meant to run under the directory lock, so no store is between taking its
+    references and making its entry visible: what it reads is consistent.
+    ``verified``: block hashes already checked (``verify_blocks``); the rest
+    are hashed here. Blocks live writers announced (writers.py) are in flight,
+    not orphans; the writers are surveyed *after* the listing, so every listed
+    block a live writer wants was announced by then. ``tmp_cutoff``: a temp
+    file without a writer token older than this is stale (default: one
+    ``DEFAULT_TMP_GRACE`` ago)."""
     listing = directory.listing()
+    live = writers.survey(directory.path / "writers")
+    cutoff = time.time() - writers.DEFAULT_TMP_GRACE if tmp_cutoff is None else tmp_cutoff
+    report = CheckReport(index_missing=rows is None, in_flight=sorted(live.names),
+                         stale_tmp=[directory.rel(p) for p in writers.stale_temp_files(listing.tmp, live, cutoff)])
     files = listing.blocks
     truth: Counter[str] = Counter()
     referencing: dict[str, tuple[str, ...]] = {}
@@ -78,23 +150,23 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
         truth.update(record.blocks)
         key = block_key(header.identity, header.ns)
         keys.update((n, key) for n in record.blocks)
-    corrupt = set()
-    names = sorted(files)
-    for done, name in enumerate(names, 1):
+    known, unread = verified or ({}, [])
+    rest = {n: known[n] for n in files if n in known}
+    fresh = [n for n in sorted(files) if n not in known and n not in unread]
+    report.unreadable += [directory.rel(directory.pool.path(n)) for n in unread if n in files]
+    for done, name in enumerate(fresh, 1):
         try:
-            data = directory.pool.read(name)
-            if name in keys:
-                blk.decode_block(name, data, key=keys[name])
-            else:  # no header names it, so its key (if any) is unknown: check the frame only
-                blk.decode_block(name, data, verify=False)
+            _verify(name, directory.pool.read(name), keys)
+            rest[name] = False
         except CorruptBlockError:
-            corrupt.add(name)
+            rest[name] = True
         except BlockMissingError:
             files.discard(name)
         except Exception:  # noqa: BLE001 - not proof of corruption: neither corrupt nor an orphan
-            report.unreadable.append(f"blobs/{name[:2]}/{name}")
-        if progress is not None:
-            progress(done, len(names))
+            report.unreadable.append(directory.rel(directory.pool.path(name)))
+        if progress is not None and verified is None:
+            progress(done, len(fresh))
+    corrupt = {n for n, bad in rest.items() if bad and n in files}
     report.blocks = len(files)
     report.corrupt_blocks = sorted(corrupt)
     report.dangling = sorted(
@@ -103,7 +175,8 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     if any(u.startswith("entries/") for u in report.unreadable):
         return report  # a header we could not read may reference any block: no orphans, no refcounts
     waiting_for_gc = {n for n, row in (rows or {}).items() if row.refs == 0}
-    report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc)
+    report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc
+                                  and n not in live.names)
     if rows is not None:
         report.refcount_mismatches = sorted(
             (n, rows[n].refs if n in rows else 0, truth[n])
@@ -113,9 +186,27 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     return report
 
 
+def check_directory(directory: Directory, *, lock_timeout: float | None = None,
+                    progress: Progress | None = None) -> CheckReport:
+    """``check`` for a tool that has not opened the directory as a store: it
+    changes nothing and takes no write lock. Block hashes are checked first
+    without any lock; the comparison holds the directory lock *shared*, so no
+    store is half-way through and a busy, healthy directory reports clean."""
+    verified = verify_blocks(directory, progress)
+    lock = DirLock(directory.path / "LOCK", create=False)
+    try:
+        with lock.held(lock_timeout, shared=True):
+            return inspect(directory, read_only_block_rows(directory.index_dir), verified=verified)
+    finally:
+        lock.close()
+
+
 def repair(directory: Directory, report: CheckReport) -> None:
-    """Unlink corrupt and dangling headers of ours, delete corrupt and orphan blocks.
-    Unreadable files are left alone: only proof of corruption deletes."""
+    """Act on the findings, in the same hold of the directory lock as
+    ``inspect``: unlink corrupt and dangling headers of ours, delete corrupt
+    blocks (hashed again first: only proof deletes) and orphan blocks (no live
+    writer had announced them), dead writers' temp files and intent files.
+    Unreadable files are left alone."""
     for rel in report.corrupt_headers:
         directory.unlink_quietly(directory.path / rel)
         report.actions.append(f"removed corrupt header {rel}")
@@ -124,11 +215,26 @@ def repair(directory: Directory, report: CheckReport) -> None:
         if entry_id in paths:
             directory.unlink_quietly(Path(paths[entry_id]))
             report.actions.append(f"removed dangling entry {entry_id}")
-    for name in report.corrupt_blocks + report.orphan_blocks:
+    corrupt = []
+    keys = block_keys(directory) if report.corrupt_blocks else {}
+    for name in report.corrupt_blocks:
+        try:
+            _verify(name, directory.pool.read(name), keys)
+        except CorruptBlockError:
+            corrupt.append(name)
+        except Exception:  # noqa: BLE001 - gone, or unreadable now: not proof
+            continue
+    orphans = report.orphan_blocks
+    for name in corrupt + orphans:
         directory.pool.delete(name)
-    if report.corrupt_blocks:
-        report.actions.append(f"deleted {len(report.corrupt_blocks)} corrupt block(s)")
-    if report.orphan_blocks:
-        report.actions.append(f"deleted {len(report.orphan_blocks)} unreferenced block(s)")
+    for rel in report.stale_tmp:
+        directory.unlink_quietly(directory.path / rel)
+    if corrupt:
+        report.actions.append(f"deleted {len(corrupt)} corrupt block(s)")
+    if orphans:
+        report.actions.append(f"deleted {len(orphans)} unreferenced block(s)")
+    writers.reap(writers.survey(directory.path / "writers"))
+    if report.stale_tmp:
+        report.actions.append(f"removed {len(report.stale_tmp)} temp file(s) of dead writers")
     if report.refcount_mismatches:
         report.actions.append(f"fixed {len(report.refcount_mismatches)} refcount(s)")

@@ -25,7 +25,8 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -111,8 +112,8 @@ class Index:
     def __init__(self, path: Path, *, map_size: int = 256 << 20) -> None:
         self.path = path
         self._boot = boot_id()
-        self._env = _open_env(path, map_size, sync=not self._boot)
-        self._resize_lock = threading.Lock()
+        self._shared = _open_env(path, map_size, sync=not self._boot)
+        self._env = self._shared.env
         (self._meta, self._entries, self._lastuse, self._blocks, self._pending, self._log) = (
             self._open_db(name) for name in self._DBS
         )
@@ -121,33 +122,52 @@ class Index:
         """Creating a table is a write: it may need the map to grow too."""
         while True:
             try:
-                return self._env.open_db(name)
+                with self._shared.gate.shared():
+                    return self._env.open_db(name)
             except lmdb.MapFullError:
-                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                self._grow()
 
     def close(self) -> None:
-        _release_env(self.path, self._env)
+        _release_env(self._shared)
+
+    def replaced(self) -> bool:
+        """Whether ``index/`` on disk is no longer the environment we have open
+        (an operator deleted it, or a rebuild moved a broken one aside): every
+        handle asks before it trusts its view (docs/design.md, "Index epoch")."""
+        try:
+            return _env_key(self.path) != self._shared.key
+        except OSError:
+            return True
 
     # -- transactions -------------------------------------------------------
     def _write(self, fn: Callable[[lmdb.Transaction], R]) -> R:
         """Run ``fn`` in a write transaction; grow the map when it is full."""
         while True:
             try:
-                with self._env.begin(write=True) as txn:
+                with self._shared.gate.shared(), self._env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
-                with self._resize_lock:
-                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                self._grow()
             except lmdb.MapResizedError:
-                self._env.set_mapsize(0)
+                self._adopt_size()
 
     def _read(self, fn: Callable[[lmdb.Transaction], R]) -> R:
         while True:
             try:
-                with self._env.begin() as txn:
+                with self._shared.gate.shared(), self._env.begin() as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
-                self._env.set_mapsize(0)
+                self._adopt_size()
+
+    def _grow(self) -> None:
+        """Double the map, with no transaction of this process open (py-lmdb's rule)."""
+        with self._shared.gate.exclusive():
+            self._env.set_mapsize(self._env.info()["map_size"] * 2)
+
+    def _adopt_size(self) -> None:
+        """Another process grew the map: adopt its size, again with no transaction open."""
+        with self._shared.gate.exclusive():
+            self._env.set_mapsize(0)
 
     # -- meta ---------------------------------------------------------------
     def is_trusted(self) -> bool:
@@ -159,8 +179,11 @@ class Index:
         fmt, boot = self._read(get)
         return fmt == FORMAT and boot == self._boot.encode()
 
-    def seq(self) -> int:
-        return self._read(lambda txn: _u64(txn.get(b"seq", db=self._meta)))
+    def position(self) -> tuple[bytes, int]:
+        """(generation, log sequence): where a handle's view of the tables stands.
+        The generation changes on every rebuild, so a handle never replays the
+        log of one table set onto its view of another."""
+        return self._read(lambda txn: (txn.get(b"gen", db=self._meta) or b"", _u64(txn.get(b"seq", db=self._meta))))
 
     def total_bytes(self) -> int:
         return self._read(lambda txn: _u64(txn.get(b"bytes", db=self._meta)))
@@ -210,13 +233,18 @@ class Index:
         raw = self._read(lambda txn: txn.get(name.encode(), db=self._blocks))
         return BlockRow(*_BLOCK.unpack(raw)) if raw is not None else None
 
-    def changes_since(self, seq: int) -> tuple[int, list[tuple[str, str]]] | None:
-        """(new seq, [(op, id)...]) since ``seq``; None when the log no longer reaches back."""
+    def changes_since(self, position: tuple[bytes, int]) -> tuple[tuple[bytes, int], list[tuple[str, str]]] | None:
+        """(new position, [(op, id)...]) since ``position``; None when the log
+        cannot get there (another generation, or trimmed past it): reload."""
+        gen, seq = position
 
-        def read(txn: lmdb.Transaction) -> tuple[int, list[tuple[str, str]]] | None:
+        def read(txn: lmdb.Transaction) -> tuple[tuple[bytes, int], list[tuple[str, str]]] | None:
+            now_gen = txn.get(b"gen", db=self._meta) or b""
             last = _u64(txn.get(b"seq", db=self._meta))
+            if now_gen != gen:
+                return None
             if last == seq:
-                return last, []
+                return (gen, last), []
             floor = _u64(txn.get(b"log_floor", db=self._meta))
             if seq < floor or seq > last:
                 return None
@@ -225,7 +253,7 @@ class Index:
             if cur.set_range(_U64.pack(seq + 1)):
                 for _, v in cur:
                     ops.append((chr(v[0]), v[1:].decode()))
-            return last, ops
+            return (gen, last), ops
 
         return self._read(read)
 
@@ -343,13 +371,15 @@ class Index:
         references start their gc grace period now."""
 
         def fn(txn: lmdb.Transaction) -> None:
+            old_seq = _u64(txn.get(b"seq", db=self._meta))  # the log's positions never repeat
             for db in (self._entries, self._lastuse, self._blocks, self._pending, self._log, self._meta):
                 txn.drop(db, delete=False)
             txn.put(b"format", FORMAT, db=self._meta)
             txn.put(b"boot", self._boot.encode(), db=self._meta)
+            txn.put(b"gen", os.urandom(16), db=self._meta)
             refs: dict[str, int] = {}
             total = 0
-            seq = 0
+            seq = old_seq
             for record, last_use in records:
                 key = record.id.encode()
                 txn.put(key, record.pack(), db=self._entries)
@@ -364,6 +394,7 @@ class Index:
                 txn.put(name.encode(), _BLOCK.pack(n, size, 0.0 if n else now), db=self._blocks)
                 total += size if n else 0
             txn.put(b"seq", _U64.pack(seq), db=self._meta)
+            txn.put(b"log_floor", _U64.pack(old_seq), db=self._meta)
             txn.put(b"bytes", _U64.pack(total), db=self._meta)
 
         self._write(fn)
@@ -408,52 +439,102 @@ def _add_bytes(txn: lmdb.Transaction, meta: Any, delta: int) -> None:
         txn.put(b"bytes", _U64.pack(total), db=meta)
 
 
+class _Gate:
+    """Readers-writer lock over one environment's transactions: any number of
+    transactions, or one map resize with none open (py-lmdb forbids resizing
+    while another thread of the process is inside a transaction)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing or self._active:
+                self._cond.wait()
+            self._resizing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+@dataclass
+class _SharedEnv:
+    env: lmdb.Environment
+    key: tuple[int, int]  # (st_dev, st_ino) of data.mdb when opened
+    gate: _Gate
+    users: int = 1
+
+
 # LMDB forbids opening one environment twice in a process; handles share one.
-_ENVS: dict[tuple[str, int, int], tuple[lmdb.Environment, int]] = {}
+_ENVS: dict[tuple[str, int, int], _SharedEnv] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _env_key(path: Path) -> tuple[str, int, int]:
+def _env_key(path: Path) -> tuple[int, int]:
     st = os.stat(path / "data.mdb")
-    return (str(path.resolve()), st.st_dev, st.st_ino)
+    return (st.st_dev, st.st_ino)
 
 
-def _open_env(path: Path, map_size: int, *, sync: bool) -> lmdb.Environment:
+def _open_env(path: Path, map_size: int, *, sync: bool) -> _SharedEnv:
+    resolved = str(path.resolve())
     with _ENVS_LOCK:
         try:
             key = _env_key(path)
         except FileNotFoundError:
             key = None
-        if key is not None and key in _ENVS:
-            env, n = _ENVS[key]
-            _ENVS[key] = (env, n + 1)
-            return env
-        # an environment of this path whose file was replaced behind our back is
-        # dead: close it, or liblmdb refuses to open the path again
-        resolved = str(path.resolve())
-        for stale in [k for k in _ENVS if k[0] == resolved]:
-            _ENVS.pop(stale)[0].close()
+        if key is not None and (resolved, *key) in _ENVS:
+            shared = _ENVS[(resolved, *key)]
+            shared.users += 1
+            return shared
+        # liblmdb refuses a second environment on one lock file: one whose data
+        # file was replaced in place is dead. Close it once no transaction is
+        # inside it; its handles get an error and reopen (``Index.replaced``).
+        for stale in [v for k, v in _ENVS.items() if k[0] == resolved]:
+            with stale.gate.exclusive():
+                stale.env.close()
+            for k in [k for k, v in _ENVS.items() if v is stale]:
+                del _ENVS[k]
         path.mkdir(mode=0o700, exist_ok=True)
         env = lmdb.open(
             str(path), map_size=map_size, max_dbs=len(Index._DBS), max_readers=1024,
             sync=sync, metasync=sync, readahead=False, mode=0o600,
         )
         env.reader_check()
-        _ENVS[_env_key(path)] = (env, 1)
-        return env
+        key = _env_key(path)
+        shared = _ENVS[(resolved, *key)] = _SharedEnv(env, key, _Gate())
+        return shared
 
 
-def _release_env(path: Path, env: lmdb.Environment) -> None:
+def _release_env(shared: _SharedEnv) -> None:
+    """Close the environment once its last handle lets go."""
     with _ENVS_LOCK:
-        for key, (e, n) in list(_ENVS.items()):
-            if e is env:
-                if n > 1:
-                    _ENVS[key] = (e, n - 1)
-                else:
-                    del _ENVS[key]
-                    env.close()
-                return
-
+        shared.users -= 1
+        if shared.users:
+            return
+        for k, v in list(_ENVS.items()):
+            if v is shared:
+                del _ENVS[k]
+        shared.env.close()  # a no-op if it was closed as stale
 
 
 def read_only_block_rows(path: Path) -> dict[str, BlockRow] | None:

@@ -4,6 +4,11 @@
 so writing the same block twice is harmless and a reader can always tell a
 damaged file from a good one. The pool knows nothing of references: the index
 counts them and the store decides what may be deleted.
+
+``BlobPool`` is the protocol every backend meets (shaped by what an
+S3-compatible object store can do: conditional create, ranged get, stat,
+delete, list by prefix); ``LocalPool`` is the one on a local filesystem.
+docs/design.md ("Pool protocol") states the semantics.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from .errors import BlockMissingError
-from .fs import Buffer, FileLayer, refuse_linked
+from .fs import Buffer, FileLayer, refuse_linked, tmp_name
 
 _NAME = re.compile(r"[0-9a-f]{64}")
 
@@ -29,25 +35,128 @@ class BlockFile:
     name: str
     size: int
     mtime: float
+    etag: str | None = None  # where the backend has one (an object store's ETag)
 
 
-class BlobPool:
-    def __init__(self, directory: Path, fs: FileLayer) -> None:
+@dataclass(frozen=True)
+class Layout:
+    """How a pool's names map to relative locations, ``<shard>/<leaf>``.
+
+    Blocks shard by their first two hex digits (``ab/ab12…``); headers already
+    carry their namespace directory (``<ns dir>/<uuid>.bkv``). The same
+    location is a path under a local directory and a key under a bucket prefix,
+    so every backend lays a pool out alike."""
+
+    pattern: re.Pattern[str]
+    sharded: bool
+
+    def check(self, name: str) -> str:
+        if not isinstance(name, str) or self.pattern.fullmatch(name) is None:
+            raise ValueError(f"{name!r} is not a name of this pool ({self.pattern.pattern})")
+        return name
+
+    def location(self, name: str) -> str:
+        return f"{name[:2]}/{name}" if self.sharded else name
+
+    def location_prefix(self, prefix: str) -> str:
+        """The location prefix under which every name starting with ``prefix`` lies."""
+        return f"{prefix[:2]}/{prefix}" if self.sharded and len(prefix) >= 2 else prefix
+
+    def name_of(self, location: str) -> str | None:
+        """The name stored at ``location``, or None for anything not of our shape."""
+        shard, _, leaf = location.partition("/")
+        name = leaf if self.sharded else location
+        if self.sharded and leaf[:2] != shard:
+            return None
+        return name if self.pattern.fullmatch(name) else None
+
+
+BLOCK_LAYOUT = Layout(_NAME, sharded=True)
+
+
+@dataclass(frozen=True)
+class PoolCapabilities:
+    """What a backend can promise; the store picks its write order and sweeps by them."""
+
+    durable_rename: bool  # a put is published by a local atomic rename/link, durable once it returns
+    consistent_listing: bool  # a listing shows every finished put and no finished delete
+    cheap_stat: bool  # exists/stat are a local syscall, not a network round trip
+    range_reads: bool  # get(start, end) transfers only the range
+    mtime: bool  # stat reports when the name was last written (sweeps go by age)
+
+
+@runtime_checkable
+class BlobPool(Protocol):
+    """Immutable named blobs: what a local directory and an object store both do.
+
+    A name, once created, always holds the same bytes until deleted: there is
+    no overwrite. Reads are of whole objects or byte ranges and are never torn:
+    a reader gets the bytes of one put or ``BlockMissingError``.
+    ``put_if_absent`` and ``get`` check names against the pool's ``layout``
+    (ValueError); the rest take names the caller listed or indexed."""
+
+    layout: Layout
+    capabilities: PoolCapabilities
+
+    def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
+        """Create ``name`` from ``parts`` (concatenated) unless it exists.
+        True if this call created it; False if the name was already there (its
+        bytes are left as they were: for a content-addressed name, a dedup hit)."""
+        ...
+
+    def get(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` clipped to the object, like a slice; BlockMissingError if absent."""
+        ...
+
+    def read_into(self, name: str, buffer: bytearray) -> memoryview:
+        """The whole object, in ``buffer`` when it fits (never resized), else in fresh memory."""
+        ...
+
+    def exists(self, name: str) -> bool: ...
+
+    def stat(self, name: str) -> BlockFile:
+        """Size, mtime and etag where the backend has one; FileNotFoundError if absent."""
+        ...
+
+    def delete(self, name: str) -> None:
+        """Remove ``name``; nothing if it is already gone."""
+        ...
+
+    def list_prefix(self, prefix: str = "") -> Iterator[str]:
+        """Names starting with ``prefix``, in no particular order (no stat)."""
+        ...
+
+
+def check_range(start: int, end: int | None) -> None:
+    if start < 0 or (end is not None and end < start):
+        raise ValueError(f"byte range [{start}, {end}) is not a range")
+
+
+class LocalPool:
+    """A pool in a local directory: ``<directory>/<shard>/<leaf>`` files."""
+
+    capabilities = PoolCapabilities(
+        durable_rename=True, consistent_listing=True, cheap_stat=True, range_reads=True, mtime=True
+    )
+
+    def __init__(self, directory: Path, fs: FileLayer, layout: Layout = BLOCK_LAYOUT) -> None:
         self.directory = directory
         self._fs = fs
+        self.layout = layout
 
     def path(self, name: str) -> Path:
-        return self.directory / name[:2] / name
+        return self.directory / self.layout.location(name)
 
     def exists(self, name: str) -> bool:
         return self.path(name).is_file()
 
-    def write(self, name: str, parts: Sequence[Buffer]) -> int:
-        """Publish a block durably (tmp → fsync → rename → fsync dir)."""
+    def write(self, name: str, parts: Sequence[Buffer], *, tag: str = "") -> int:
+        """Publish a block durably (tmp → fsync → rename → fsync dir); ``tag``
+        names the writer in the temp file's name (writers.py)."""
         path = self.path(name)
         refuse_linked(path.parent)
         self._fs.makedirs(path.parent)
-        return self._fs.write_atomic(path, parts)
+        return self._fs.write_atomic(path, parts, tag=tag)
 
     def read(self, name: str) -> bytes:
         try:
@@ -86,9 +195,41 @@ class BlobPool:
                 st = f.stat(follow_symlinks=False)
                 yield BlockFile(f.name, st.st_size, st.st_mtime)
 
-    def freshen(self, name: str) -> None:
-        """Bump a reused block's mtime (git's freshen): orphan sweeps go by age."""
+    # -- the BlobPool protocol (beyond the methods above) ---------------------
+    def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
+        """Stage a durable tmp file, then publish it by ``link``, which fails if
+        the name exists: of racing writers exactly one creates (a rename would
+        let each replace the other and every one report a create)."""
+        path = self.path(self.layout.check(name))
+        if path.is_file():
+            return False
+        self._fs.makedirs(path.parent)
+        staged = tmp_name(path)
+        self._fs.write_atomic(staged, parts, sync_dir=False)
         try:
-            os.utime(self.path(name))
-        except OSError:
-            pass
+            self._fs.link(staged, path)
+        except FileExistsError:
+            return False
+        finally:
+            self._fs.unlink(staged)
+        self._fs.fsync_dir(path.parent)
+        return True
+
+    def get(self, name: str, start: int = 0, end: int | None = None) -> bytes:
+        check_range(start, end)
+        path = self.path(self.layout.check(name))
+        if start == 0 and end is None:
+            return self.read(name)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                stop = size if end is None else min(end, size)
+                return os.pread(f.fileno(), stop - start, start) if start < stop else b""
+        except FileNotFoundError:
+            raise BlockMissingError(f"{name} is not in the pool") from None
+
+    def list_prefix(self, prefix: str = "") -> Iterator[str]:
+        for shard, f in self._fs.shard_files(self.directory):
+            name = self.layout.name_of(f"{shard}/{f.name}")
+            if name is not None and name.startswith(prefix):
+                yield name

@@ -21,7 +21,6 @@ holds the directory lock, so a dedup hit and a gc delete never interleave.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import logging
@@ -44,15 +43,18 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import blocks as blk
-from . import gc
-from .gc import CheckReport
+from . import gc, writers
 from .codec import record_offsets
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
-from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
+from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from .fs import FileLayer, refuse_linked
+from .gc import CheckReport
 from .header import Header, Identity, encode_header
 from .index import EntryRecord, Index
+from .locks import DirLock
+from .pool import LocalPool
 from .prefix_index import PrefixIndex
+from .writers import IntentFile
 
 log = logging.getLogger("blockkv")
 _T = TypeVar("_T")
@@ -62,6 +64,11 @@ CHECKPOINT_NS = "__generation_checkpoint__:"  # reserved: no caller's ns may sta
 MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
 _MAX_TOKEN = (1 << 32) - 1
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
+_SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
+# liblmdb errors that prove an environment broken (not a transient failure):
+# only these move it aside to be rebuilt
+_BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
+                 lmdb.PageNotFoundError, lmdb.BadRslotError)
 
 
 @dataclass(frozen=True)
@@ -160,34 +167,6 @@ def _open_only(method: Callable[..., _T]) -> Callable[..., _T]:
     return guarded
 
 
-class _DirLock:
-    """flock(2) on LOCK for other processes, an RLock for this one's threads.
-
-    flock is released by the kernel when a process dies, so a SIGKILLed
-    writer never wedges the directory (unlike LMDB's POSIX semaphores)."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self._thread = threading.RLock()
-        self._depth = 0
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        with self._thread:
-            if self._depth == 0:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
 class BlockStore:
     """Prompt/KV caches on disk as header files over a deduplicated block pool.
 
@@ -210,9 +189,10 @@ class BlockStore:
         verify: bool = True,
         fs: FileLayer | None = None,
         clock: Callable[[], float] = time.time,
-        gc_grace: float = 60.0,
-        tmp_grace: float = 3600.0,
+        gc_grace: float = gc.DEFAULT_GC_GRACE,
+        tmp_grace: float = writers.DEFAULT_TMP_GRACE,
         index_map_size: int = 256 << 20,
+        lock_timeout: float = 10.0,
         isolate_namespaces: bool = False,
     ) -> None:
         for name, value in (("model_id", model_id), ("config_fingerprint", config_fingerprint),
@@ -226,7 +206,7 @@ class BlockStore:
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
         if limit is not None and not callable(limit):
             raise TypeError("limit must be a callable returning the live byte cap")
-        for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace)):
+        for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace), ("lock_timeout", lock_timeout)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
         if not isinstance(isolate_namespaces, bool):
@@ -243,6 +223,7 @@ class BlockStore:
         self.verify = verify
         self.gc_grace = float(gc_grace)
         self.tmp_grace = float(tmp_grace)
+        self.lock_timeout = float(lock_timeout)
         self._max_bytes = max_bytes
         self._limit = limit
         self._fs = fs or FileLayer()
@@ -256,18 +237,31 @@ class BlockStore:
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
         self._mutex = threading.RLock()  # in-memory index of this handle
-        self._executor: ThreadPoolExecutor | None = None  # store_async / restore_async
-        self._io: ThreadPoolExecutor | None = None  # block writes of one store, in parallel
+        self._executors: dict[str, ThreadPoolExecutor] = {}  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
         self._make_directory()
-        self._lock = _DirLock(self.directory / "LOCK")
+        self._lock = DirLock(self.directory / "LOCK")
+        self._intents = IntentFile(self.directory / "writers")
+        self._needs_recovery = False  # open could not take the lock: recover at the first mutation
+        self._entries: dict[str, Entry] = {}
+        self._foreign: dict[str, Entry] = {}  # another identity's entries: counted and evictable, never served
+        self._tries: dict[str, PrefixIndex[Entry]] = {}
+        self._exact: dict[tuple[str, bytes], str] = {}
+        self._position: tuple[bytes, int] = (b"", 0)
         try:
             self._index = Index(self._dir.index_dir, map_size=index_map_size)
-        except lmdb.Error as exc:
-            self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-            self._index = self._fresh_index()
-        self.scan()
+        except _BROKEN_INDEX as exc:
+            with self._lock.held(self.lock_timeout):
+                self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
+                self._index = self._fresh_index()
+        try:
+            self.scan()
+        except LockTimeout:
+            self._warn("lock", "directory lock busy at open: serving the index as it is, recovering later")
+            self._needs_recovery = True
+            if self._index.is_trusted():
+                self._load()
 
     @classmethod
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
@@ -303,10 +297,10 @@ class BlockStore:
         if os.getpid() != self._pid:  # a forked child's copy: the parent still owns the environment
             self._closed = True
             return
-        for pool in (self._executor, self._io):  # pending writes finish before the handle closes
-            if pool is not None:
-                pool.shutdown(wait=True)
+        for pool in self._executors.values():  # pending writes finish before the handle closes
+            pool.shutdown(wait=True)
         self._closed = True
+        self._intents.close()
         self._index.close()
         self._lock.close()
 
@@ -324,16 +318,45 @@ class BlockStore:
         blocks. What had to be fixed is left in ``self.recovery``. Returns the
         number of entries indexed."""
         self.recovery = []
-        with self._lock.held():
-            self._recover_locked()
+        with self._lock.held(self.lock_timeout):
+            if self._needs_recovery or self._index.replaced():
+                self._reopen_index()  # recovers too
+            else:
+                self._recover_locked()
         return len(self)
+
+    @contextmanager
+    def _locked(self, timeout: float | None = None) -> Iterator[None]:
+        """The directory lock for a mutation (``LockTimeout`` after ``timeout``,
+        default ``lock_timeout``), with the index checked current first: one
+        replaced under us (deleted by an operator, moved aside by another
+        process's rebuild) is reopened and recovered before anything trusts it."""
+        with self._lock.held(self.lock_timeout if timeout is None else timeout):
+            if self._needs_recovery or self._index.replaced():
+                self._reopen_index()
+            yield
+
+    def _reopen_index(self) -> None:
+        """Under the lock: drop our environment, open what is on disk now, recover."""
+        try:
+            self._index.close()
+        except lmdb.Error:
+            pass
+        try:
+            self._index = Index(self._dir.index_dir, map_size=self._map_size)
+        except _BROKEN_INDEX as exc:
+            self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
+            self._index = self._fresh_index()
+        self._recover_locked()
+        self._needs_recovery = False
 
     def _recover_locked(self) -> None:
         """The body of ``scan``; the caller holds the directory lock."""
         finished: list[str] = []
         records: list[EntryRecord] | None = None
         listing = self._dir.listing()  # one listing serves every step below
-        self._reap_tmp(listing.tmp)
+        live = writers.survey(self._intents.directory)
+        self._reap_tmp(listing.tmp, live)
         files = listing.blocks
         try:
             if self._index.is_trusted():
@@ -346,14 +369,19 @@ class BlockStore:
             else:
                 self._note("index missing, from another format or from before an OS restart: rebuilt")
                 self._rebuild()
-        except (lmdb.Error, CorruptError) as exc:
+        except CorruptError as exc:  # a record that does not parse: the tables are garbage, the environment works
+            self._warn("index", f"LMDB index unreadable ({exc}); rebuilding from headers")
+            self._note(f"index unreadable ({exc}): rebuilt")
+            records = None
+            self._rebuild()
+        except _BROKEN_INDEX as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self._note(f"index unreadable ({exc}): rebuilt")
             records = None
             self._index.close()
             self._index = self._fresh_index()
             self._rebuild()
-        self._sweep_orphans(files)
+        self._sweep_orphans(files, live)
         self._load(records)
         for entry_id in finished:  # a store that died after its header landed: finish what it would have done
             if entry_id in self._entries:
@@ -364,7 +392,7 @@ class BlockStore:
     @_open_only
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
-        with self._lock.held():
+        with self._locked():
             self._rebuild()
             self._load()
         return len(self)
@@ -373,8 +401,9 @@ class BlockStore:
         self.recovery.append(finding)
 
     def _fresh_index(self) -> Index:
-        """Move a broken environment aside (never delete it in place: another
-        process may still map it) and open a fresh one, to be rebuilt."""
+        """Under the lock, on proof that it is broken: move the environment aside
+        (never delete it in place: another process may still map it; it notices
+        through ``Index.replaced``) and open a fresh one, to be rebuilt."""
         aside = self._dir.index_dir.with_name(f".index-broken-{uuid.uuid4().hex[:8]}")
         try:
             os.replace(self._dir.index_dir, aside)
@@ -383,18 +412,18 @@ class BlockStore:
         shutil.rmtree(aside, ignore_errors=True)
         return Index(self._dir.index_dir, map_size=self._map_size)
 
-    def _reap_tmp(self, tmp: list[str]) -> None:
-        """Remove write orphans older than ``tmp_grace``: a live writer's tmp file is younger."""
-        cutoff = self._clock() - self.tmp_grace
-        for p in tmp:
-            path = Path(p)
-            try:
-                if path.stat().st_mtime >= cutoff:
-                    continue
-            except FileNotFoundError:
-                continue
+    def _reap_tmp(self, tmp: list[str], live: writers.Writers) -> None:
+        """Remove the temp files of dead writers (under the lock). A temp file
+        names its writer; one whose writer is alive is never touched, whatever
+        the clock says. One without a writer token (an older blockkv) goes by
+        age, ``tmp_grace``."""
+        for path in self._stale_tmp(tmp, live):
             self._dir.unlink_quietly(path)
             self._note(f"reaped write orphan {self._dir.rel(path)}")
+        writers.reap(live)
+
+    def _stale_tmp(self, tmp: list[str], live: writers.Writers) -> list[Path]:
+        return writers.stale_temp_files(tmp, live, self._clock() - self.tmp_grace)
 
     def _scan_header(self, entry_id: str, path: Path, block_files: Container[str]) -> EntryRecord | None:
         """Index-worthy record of a header file, or None. A corrupt header is
@@ -494,20 +523,28 @@ class BlockStore:
                     self._index.add_scanned(record, {n: self._pool.stat(n).size for n in record.blocks}, now)
         return changed
 
-    def _sweep_orphans(self, files: set[str] | None = None) -> int:
-        """Delete blocks nothing references once they are older than the grace
-        period (``files``: a listing of the pool, if the caller has one)."""
+    def _sweep_orphans(self, files: set[str] | None = None, live: writers.Writers | None = None) -> int:
+        """Under the lock: delete blocks nothing references and no live writer
+        may still reference (its intent file names them), and the temp files of
+        dead writers. ``files``/``live``: a pool listing and writer survey the
+        caller already has. A block freed less than ``gc_grace`` ago by this
+        clock is kept for reuse; that is policy, not safety (design.md, "Block
+        lifetime"), so a block stamped in our future is not kept."""
         if not self._index_unread_headers():
             return 0  # a header we could not read may reference any unreferenced block
-        cutoff = self._clock() - self.gc_grace
+        listing = self._dir.listing() if files is None else None
+        if listing is not None:
+            files = listing.blocks
+        if live is None:  # surveyed after the listing: a listed block's writer had announced it by then
+            live = writers.survey(self._intents.directory)
+            if listing is not None:
+                self._reap_tmp(listing.tmp, live)
+        now = self._clock()
         rows = self._index.blocks()
-        doomed = [name for name, row in rows.items() if row.refs == 0 and row.zero_since <= cutoff]
-        for name in (self._pool.names() if files is None else files) - rows.keys():
-            try:
-                if self._pool.stat(name).mtime <= cutoff:  # younger: a writer has yet to reference it
-                    doomed.append(name)
-            except FileNotFoundError:
-                continue
+        doomed = [name for name, row in rows.items()
+                  if row.refs == 0 and not now - self.gc_grace < row.zero_since <= now]
+        doomed += files - rows.keys()
+        doomed = [name for name in doomed if name not in live.names]
         for name in doomed:
             self._fs.crash_point("gc:block-unlinked")
             self._pool.delete(name)
@@ -532,18 +569,17 @@ class BlockStore:
     def _load(self, records: list[EntryRecord] | None = None) -> None:
         """Rebuild the in-memory index from the tables (``records``: already read)."""
         with self._mutex:
-            self._seq = self._index.seq()
-            self._entries: dict[str, Entry] = {}
-            self._tries: dict[str, PrefixIndex[Entry]] = {}
-            self._exact: dict[tuple[str, bytes], str] = {}
+            self._position = self._index.position()  # first: a change made while we read is replayed, not lost
+            self._entries = {}
+            self._foreign = {}
+            self._tries = {}
+            self._exact = {}
             last_use = self._index.last_use()
             sizes = {n: row.size for n, row in self._index.blocks().items()}
             for record in self._index.entries() if records is None else records:
                 self._add_memory(record, last_use.get(record.id, 0.0), sizes)
 
     def _add_memory(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
-        if record.owner != self._owner:
-            return
         checkpoint = GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None
         entry = Entry(
             id=record.id, ns=record.ns, token_array=record.tokens,
@@ -552,6 +588,9 @@ class BlockStore:
             trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
             checkpoint=checkpoint, attachments=record.attachments,
         )
+        if record.owner != self._owner:
+            self._foreign[entry.id] = entry
+            return
         self._entries[entry.id] = entry
         trie = self._tries.get(entry.ns)
         if trie is None:  # not setdefault: that would build a throwaway trie per entry
@@ -560,6 +599,7 @@ class BlockStore:
         self._exact[(entry.ns, entry.token_array.tobytes())] = entry.id
 
     def _drop_memory(self, entry_id: str) -> None:
+        self._foreign.pop(entry_id, None)
         entry = self._entries.pop(entry_id, None)
         if entry is None:
             return
@@ -569,39 +609,39 @@ class BlockStore:
             del self._exact[key]
 
     def _refresh(self) -> None:
-        """Replay what other handles changed since we last looked (cheap when nothing did)."""
+        """Replay what other handles changed since we last looked (cheap when
+        nothing did). An index replaced under us is reopened and recovered; if
+        that cannot happen now, serve the last known state and retry next call."""
         try:
+            if self._needs_recovery or self._index.replaced():
+                raise lmdb.Error("the index was replaced on disk")
             self._apply_changes()
-        except lmdb.Error as exc:  # the environment was closed or replaced under us
+        except lmdb.Error as exc:
             self._warn("index", f"LMDB index lost ({exc}); reopening and recovering")
+            self._needs_recovery = True
             try:
-                with self._lock.held():
-                    try:
-                        self._index.close()
-                    except lmdb.Error:
-                        pass
-                    self._index = Index(self._dir.index_dir, map_size=self._map_size)
-                    self._recover_locked()
-            except (lmdb.Error, OSError, CorruptError) as exc2:  # serve what we know; retry next call
+                with self._locked(timeout=0):  # a query never waits for the lock
+                    pass
+            except (lmdb.Error, OSError, CorruptError) as exc2:
                 self._warn("index-reopen", f"could not reopen the LMDB index ({exc2}); serving the last known state")
 
     def _apply_changes(self) -> None:
         with self._mutex:
-            changes = self._index.changes_since(self._seq)
-            if changes is None:
+            changes = self._index.changes_since(self._position)
+            if changes is None:  # another generation of the tables, or trimmed past us
                 self._load()
                 return
-            seq, ops = changes
+            position, ops = changes
             if not ops:
                 return
             for op, entry_id in ops:
                 if op == "-":
                     self._drop_memory(entry_id)
-                elif entry_id not in self._entries:
+                elif entry_id not in self._entries and entry_id not in self._foreign:
                     record = self._index.entry(entry_id)
                     if record is not None:
                         self._add_memory(record, self._clock(), self._index.block_sizes(record.blocks))
-            self._seq = seq
+            self._position = position
 
     # -- queries (pure index lookups) ------------------------------------------------
     @_open_only
@@ -758,7 +798,7 @@ class BlockStore:
     @_open_only
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
         _prefix_len(entry, prefix_len)
-        return self._pool_executor().submit(self.restore, entry, prefix_len)
+        return self._executor("restore").submit(self.restore, entry, prefix_len)
 
     def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
         """Bytes on disk of each block a restore needs. A block whose file could not
@@ -791,7 +831,7 @@ class BlockStore:
         corrupt_block = reading if isinstance(exc, CorruptBlockError) and reading != "header" else ""
         self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
         try:
-            with self._lock.held():
+            with self._locked(timeout=_SERVING_WAIT):
                 self._refresh()
                 doomed = {entry.id} & set(self._entries)
                 if corrupt_block:  # quarantine: every entry that needs it is damaged too;
@@ -800,7 +840,7 @@ class BlockStore:
                     doomed |= {e.id for e in self._entries.values() if corrupt_block in e.blocks}
                 for entry_id in doomed:
                     self._remove_locked(entry_id)
-        except (OSError, lmdb.Error, BlockKVError) as exc2:
+        except (OSError, lmdb.Error, BlockKVError) as exc2:  # LockTimeout included: the next restore retries
             self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
 
     # -- store --------------------------------------------------------------------------
@@ -816,7 +856,7 @@ class BlockStore:
                     attachments: Mapping[str, Any] | None = None) -> Future[bool]:
         """Snapshot the caches now (the caller may keep using them), write in the background."""
         job = self._prepare(tokens, caches, ns, attachments, None)
-        return self._pool_executor().submit(self._commit, *job)
+        return self._executor("store").submit(self._commit, *job)
 
     @_open_only
     def store_generation_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any],
@@ -829,17 +869,25 @@ class BlockStore:
 
     @_open_only
     def remove_generation_checkpoints(self, key: str) -> None:
-        with self._lock.held():
-            self._refresh()
-            for entry in list(self._entries.values()):
-                if entry.checkpoint is not None and entry.checkpoint.key == key:
-                    self._remove_quietly(entry.id)
+        try:
+            with self._locked():
+                self._refresh()
+                for entry in list(self._entries.values()):
+                    if entry.checkpoint is not None and entry.checkpoint.key == key:
+                        self._remove_quietly(entry.id)
+        except LockTimeout as exc:
+            self._warn("lock", f"checkpoints of {key!r} not removed: {exc}")
 
-    def _pool_executor(self) -> ThreadPoolExecutor:
+    def _executor(self, job: str) -> ThreadPoolExecutor:
+        """One worker per kind of job ("store", "restore"; "io": the block writes
+        of a store, in parallel), so a restore never queues behind a store."""
         with self._mutex:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockkv")
-            return self._executor
+            pool = self._executors.get(job)
+            if pool is None:
+                workers = _IO_THREADS if job == "io" else 1
+                pool = self._executors[job] = ThreadPoolExecutor(max_workers=workers,
+                                                                 thread_name_prefix=f"blockkv-{job}")
+            return pool
 
     def _prepare(self, tokens: Sequence[int], caches: Sequence[Any], ns: str,
                  attachments: Mapping[str, Any] | None,
@@ -868,7 +916,7 @@ class BlockStore:
                 checkpoint: GenerationCheckpoint | None) -> bool:
         entry_id = uuid.uuid4().hex
         path = self._dir.header_path(ns, entry_id)
-        writer = _BlockWriter(self)
+        writer = _BlockWriter(self._pool, self._index, self._intents, self._executor("io"), self.compression)
         refs_taken = False
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
@@ -881,17 +929,18 @@ class BlockStore:
             if entry_bytes > self.max_bytes:
                 self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {self.max_bytes}-byte cap",
                            once=False)
-                writer.discard()
+                self._discard(writer)
                 return False
             self._fs.crash_point("store:blocks-written")
-            with self._lock.held():
-                written += writer.revive_missing(layout)  # gc may have taken a block we meant to reuse
+            with self._locked():
+                written += writer.ensure_present(layout)  # a deleter may have taken any block since we saw it
                 self._index.take_refs(entry_id, self._dir.rel(path), writer.sizes)
                 refs_taken = True
+                writer.release()  # referenced now: the refcounts protect them
                 self._fs.crash_point("store:refs-taken")
                 refuse_linked(path.parent)
                 self._fs.makedirs(path.parent)
-                written += self._fs.write_atomic(path, [header])
+                written += self._fs.write_atomic(path, [header], tag=self._intents.token)
                 self._fs.crash_point("store:header-written")
                 attachments = tuple(layout.descriptor["attachments"])
                 parsed = blk.parse_descriptor(layout.descriptor)
@@ -911,26 +960,41 @@ class BlockStore:
         except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
             if refs_taken:
                 self._undo_store(entry_id, path)
+            elif isinstance(exc, LockTimeout):
+                writer.abandon()  # what it wrote is garbage for the next gc: waiting again to delete it helps nobody
             else:
-                writer.discard()
-            self._warn("store", f"store failed (disk full or unwritable?); entry not stored: {exc}")
+                self._discard(writer)
+            reason = "the directory lock is busy" if isinstance(exc, LockTimeout) else "disk full or unwritable?"
+            self._warn("store", f"store failed ({reason}); entry not stored: {exc}")
             return False
+        finally:
+            writer.release()
         self.stats["spills"] += 1
         self.stats["bytes_written"] += written
         self.stats["bytes_deduplicated"] += sum(b.ref.raw_bytes for b in layout.blocks if b.ref.name not in writer.new)
         return True
 
-    def _io_executor(self) -> ThreadPoolExecutor:
-        with self._mutex:
-            if self._io is None:
-                self._io = ThreadPoolExecutor(max_workers=_IO_THREADS, thread_name_prefix="blockkv-io")
-            return self._io
+    def _discard(self, writer: _BlockWriter) -> None:
+        """A refused or failed store: delete the blocks it wrote that nothing
+        references and no live writer (of any handle) may still reference."""
+        writer.abandon()
+        try:
+            with self._locked():
+                live = writers.survey(self._intents.directory)
+                for name in writer.new:
+                    if name not in live.names and self._index.block(name) is None:
+                        self._pool.delete(name)
+        except (OSError, lmdb.Error, BlockKVError):
+            pass  # left as garbage: the next gc reclaims it
 
     def _undo_store(self, entry_id: str, path: Path) -> None:
+        """Give back the references of a store that failed after taking them.
+        Under the lock, or not at all: its ``pending`` record lets recovery do it."""
         try:
-            self._dir.unlink_quietly(path)
-            self._index.rollback_pending(entry_id, self._clock())
-        except (OSError, lmdb.Error) as exc:
+            with self._locked():
+                self._dir.unlink_quietly(path)
+                self._index.rollback_pending(entry_id, self._clock())
+        except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("undo", f"could not undo a failed store ({exc}); check(repair=True) reclaims it")
 
     def _apply_store_rules(self, new: Entry) -> None:
@@ -951,9 +1015,12 @@ class BlockStore:
     def remove(self, entry: Entry) -> None:
         if not isinstance(entry, Entry):
             raise TypeError(f"remove takes an Entry, got {type(entry).__name__}")
-        with self._lock.held():
-            self._refresh()
-            self._remove_quietly(entry.id)
+        try:
+            with self._locked():
+                self._refresh()
+                self._remove_quietly(entry.id)
+        except LockTimeout as exc:
+            self._warn("lock", f"entry {entry.id} not removed: {exc}")
 
     def _remove_quietly(self, entry_id: str) -> None:
         try:
@@ -994,34 +1061,40 @@ class BlockStore:
         total = self.total_bytes
         if total <= target_bytes:  # the common case: every store checks the cap
             return []
+        self._refresh()
         last_use = self._index.last_use()
-        entries = sorted(self.entries(), key=lambda e: last_use.get(e.id, 0.0))
+        with self._mutex:  # every identity of the directory shares its cap (design.md, "Identities")
+            entries = sorted([*self._entries.values(), *self._foreign.values()],
+                             key=lambda e: last_use.get(e.id, 0.0))
         rows = self._index.blocks()
         refs = {n: row.refs for n, row in rows.items()}
-        sizes = {n: row.size for n, row in rows.items()}
         plan = []
         for entry in entries:
             if total <= target_bytes:
                 break
             plan.append(entry)
             total -= entry.header_bytes
-            for name in entry.blocks:
-                refs[name] -= 1
-                if refs[name] == 0:
-                    total -= sizes[name]
+            for name in dict.fromkeys(entry.blocks):
+                if name in refs:
+                    refs[name] -= 1
+                    if refs[name] == 0:
+                        total -= rows[name].size
         return plan
 
     @_open_only
     def evict_to(self, target_bytes: int) -> list[Entry]:
         """Remove least recently used entries until ``total_bytes <= target_bytes``."""
         _check_size("target_bytes", target_bytes)
-        with self._lock.held():
-            self._refresh()
-            plan = self._plan(target_bytes)
-            for entry in plan:
-                self._remove_quietly(entry.id)
-            if plan:
-                self._sweep_quietly()
+        try:
+            with self._locked():
+                plan = self._plan(target_bytes)
+                for entry in plan:
+                    self._remove_quietly(entry.id)
+                if plan:
+                    self._sweep_quietly()
+        except LockTimeout as exc:
+            self._warn("lock", f"eviction skipped: {exc}")
+            return []
         return plan
 
     @_open_only
@@ -1030,16 +1103,21 @@ class BlockStore:
 
     @_open_only
     def gc(self) -> int:
-        """Delete blocks unreferenced for longer than the grace period; returns how many."""
-        with self._lock.held():
-            n = self._sweep_orphans()
-            self._index.trim_log()
+        """Delete blocks nothing references and no live writer may (see
+        ``_sweep_orphans``) and dead writers' temp files; returns how many blocks."""
+        try:
+            with self._locked():
+                n = self._sweep_orphans()
+                self._index.trim_log()
+        except LockTimeout as exc:
+            self._warn("lock", f"gc skipped: {exc}")
+            return 0
         return n
 
     def _sweep_quietly(self) -> None:
         try:
             self._sweep_orphans()
-        except (OSError, lmdb.Error) as exc:
+        except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("gc", f"gc failed: {exc}")
 
     @_open_only
@@ -1048,9 +1126,15 @@ class BlockStore:
         """Compare the index with the files and verify every block hash.
 
         Returns findings rather than raising. ``repair=True`` fixes refcounts,
-        removes dangling and corrupt entries, and deletes unreferenced blocks."""
-        with self._lock.held():
-            report = gc.inspect(self._dir, self._index.blocks(), progress)
+        removes dangling and corrupt entries, and deletes unreferenced blocks
+        no live writer may still reference. The block hashes, the slow part,
+        are checked without the directory lock; the comparison of files and
+        index runs under it, so a busy, healthy root reports clean.
+        ``LockTimeout`` if the lock is not had within ``lock_timeout``."""
+        verified = gc.verify_blocks(self._dir, progress)
+        with self._locked():
+            report = gc.inspect(self._dir, self._index.blocks(), verified=verified,
+                                tmp_cutoff=self._clock() - self.tmp_grace)
             if repair and not report.clean:
                 gc.repair(self._dir, report)
                 self._rebuild()
@@ -1069,25 +1153,33 @@ class BlockStore:
 
 
 class _BlockWriter:
-    """The blocks of one store: which the pool lacks, written in the background."""
+    """The blocks of one store: which the pool lacks, written in the background.
 
-    def __init__(self, store: BlockStore) -> None:
-        self._store = store
+    Every block it touches is declared in the handle's intent file before it
+    looks for it, and stays declared until the store references it or gives
+    up (writers.py): deleters spare it meanwhile."""
+
+    def __init__(self, pool: LocalPool, index: Index, intents: IntentFile, io: ThreadPoolExecutor,
+                 compression: str | None) -> None:
+        self._pool, self._index, self._intents, self._io = pool, index, intents, io
+        self._compression = compression
         self.sizes: dict[str, int] = {}  # stored bytes of every block the entry references
         self.new: set[str] = set()  # blocks this store wrote
+        self._declared: list[str] = []
         self._writes: list[Future[int]] = []
 
     def submit(self, block: blk.Block) -> None:
-        s, name = self._store, block.ref.name
-        row = s._index.block(name)
-        if row is not None and s._pool.exists(name):
-            s._pool.freshen(name)  # a dedup hit: orphan sweeps go by age
+        name = block.ref.name
+        self._intents.add([name])
+        self._declared.append(name)
+        row = self._index.block(name)
+        if row is not None and self._pool.exists(name):  # a dedup hit
             self.sizes[name] = row.size
             return
-        frame = blk.encode_block(block, s.compression)
+        frame = blk.encode_block(block, self._compression)
         self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
         self.new.add(name)
-        self._writes.append(s._io_executor().submit(s._pool.write, name, frame))
+        self._writes.append(self._io.submit(self._pool.write, name, frame, tag=self._intents.token))
 
     def wait(self) -> int:
         """Bytes written, once every block is durable (re-raises the first failure)."""
@@ -1096,21 +1188,22 @@ class _BlockWriter:
             total += f.result()
         return total
 
-    def revive_missing(self, layout: blk.EntryLayout) -> int:
-        """Under the lock: rewrite any reused block that gc deleted since ``submit`` saw it."""
-        s, written = self._store, 0
+    def ensure_present(self, layout: blk.EntryLayout) -> int:
+        """Under the lock, right before taking references: every block of the
+        entry, new or reused, is in the pool; any that a deleter took since
+        ``submit`` is written again. Returns the bytes that took."""
+        written = 0
         for block in layout.blocks:
             name = block.ref.name
-            if name not in self.new and not s._pool.exists(name):
-                frame = blk.encode_block(block, s.compression)
+            if not self._pool.exists(name):
+                frame = blk.encode_block(block, self._compression)
                 self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
-                written += s._pool.write(name, frame)
+                written += self._pool.write(name, frame, tag=self._intents.token)
                 self.new.add(name)
         return written
 
-    def discard(self) -> None:
-        """Delete what this store wrote that nothing references (a refused or failed store)."""
-        s = self._store
+    def abandon(self) -> None:
+        """Stop: cancel queued writes, wait for running ones, release the names."""
         for f in self._writes:
             f.cancel()
         for f in self._writes:
@@ -1118,13 +1211,16 @@ class _BlockWriter:
                 f.result()
             except BaseException:  # noqa: BLE001 - the failure is reported by the caller
                 pass
-        try:
-            with s._lock.held():
-                for name in self.new:
-                    if s._index.block(name) is None:
-                        s._pool.delete(name)
-        except (OSError, lmdb.Error):
-            pass  # left as garbage: gc reclaims it after the grace period
+        self.release()
+
+    def release(self) -> None:
+        """Take this store's names out of the intent file (once; later calls do nothing)."""
+        names, self._declared = self._declared, []
+        if names:
+            try:
+                self._intents.release(names)
+            except OSError:
+                pass  # stale names only delay a deletion
 
 
 class _IndexDisagrees(BlockKVError):

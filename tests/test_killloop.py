@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "killloop.py"
-_spec = importlib.util.spec_from_file_location("killloop", _PATH)
-assert _spec and _spec.loader
-killloop = importlib.util.module_from_spec(_spec)
-sys.modules["killloop"] = killloop
-_spec.loader.exec_module(killloop)
+from tool_scripts import load
+
+killloop = load("killloop")
 
 
 def test_kill_loop_loses_nothing(store_root: Path) -> None:

@@ -402,16 +402,39 @@ def test_foreign_fingerprints_and_models_are_untouched(tmp_path: Path, llama: An
         assert s.store(t, caches_for(llama, t))
         foreign_header = header_files(s)[0]
     header_bytes = foreign_header.read_bytes()
-    with open_store(tmp_path, max_bytes=1) as s:  # a tiny cap must not evict what is not ours
+    with open_store(tmp_path) as s:  # never served, never cleaned away, reported as foreign
         assert len(s) == 0 and s.find(t + [1]) is None and s.find_exact(t) is None
         s.evict_to_cap()
         s.gc()
         report = s.check()
         assert report.clean and report.foreign_headers == [str(foreign_header.relative_to(s.directory))]
+        assert s.total_bytes > 0  # its bytes count toward the directory's cap
     assert foreign_header.read_bytes() == header_bytes
-    assert _snapshot(foreign_dir) == before
     with open_store(tmp_path, model_id="someone-else") as s:
         assert_same_kv(s.restore(s.find_exact(t).entry).caches, caches_for(llama, t), 120)
+    with open_store(tmp_path, max_bytes=1) as s:  # the cap is shared: LRU eviction takes any identity's entry
+        s.evict_to_cap()
+        assert s.total_bytes == 0 and not foreign_header.exists()
+    assert _snapshot(foreign_dir) == before  # another fingerprint directory is never touched
+
+
+def test_identities_sharing_a_directory_share_its_cap(tmp_path: Path, llama: Any) -> None:
+    """Two chat templates of one model: each store evicts the least recently
+    used entries of either identity, never the one it just acknowledged."""
+    cap = 160_000  # about three of these entries
+    acked = []
+    for i in range(6):
+        t = random_tokens(100, seed=200 + i)
+        with open_store(tmp_path, tokenizer_hash=f"tok{i % 2}", max_bytes=cap) as s:
+            assert s.store(t, caches_for(llama, t))
+            assert s.find_exact(t) is not None  # not evicted at once
+            assert s.total_bytes <= cap
+            acked.append((i % 2, t))
+    with open_store(tmp_path, tokenizer_hash="tok1", max_bytes=cap) as s, \
+            open_store(tmp_path, tokenizer_hash="tok0", max_bytes=cap) as s0:
+        assert s.find_exact(acked[-1][1]) is not None and s0.find_exact(acked[-2][1]) is not None
+        assert 2 <= len(s) + len(s0) < len(acked)  # the oldest went, whichever identity they had
+        assert s.check().clean
 
 
 # -- recovery -----------------------------------------------------------------------------------------

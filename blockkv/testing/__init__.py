@@ -1,11 +1,15 @@
 """Testing kit: an oracle of the store's rules, hypothesis strategies, a
-state machine users can subclass, and a fault-injecting file layer.
+state machine users can subclass, a fault-injecting file layer, a recording
+one that produces power-loss crash states, and ``PoolTests``, the tests every
+``BlobPool`` backend must pass.
 
-``BlockStoreMachine`` imports the store, so it is loaded on first use."""
+``BlockStoreMachine`` imports the store and ``PoolTests`` imports pytest, so
+they are loaded on first use."""
 
 from typing import Any
 
 from blockkv.testing.faults import CRASH_POINTS, FaultyFileLayer, SimulatedCrash
+from blockkv.testing.powerloss import CrashPoint, CrashState, RecordingFileLayer
 from blockkv.testing.reference import (
     ModelCheckpoint,
     ModelEntry,
@@ -18,10 +22,14 @@ from blockkv.testing.reference import (
 __all__ = [
     "CRASH_POINTS",
     "BlockStoreMachine",
+    "CrashPoint",
+    "CrashState",
     "FakeClock",
     "FaultyFileLayer",
     "ModelCheckpoint",
     "ModelEntry",
+    "PoolTests",
+    "RecordingFileLayer",
     "ReferenceStore",
     "SimulatedCrash",
     "StoreOutcome",
@@ -35,4 +43,8 @@ def __getattr__(name: str) -> Any:
         from blockkv.testing import stateful
 
         return getattr(stateful, name)
+    if name == "PoolTests":
+        from blockkv.testing.pool_tests import PoolTests
+
+        return PoolTests
     raise AttributeError(name)
