@@ -207,6 +207,7 @@ def repair(directory: Directory, report: CheckReport) -> None:
     blocks (hashed again first: only proof deletes) and orphan blocks (no live
     writer had announced them), dead writers' temp files and intent files.
     Unreadable files are left alone."""
+    keys = block_keys(directory) if report.corrupt_blocks else {}  # before dangling headers go
     for rel in report.corrupt_headers:
         directory.unlink_quietly(directory.path / rel)
         report.actions.append(f"removed corrupt header {rel}")
@@ -216,7 +217,6 @@ def repair(directory: Directory, report: CheckReport) -> None:
             directory.unlink_quietly(Path(paths[entry_id]))
             report.actions.append(f"removed dangling entry {entry_id}")
     corrupt = []
-    keys = block_keys(directory) if report.corrupt_blocks else {}
     for name in report.corrupt_blocks:
         try:
             _verify(name, directory.pool.read(name), keys)

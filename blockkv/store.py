@@ -275,8 +275,8 @@ class BlockStore:
 
     # -- lifecycle ------------------------------------------------------------
     def _make_directory(self) -> None:
-        for fixed in (self.directory, self.directory / "entries", self.directory / "blobs",
-                      self._dir.index_dir, self.directory / "LOCK", self.directory / "IDENTITY"):
+        for fixed in (self.directory, self.directory / "entries", self.directory / "blobs", self._dir.index_dir,
+                      self.directory / "writers", self.directory / "LOCK", self.directory / "IDENTITY"):
             refuse_linked(fixed)  # writing through it would write outside the root
         self._fs.makedirs(self.root)
         marker = self.root / ROOT_MARKER

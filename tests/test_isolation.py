@@ -98,3 +98,21 @@ def test_namespace_scoped_listings(tmp_path: Path, filled: tuple[list[int], list
         assert sorted(map(len, s.token_prefixes())) == [10, N]
         with pytest.raises(ValueError, match="reserved"):
             s.entries(CHECKPOINT_NS + "k")
+
+
+def test_check_verifies_keyed_blocks_and_repair_removes_a_corrupt_one(
+    tmp_path: Path, filled: tuple[list[int], list[Any]]
+) -> None:
+    tokens, cache = filled
+    with BlockStore(tmp_path, isolate_namespaces=True, **IDENT) as s:
+        assert s.store(tokens, cache, "tenant-a")
+        assert s.check().clean  # every keyed block verifies under its namespace's key
+        victim = sorted(p for p in (s.directory / "blobs").rglob("*") if p.is_file())[0]
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0xFF  # the payload's last byte: the frame still parses, the hash does not
+        victim.write_bytes(bytes(data))
+        report = s.check()
+        assert report.corrupt_blocks == [victim.name] and report.dangling
+        s.check(repair=True)
+        assert not victim.exists() and s.find_exact(tokens, "tenant-a") is None
+        assert s.check().clean
