@@ -110,6 +110,16 @@ class GcReport:
     stopped_early: bool = False  # the sweep window closed before every candidate went
 
 
+@dataclass
+class GcPlan:
+    """What a GC run's mark phase condemned, for its sweep."""
+
+    marker: str
+    start: float  # server time the run began (its marker's Last-Modified)
+    doomed: list[str]
+    report: GcReport
+
+
 class Bucket:
     """``<url>/<fingerprint dir>/``: blocks, headers, IDENTITY and the protocol's marks.
 
@@ -163,14 +173,6 @@ class Bucket:
         with _outage("clock probe"):
             self.meta.put_overwrite(name, [b""])
             return self.meta.last_modified(name)
-
-    def _wait_until(self, server_time: float) -> float:
-        """Sleep until the server's clock passes ``server_time``; returns its time then."""
-        while True:
-            now = self.server_now()
-            if now > server_time:
-                return now
-            time.sleep(min(server_time - now + 0.05, self.sweep_window))
 
     # -- identity -------------------------------------------------------------
     def ensure_identity(self, identity: Identity) -> None:
@@ -282,37 +284,43 @@ class Bucket:
         return {n: self._header_blocks[n] for n in names if n in self._header_blocks}
 
     def gc(self) -> GcReport:
-        """One mark-and-sweep run (safe beside any number of writers and other runs).
+        """One mark-and-sweep run (safe beside any number of writers and other runs)."""
+        return self.gc_sweep(self.gc_mark())
 
-        Marks: headers listed after this run's marker was written are the roots.
-        Sweeps: a block no root references whose Last-Modified is more than
-        ``grace`` before the marker's, and only while the server's clock is inside
-        ``sweep_window`` of the marker (a writer that saw the marker waits that out)."""
-        report = GcReport()
+    def gc_mark(self) -> GcPlan:
+        """Mark: write this run's marker (its Last-Modified is the run's start);
+        headers listed after it are the roots; condemn blocks no root references
+        whose Last-Modified is more than ``grace`` before the start."""
         self._blocks_of(self.list_headers())  # the slow part (reading headers) before the window opens
         marker = f"gc/{uuid.uuid4().hex}"
         with _outage("gc"):
             self.meta.put_if_absent(marker, [b""])
             start = self.meta.last_modified(marker)
             roots = self._blocks_of(self.list_headers())
-            report.headers = len(roots)
             live = {b for refs in roots.values() for b in refs}
             listed = list(self.blocks.list_info())
-        report.blocks = len(listed)
         cutoff = start - self.grace - CLOCK_SLACK
         doomed = [i.name for i in listed if i.name not in live and i.last_modified < cutoff]
+        report = GcReport(headers=len(roots), blocks=len(listed))
         report.young = sum(1 for i in listed if i.name not in live) - len(doomed)
-        for at in range(0, len(doomed), 100):
-            if self.server_now() + self.request_bound + CLOCK_SLACK >= start + self.sweep_window:
+        return GcPlan(marker, start, doomed, report)
+
+    def gc_sweep(self, plan: GcPlan) -> GcReport:
+        """Sweep: delete the condemned blocks, only while the server's clock is
+        inside ``sweep_window`` of the run's start (a writer that saw the marker
+        waits that out, or for the ``.done`` mark written once every delete returned)."""
+        report = plan.report
+        for at in range(0, len(plan.doomed), 100):
+            if self.server_now() + self.request_bound + CLOCK_SLACK >= plan.start + self.sweep_window:
                 report.stopped_early = True  # the rest waits for the next run
                 break
-            batch = doomed[at : at + 100]
+            batch = plan.doomed[at : at + 100]
             with _outage("gc delete"):
                 self.blocks.delete_many(batch)
             report.deleted += batch
         with _outage("gc"):
-            self.meta.put_if_absent(f"{marker}.done", [b""])  # every delete of this run has returned
-        self._reap_markers(start)
+            self.meta.put_if_absent(f"{plan.marker}.done", [b""])
+        self._reap_markers(plan.start)
         return report
 
     def gc_runs_since(self, since: float) -> dict[str, float | None]:
@@ -327,6 +335,21 @@ class Bucket:
                 else:
                     runs[i.name] = i.last_modified + self.sweep_window + CLOCK_SLACK
         return {m: (None if m in done else end) for m, end in runs.items() if end >= since}
+
+    def wait_for_gc_runs(self, since: float) -> bool:
+        """Wait until every GC run whose window was open at or after ``since`` has
+        finished or its window has closed; True if there was any such run."""
+        overlapped = False
+        while True:
+            runs = self.gc_runs_since(since)
+            overlapped = overlapped or bool(runs)
+            running = [end for end in runs.values() if end is not None]
+            if not running:
+                return overlapped
+            now = self.server_now()
+            if now > max(running):
+                return True
+            time.sleep(min(0.25, max(running) - now))
 
     def _reap_markers(self, now: float) -> None:
         """GC markers whose window closed long ago tell no writer anything."""
@@ -434,11 +457,7 @@ class StoreSession:
         decode_header(header)  # never commit garbage
         bucket = self.bucket
         for attempt in range(2):
-            overlapping = bucket.gc_runs_since(self.start)
-            if overlapping:  # a sweep may have deleted a block after we checked it
-                running = [end for end in overlapping.values() if end is not None]
-                if running:
-                    bucket._wait_until(max(running))
+            if bucket.wait_for_gc_runs(self.start):  # a sweep may have deleted a block after we checked it
                 self._recheck(load_block)
             now = bucket.server_now()
             if now - self.start + CLOCK_SLACK <= bucket.grace / 2 - bucket.request_bound - CLOCK_SLACK:

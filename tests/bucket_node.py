@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from blockkv import blocks as blk
-from blockkv.bucket import Bucket, BucketError, StoreTooSlow
+from blockkv.bucket import Bucket, BucketError, StoreSession, StoreTooSlow
 from blockkv.directory import CODEC_ID, ns_dirname
 from blockkv.header import Header, Identity, encode_header
 
@@ -60,13 +60,14 @@ def entry(n_tokens: int, seed: int, shared: int = 0, ns: str = "") -> tuple[str,
     return f"{ns_dirname(ns)}/{uuid.uuid4().hex}.bkv", header, layout, caches
 
 
-def upload(bucket: Bucket, name: str, header: bytes, layout: blk.EntryLayout) -> None:
+def upload(bucket: Bucket, name: str, header: bytes, layout: blk.EntryLayout) -> StoreSession:
     """A store's bucket half, in the write order: blocks, then the header."""
     frames = {b.ref.name: blk.encode_block(b, "zstd") for b in layout.blocks}
     session = bucket.begin_store()
     for block_name, frame in frames.items():
         session.put_block(block_name, frame)
     session.commit(name, header, lambda n: frames[n])
+    return session
 
 
 def restore(bucket: Bucket, name: str) -> list:
@@ -95,18 +96,24 @@ def _store_loop(endpoint: str, bucket_name: str, seconds: float, out: str) -> No
     """Store entries sharing a system prompt; also leave garbage (blocks of
     abandoned stores, evicted entries) for the GC runs to find. Reports what it committed."""
     bucket = open_bucket(endpoint, bucket_name)
-    committed, refused, seed = [], 0, 0
+    committed, refused, seed, refreshed = [], 0, 0, 0
+    for garbage in range(1000, 1004):  # abandoned at once: old enough for the GC runs to sweep
+        session = bucket.begin_store()
+        for b in entry(48, garbage)[2].blocks:
+            session.put_block(b.ref.name, blk.encode_block(b, "zstd"))
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         seed += 1
-        name, header, layout, _ = entry(48, seed, shared=32)
+        # every other store repeats the content of a much earlier one, whose blocks
+        # may by now be garbage past the grace period: a dedup hit on a condemned block
+        name, header, layout, _ = entry(48, seed if seed % 2 else (seed // 4) | 1, shared=32)
         try:
             if seed % 3 == 0:  # an abandoned store: blocks without a header
                 session = bucket.begin_store()
                 for b in layout.blocks:
                     session.put_block(b.ref.name, blk.encode_block(b, "zstd"))
                 continue
-            upload(bucket, name, header, layout)
+            refreshed += len(upload(bucket, name, header, layout).refreshed)
         except (StoreTooSlow, BucketError):
             refused += 1
             continue
@@ -114,7 +121,8 @@ def _store_loop(endpoint: str, bucket_name: str, seconds: float, out: str) -> No
         if seed % 4 == 0:  # an evicted entry: its blocks become garbage
             bucket.headers.delete(committed.pop())
     with open(out, "w") as f:
-        json.dump({"committed": committed, "refused": refused, "attempts": seed}, f)
+        json.dump({"committed": committed, "refused": refused, "attempts": seed,
+                   "refreshed": refreshed}, f)
 
 
 def _gc_loop(endpoint: str, bucket_name: str, seconds: float, out: str) -> None:
@@ -124,7 +132,7 @@ def _gc_loop(endpoint: str, bucket_name: str, seconds: float, out: str) -> None:
     while time.monotonic() < deadline:
         deleted += bucket.gc().deleted
         runs += 1
-        time.sleep(0.3)
+        time.sleep(0.5)
     with open(out, "w") as f:
         json.dump({"deleted": deleted, "runs": runs}, f)
 
