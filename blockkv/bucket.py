@@ -123,10 +123,12 @@ class GcPlan:
 class Bucket:
     """``<url>/<fingerprint dir>/``: blocks, headers, IDENTITY and the protocol's marks.
 
-    ``grace`` (seconds of server time) must exceed the longest store; a store
-    whose blocks-to-header time passes ``grace/2 - timeout`` is re-checked once
-    and then refused. ``sweep_window`` bounds how long after it starts a GC run
-    may still delete; writers wait that long only after a recent GC run."""
+    ``grace`` (seconds of server time) must exceed twice the longest store: a
+    store whose first block check to header takes more than ``grace/2 -
+    request_bound - 2 s`` is re-checked once and then refused. ``sweep_window``
+    bounds how long after it starts a GC run may still delete; a writer whose
+    store overlaps a run waits for it (at most that long) and checks its blocks
+    again. docs/scale-out.md ("GC across nodes") has the protocol and its proof."""
 
     def __init__(self, url: str, fingerprint_dir: str, options: Mapping[str, str] | None = None, *,
                  grace: float = 3600.0, sweep_window: float = 60.0, timeout: float = 10.0,
@@ -152,7 +154,6 @@ class Bucket:
         self.meta = _Pool(base, META_LAYOUT, **config)
         self.grace = grace
         self.sweep_window = sweep_window
-        self.timeout = timeout
         self.touch_interval = touch_interval
         self._node = uuid.uuid4().hex  # this handle's clock probe object
         self._fetchers = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="blockkv-bucket")
@@ -297,6 +298,7 @@ class Bucket:
             self.meta.put_if_absent(marker, [b""])
             start = self.meta.last_modified(marker)
             roots = self._blocks_of(self.list_headers())
+            self._header_blocks = {n: self._header_blocks[n] for n in roots}  # forget removed headers
             live = {b for refs in roots.values() for b in refs}
             listed = list(self.blocks.list_info())
         cutoff = start - self.grace - CLOCK_SLACK

@@ -157,7 +157,8 @@ def test_identity_is_created_once_and_checked(bucket: Bucket) -> None:
         bucket.ensure_identity(Identity("another", node.IDENTITY.config_fingerprint, "tok", node.IDENTITY.codec))
 
 
-def test_a_store_past_its_deadline_rechecks_and_then_refuses(bucket: Bucket) -> None:
+def test_a_store_past_its_deadline_rechecks_and_then_refuses(endpoint: str, bucket_name: str) -> None:
+    bucket = node.open_bucket(endpoint, bucket_name, grace=7.0, timeout=1.0, sweep_window=3.0)
     name, header, layout, _ = node.entry(32, seed=7)
     frames = {b.ref.name: blk.encode_block(b) for b in layout.blocks}
     session = bucket.begin_store()
@@ -281,8 +282,9 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     its stale view. The writer saw the run's marker, waits for it to finish,
     checks every block again and uploads the deleted one before its header."""
     grace = 7.0  # the shortest a 1 s request timeout allows: this test waits it out
-    writer = node.open_bucket(endpoint, bucket_name, grace=grace, timeout=1.0, sweep_window=3.0)
-    collector = node.open_bucket(endpoint, bucket_name, grace=grace, timeout=1.0, sweep_window=3.0)
+    timing = dict(grace=grace, timeout=1.0, sweep_window=10.0)  # room for the test's steps inside the window
+    writer = node.open_bucket(endpoint, bucket_name, **timing)
+    collector = node.open_bucket(endpoint, bucket_name, **timing)
     kept_name, kept_header, kept, _ = node.entry(48, seed=41)
     node.upload(writer, kept_name, kept_header, kept)  # old, but referenced
     name, header, layout, caches = node.entry(48, seed=40)
