@@ -26,6 +26,7 @@ from obstore.store import S3Store
 import bucket_node as node
 from blockkv import blocks as blk
 from blockkv.bucket import Bucket, BucketError, StoreTooSlow
+from blockkv.directory import ns_dirname
 from blockkv.errors import BlockMissingError, CorruptBlockError
 from blockkv.header import Identity
 
@@ -111,6 +112,25 @@ def test_the_header_is_written_after_its_blocks_and_listed_by_other_handles(
     assert data == header and parsed.identity == node.IDENTITY
     with pytest.raises(ValueError):
         session.commit(name, b"not a header", lambda n: [])
+
+
+def test_a_node_with_nothing_local_rebuilds_every_entry_from_the_bucket(
+        endpoint: str, bucket_name: str, bucket: Bucket) -> None:
+    stored = {}
+    for seed, ns in [(50, ""), (51, "tenant-a"), (52, "tenant-a")]:
+        name, header, layout, caches = node.entry(40, seed=seed, shared=32, ns=ns)
+        node.upload(bucket, name, header, layout)
+        stored[name] = (header, caches)
+    fresh = node.open_bucket(endpoint, bucket_name)  # a wiped root knows no header
+    found = fresh.new_headers([])
+    assert sorted(found) == sorted(stored)
+    assert fresh.new_headers(found[:1]) == found[1:]
+    tenant = [n for n in stored if n.startswith(ns_dirname("tenant-a") + "/")]
+    assert len(tenant) == 2 and sorted(fresh.list_headers(ns_dirname("tenant-a"))) == sorted(tenant)
+    for name in found:
+        data, _ = fresh.fetch_header(name)
+        assert data == stored[name][0]
+        assert list(node.raw_state(node.restore(fresh, name))) == list(node.raw_state(stored[name][1]))
 
 
 def test_a_system_prompt_uploaded_by_three_nodes_is_stored_once(endpoint: str, bucket_name: str) -> None:
