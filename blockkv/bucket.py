@@ -106,8 +106,9 @@ class GcReport:
     headers: int = 0  # roots seen
     blocks: int = 0  # blocks listed
     deleted: list[str] = field(default_factory=list)
-    young: int = 0  # unreferenced but inside the grace period
+    young: int = 0  # unreferenced but kept (inside the grace period, or nothing swept)
     stopped_early: bool = False  # the sweep window closed before every candidate went
+    unreadable_headers: list[str] = field(default_factory=list)  # while any exists, nothing is swept
 
 
 @dataclass
@@ -157,7 +158,7 @@ class Bucket:
         self.touch_interval = touch_interval
         self._node = uuid.uuid4().hex  # this handle's clock probe object
         self._fetchers = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="blockkv-bucket")
-        self._header_blocks: dict[str, tuple[str, ...]] = {}  # headers are immutable: read each once
+        self._header_blocks: dict[str, tuple[str, ...] | None] = {}  # headers are immutable: read each once
         self._touched: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -218,6 +219,27 @@ class Bucket:
         blk.validate_descriptor(header.descriptor)
         return data, header
 
+    def fetch_headers(self, names: Iterable[str]) -> tuple[dict[str, tuple[bytes, Header]], list[str]]:
+        """Many headers at once, concurrently (a node's open): (verified headers,
+        names of damaged ones). A header gone since it was listed is left out;
+        an outage raises BucketError."""
+
+        def read(name: str) -> tuple[str, tuple[bytes, Header] | None]:
+            try:
+                return name, self.fetch_header(name)
+            except BlockMissingError:
+                return name, ()
+            except CorruptError:
+                return name, None
+
+        found, damaged = {}, []
+        for name, result in self._fetchers.map(read, list(dict.fromkeys(names))):
+            if result is None:
+                damaged.append(name)
+            elif result:
+                found[name] = result
+        return found, damaged
+
     def fetch_block(self, name: str) -> bytes:
         """A block's frame, verified against its name. A frame that does not hash
         to its name is proof of damage: it is deleted from the bucket (unless it
@@ -264,24 +286,17 @@ class Bucket:
             self.meta.put_overwrite(f"used/{header_name}", [b""])
 
     # -- deleting ---------------------------------------------------------------
-    def _blocks_of(self, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    def _blocks_of(self, names: Iterable[str]) -> dict[str, tuple[str, ...] | None]:
         """Block names each header references (cached: headers never change).
-        A header that is gone is left out; one that is damaged references nothing."""
-        wanted = [n for n in names if n not in self._header_blocks]
-
-        def read(name: str) -> tuple[str, tuple[str, ...]] | None:
-            try:
-                _, header = self.fetch_header(name)
-            except BlockMissingError:
-                return None
-            except CorruptError:
-                return name, ()
+        A header that is gone is left out; one that cannot be read maps to None
+        (damaged, or of a format this version does not know: its blocks are unknown)."""
+        names = list(names)
+        found, damaged = self.fetch_headers(n for n in names if n not in self._header_blocks)
+        for name in damaged:
+            self._header_blocks[name] = None
+        for name, (_, header) in found.items():
             refs = blk.blocks_for_prefix(blk.parse_descriptor(header.descriptor), None)
-            return name, tuple(dict.fromkeys(r.name for r in refs))
-
-        for result in self._fetchers.map(read, wanted):
-            if result is not None:
-                self._header_blocks[result[0]] = result[1]
+            self._header_blocks[name] = tuple(dict.fromkeys(r.name for r in refs))
         return {n: self._header_blocks[n] for n in names if n in self._header_blocks}
 
     def gc(self) -> GcReport:
@@ -299,11 +314,13 @@ class Bucket:
             start = self.meta.last_modified(marker)
             roots = self._blocks_of(self.list_headers())
             self._header_blocks = {n: self._header_blocks[n] for n in roots}  # forget removed headers
-            live = {b for refs in roots.values() for b in refs}
+            live = {b for refs in roots.values() if refs for b in refs}
             listed = list(self.blocks.list_info())
         cutoff = start - self.grace - CLOCK_SLACK
-        doomed = [i.name for i in listed if i.name not in live and i.last_modified < cutoff]
-        report = GcReport(headers=len(roots), blocks=len(listed))
+        unreadable = sorted(n for n, refs in roots.items() if refs is None)
+        # a header we cannot read may need any block: only proof deletes, so this run deletes nothing
+        doomed = [] if unreadable else [i.name for i in listed if i.name not in live and i.last_modified < cutoff]
+        report = GcReport(headers=len(roots), blocks=len(listed), unreadable_headers=unreadable)
         report.young = sum(1 for i in listed if i.name not in live) - len(doomed)
         return GcPlan(marker, start, doomed, report)
 
@@ -376,7 +393,7 @@ class Bucket:
         refs = self._blocks_of(listed)
         counts: dict[str, int] = {}
         for names in refs.values():
-            for b in names:
+            for b in names or ():
                 counts[b] = counts.get(b, 0) + 1
         total = sum(i.size for i in listed.values()) + sum(sizes.get(b, 0) for b in counts)
         order = sorted(listed, key=lambda n: (max(listed[n].last_modified, used.get(n, 0.0)), n))
@@ -389,7 +406,7 @@ class Bucket:
                 self.meta.delete(f"used/{name}")
             evicted.append(name)
             total -= listed[name].size
-            for b in refs.get(name, ()):
+            for b in refs.get(name) or ():
                 counts[b] -= 1
                 if counts[b] == 0:
                     total -= sizes.get(b, 0)

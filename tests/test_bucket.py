@@ -321,6 +321,13 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     young_store = writer.begin_store()
     for b in young.blocks:
         young_store.put_block(b.ref.name, blk.encode_block(b))
+    junk = f"{ns_dirname('')}/{uuid.uuid4().hex}.bkv"  # a header no one can read: its blocks are unknown
+    collector.headers.put_if_absent(junk, [b"BKVHDR\x00\x00 from a future version"])
+    found, damaged = collector.fetch_headers([junk, kept_name])
+    assert damaged == [junk] and list(found) == [kept_name] and found[kept_name][0] == kept_header
+    blocked = collector.gc_mark()
+    assert blocked.doomed == [] and blocked.report.unreadable_headers == [junk]
+    collector.headers.delete(junk)
     plan = collector.gc_mark()
     assert sorted(plan.doomed) == sorted(frames)  # only the old unreferenced blocks
     assert plan.report.young == len(young.blocks)
