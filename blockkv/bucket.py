@@ -21,7 +21,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -118,6 +118,7 @@ class GcPlan:
     marker: str
     start: float  # server time the run began (its marker's Last-Modified)
     doomed: list[str]
+    roots: set[str]  # header names listed after the marker
     report: GcReport
 
 
@@ -322,7 +323,7 @@ class Bucket:
         doomed = [] if unreadable else [i.name for i in listed if i.name not in live and i.last_modified < cutoff]
         report = GcReport(headers=len(roots), blocks=len(listed), unreadable_headers=unreadable)
         report.young = sum(1 for i in listed if i.name not in live) - len(doomed)
-        return GcPlan(marker, start, doomed, report)
+        return GcPlan(marker, start, doomed, set(roots), report)
 
     def gc_sweep(self, plan: GcPlan) -> GcReport:
         """Sweep: delete the condemned blocks, only while the server's clock is
@@ -339,7 +340,7 @@ class Bucket:
             report.deleted += batch
         with _outage("gc"):
             self.meta.put_if_absent(f"{plan.marker}.done", [b""])
-        self._reap_markers(plan.start)
+        self._reap_markers(plan.start, plan.roots)
         return report
 
     def gc_runs_since(self, since: float) -> dict[str, float | None]:
@@ -370,13 +371,20 @@ class Bucket:
                 return True
             time.sleep(min(0.25, max(running) - now))
 
-    def _reap_markers(self, now: float) -> None:
-        """GC markers whose window closed long ago tell no writer anything."""
+    def _reap_markers(self, now: float, roots: Container[str]) -> None:
+        """The protocol's own objects that tell nobody anything any more: GC
+        markers whose window closed long ago, clock probes of handles idle for
+        a grace period (a probe re-creates its object), last-use marks of
+        entries gone for a grace period."""
+        old = now - self.grace - CLOCK_SLACK
         try:
             with _outage("marker cleanup"):
-                old = [i.name for i in self.meta.list_info("gc/")
-                       if i.last_modified + self.sweep_window + self.grace < now]  # .done with its run
-                self.meta.delete_many(old)
+                doomed = [i.name for i in self.meta.list_info("gc/") if i.last_modified + self.sweep_window < old]
+                doomed += [i.name for i in self.meta.list_info("clock/")
+                           if i.last_modified < old and i.name != f"clock/{self._node}"]
+                doomed += [i.name for i in self.meta.list_info("used/")
+                           if i.last_modified < old and i.name.removeprefix("used/") not in roots]
+                self.meta.delete_many(doomed)
         except BucketError:
             pass
 

@@ -230,7 +230,7 @@ def test_two_gc_runs_at_once_beside_a_writer_lose_nothing_committed(
     """Two GC processes loop while a third stores entries (sharing a system
     prompt, abandoning some stores, evicting some entries) for longer than the
     grace period: every header left in the bucket has all its blocks, verified."""
-    seconds = node.TEST_TIMING["grace"] + 5
+    seconds = node.TEST_TIMING["grace"] + 3
     procs = [run_node("store", endpoint, bucket_name, str(seconds), str(tmp_path / "store.json")),
              run_node("gc", endpoint, bucket_name, str(seconds + 1), str(tmp_path / "gc1.json")),
              run_node("gc", endpoint, bucket_name, str(seconds + 1), str(tmp_path / "gc2.json"))]
@@ -312,8 +312,14 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     abandoned = writer.begin_store()
     for n, f in frames.items():
         abandoned.put_block(n, f)  # garbage: no header names these blocks yet
+    idle = node.open_bucket(endpoint, bucket_name, **timing)
+    idle.server_now()  # its clock object, then silence
+    gone = f"{ns_dirname('')}/{uuid.uuid4().hex}.bkv"
+    idle.touch(gone)  # a last-use mark of an entry no longer there
     first = collector.gc()
     assert first.deleted == [] and first.young == len(frames)  # inside the grace period
+    meta_keys = keys(endpoint, bucket_name, f"fleet/{node.FP_DIR}/")
+    assert f"fleet/{node.FP_DIR}/used/{gone}" in meta_keys and f"fleet/{node.FP_DIR}/clock/{idle._node}" in meta_keys
     until = writer.server_now() + grace + 1.5
     while writer.server_now() <= until:  # the server's clock, not ours
         time.sleep(0.5)
@@ -344,5 +350,7 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     committing.result(timeout=30)
     assert list(node.raw_state(node.restore(writer, name))) == list(node.raw_state(caches))
     assert collector.fetch_blocks(b.ref.name for b in kept.blocks).keys() == {b.ref.name for b in kept.blocks}
+    meta_keys = keys(endpoint, bucket_name, f"fleet/{node.FP_DIR}/")  # reaped by the runs past the grace period
+    assert f"fleet/{node.FP_DIR}/used/{gone}" not in meta_keys and f"fleet/{node.FP_DIR}/clock/{idle._node}" not in meta_keys
     fresh = writer.begin_store()  # refreshed or uploaded again just now: no refresh needed
     assert not any(fresh.put_block(n, lambda: pytest.fail("no upload")) for n in frames)
