@@ -301,7 +301,9 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     old garbage, a writer's dedup hit refreshes it, then the run deletes it on
     its stale view. The writer saw the run's marker, waits for it to finish,
     checks every block again and uploads the deleted one before its header."""
-    grace = 7.0  # the shortest a 1 s request timeout allows: this test waits it out
+    # short, since the test waits it out, but long enough that the store's deadline
+    # (grace/2 - 1 s - 2 s) is not what sends it back to check its blocks again
+    grace = 9.0
     timing = dict(grace=grace, timeout=1.0, sweep_window=10.0)  # room for the test's steps inside the window
     writer = node.open_bucket(endpoint, bucket_name, **timing)
     collector = node.open_bucket(endpoint, bucket_name, **timing)
@@ -333,21 +335,24 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     assert damaged == [junk] and list(found) == [kept_name] and found[kept_name][0] == kept_header
     blocked = collector.gc_mark()
     assert blocked.doomed == [] and blocked.report.unreadable_headers == [junk]
+    assert collector.gc_sweep(blocked).deleted == []  # and marks the run done, so no writer waits for it
     collector.headers.delete(junk)
     plan = collector.gc_mark()
     assert sorted(plan.doomed) == sorted(frames)  # only the old unreferenced blocks
     assert plan.report.young == len(young.blocks)
 
     session = writer.begin_store()
+    started = session.start
     for n, f in frames.items():
         assert session.put_block(n, f)  # old: refreshed
     assert session.refreshed == set(frames)
     committing = ThreadPoolExecutor(1).submit(session.commit, name, header, lambda n: frames[n])
-    time.sleep(0.5)
+    time.sleep(0.2)
     assert not committing.done()  # it waits for the run it saw
     report = collector.gc_sweep(plan)  # deletes the refreshed blocks: its view was stale
     assert sorted(report.deleted) == sorted(frames)
     committing.result(timeout=30)
+    assert session.start == started  # not past its deadline: the re-check after the run did it
     assert list(node.raw_state(node.restore(writer, name))) == list(node.raw_state(caches))
     assert collector.fetch_blocks(b.ref.name for b in kept.blocks).keys() == {b.ref.name for b in kept.blocks}
     meta_keys = keys(endpoint, bucket_name, f"fleet/{node.FP_DIR}/")  # reaped by the runs past the grace period
