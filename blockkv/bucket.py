@@ -229,9 +229,9 @@ class Bucket:
             try:
                 return name, self.fetch_header(name)
             except BlockMissingError:
-                return name, ()
+                return name, ()  # evicted since it was listed: left out
             except CorruptError:
-                return name, None
+                return name, None  # damaged (or a format this version does not read)
 
         found, damaged = {}, []
         for name, result in self._fetchers.map(read, list(dict.fromkeys(names))):
