@@ -59,6 +59,7 @@ COMPRESSIONS: dict[str | None, int] = {None: 0, "zstd": 1}
 ZSTD_LEVEL = 2
 MAX_LAYOUT_BYTES = 1 << 16
 MAX_RAW_BYTES = 1 << 34
+_NS_KEY_CONTEXT = "blockkv 2026-12 namespace block key v1"
 # zstd cannot expand more than this (a 3-byte RLE block yields 128 KiB).
 _ZSTD_MAX_RATIO = 1 << 16
 
@@ -137,8 +138,19 @@ def _name(h: Any, layout: bytes) -> str:
     return h.hexdigest()
 
 
-def _make_block(layout: list[Part], parts: list[np.ndarray], start: int, stop: int) -> Block:
-    h, check = blake3(), xxhash.xxh3_128()
+def namespace_key(ns: str) -> bytes:
+    """The blake3 key naming the blocks of an isolated namespace (``isolate_namespaces``):
+    equal content in two namespaces gets two names, so no block is shared across them."""
+    return blake3(ns.encode("utf-8", "surrogatepass"), derive_key_context=_NS_KEY_CONTEXT).digest()
+
+
+def _hasher(key: bytes | None, data: bytes | memoryview = b"") -> blake3:
+    return blake3(data) if key is None else blake3(data, key=key)
+
+
+def _make_block(layout: list[Part], parts: list[np.ndarray], start: int, stop: int,
+                key: bytes | None = None) -> Block:
+    h, check = _hasher(key), xxhash.xxh3_128()
     for p in parts:
         for chunk in _chunks(p):
             h.update(chunk)
@@ -247,10 +259,12 @@ def split_entry(
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     attachments: Mapping[str, mx.array] | None = None,
     on_block: Callable[[Block], None] | None = None,
+    key: bytes | None = None,
 ) -> EntryLayout:
     """Cut an entry's caches (and attachments), or a snapshot of them, into
     blocks and a descriptor. ``on_block`` sees each distinct block as soon as
-    it is named, so a store can write it while the next one is hashed."""
+    it is named, so a store can write it while the next one is hashed.
+    ``key`` (``namespace_key``) names the blocks with keyed blake3."""
     _check_block_tokens(block_tokens)
     if isinstance(caches, Snapshot):
         if attachments is not None:
@@ -268,10 +282,10 @@ def split_entry(
     for start, stop in _token_ranges(token, block_tokens):
         spec = _block_parts(token, start, stop)
         parts = [token[i].data[..., a:b, :] for i, a, b in spec]  # views: hashed and written in place
-        token_refs.append(_add(blocks, _make_block([_rows_part(token[i], a, b) for i, a, b in spec], parts, start, stop),
+        token_refs.append(_add(blocks, _make_block([_rows_part(token[i], a, b) for i, a, b in spec], parts, start, stop, key),
                                on_block))
     for t in state:
-        state_refs.append(_add(blocks, _make_block([(t.dtype, t.shape)], [t.data], -1, -1), on_block))
+        state_refs.append(_add(blocks, _make_block([(t.dtype, t.shape)], [t.data], -1, -1, key), on_block))
     descriptor = {
         "format": FORMAT,
         "block_tokens": block_tokens,
@@ -471,9 +485,10 @@ class Target:
             piece[:] = view[offset : offset + piece.nbytes]
             offset += piece.nbytes
 
-    def verify(self, full: bool = False) -> None:
+    def verify(self, full: bool = False, key: bytes | None = None) -> None:
         """Check the filled pieces against the block's xxh3-128 from the header,
-        or (``full``, or no xxh3 recorded) against its blake3 name.
+        or (``full``, or no xxh3 recorded) against its blake3 name (keyed with
+        ``key`` in an isolated namespace, see ``namespace_key``).
 
         CorruptBlockError only on proof that the block's bytes are wrong: an
         xxh3 mismatch is confirmed with blake3 first, and a block that does
@@ -482,9 +497,9 @@ class Target:
         if self.ref.xxh3 and not full:
             if self._digest(xxhash.xxh3_128()) == self.ref.xxh3:
                 return
-            if self._digest(blake3()) == self.ref.name:
+            if self._digest(_hasher(key)) == self.ref.name:
                 raise CorruptHeaderError(f"the header's xxh3-128 of block {self.ref.name} is wrong")
-        elif self._digest(blake3()) == self.ref.name:
+        elif self._digest(_hasher(key)) == self.ref.name:
             return
         raise _corrupt(self.ref.name, "content does not hash to the name")
 
@@ -613,9 +628,10 @@ def _parse_layout(name: str, raw: memoryview) -> list[Part]:
     return layout
 
 
-def decode_block(name: str, data: bytes | memoryview, verify: bool = True) -> memoryview:
+def decode_block(name: str, data: bytes | memoryview, verify: bool = True, key: bytes | None = None) -> memoryview:
     """The canonical payload of a framed block, verified against ``name``
-    (``verify=False`` skips only the hash, for stores that opt out of it).
+    (``verify=False`` skips only the hash, for stores that opt out of it;
+    ``key``: the block was named with keyed blake3, see ``namespace_key``).
 
     Every declared size is bounded by the data actually present, so garbage
     raises CorruptBlockError without a large allocation."""
@@ -640,9 +656,15 @@ def decode_block(name: str, data: bytes | memoryview, verify: bool = True) -> me
         payload = _unshuffle(name, stored, raw, layout)
     if not verify:
         return payload
-    if _name(blake3(payload), bytes(layout_raw)) != name:
+    if _name(_hasher(key, payload), bytes(layout_raw)) != name:
         raise _corrupt(name, "content does not hash to the name")
     return payload
+
+
+def max_raw_bytes(stored: int) -> int:
+    """The most payload bytes a block file of ``stored`` bytes can decode to:
+    what a reader may allocate for it, whatever a header declares."""
+    return stored * _ZSTD_MAX_RATIO
 
 
 def _unshuffle(name: str, stored: memoryview, raw: int, layout: list[Part]) -> memoryview:

@@ -81,7 +81,7 @@ def show_ns(ns: str) -> str:
 
 def check_root(text: str) -> Path:
     """The root as a Path, or a UsageError if it is missing or not a blockkv root."""
-    path = Path(text)
+    path = Path(text).expanduser()
     if not path.exists():
         raise UsageError(f"{text}: no such directory")
     if not path.is_dir():
@@ -357,6 +357,7 @@ PROBLEMS = {
     "dangling": "dangling entry (needs a missing or corrupt block)",
     "orphan_blocks": "orphan block (nothing references it)",
     "refcount_mismatches": "refcount mismatch (block, index says, headers say)",
+    "unreadable": "unreadable file (a transient error such as EMFILE or EIO; kept, never deleted)",
 }
 
 

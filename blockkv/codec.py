@@ -561,6 +561,11 @@ def records_offset(records: Sequence[CacheRecord]) -> int:
     return max(offsets, default=0)
 
 
+def record_offsets(records: Sequence[CacheRecord]) -> set[int]:
+    """The token counts of the caches that keep one (empty if none does, e.g. SSM only)."""
+    return {o for r in records if (o := _codec_named(r.kind).offset(r)) is not None}
+
+
 def truncate_records(records: Sequence[CacheRecord], offset: int) -> list[CacheRecord]:
     """The records cut back to ``offset`` tokens; ValueError if they cannot be."""
     if not trimmable(records):

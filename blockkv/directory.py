@@ -24,8 +24,11 @@ from .index import EntryRecord
 from .pool import Layout, LocalPool, is_block_name
 
 CODEC_ID = f"blockkv-blocks-{blk.FORMAT}"
+KEYED_CODEC_ID = f"{CODEC_ID}+ns-keyed"  # isolate_namespaces: blocks named with their namespace's key
 _UUID = re.compile(r"[0-9a-f]{32}")
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
+_HEADER_REL = re.compile(rf"entries/[0-9a-f]{{16}}/([0-9a-f]{{32}}){re.escape(SUFFIX)}")
+_MAX_IDENTITY_BYTES = 1 << 20
 # headers as pool names (``<ns dir>/<uuid>.bkv``), for a pool protocol backend
 HEADER_LAYOUT = Layout(re.compile(rf"{_NS_DIR.pattern}/{_UUID.pattern}{re.escape(SUFFIX)}"), sharded=False)
 
@@ -38,13 +41,23 @@ def fingerprint_dirname(config_fingerprint: str) -> str:
 
 
 def ns_dirname(ns: str) -> str:
-    return blake3.blake3(ns.encode()).hexdigest()[:16]
+    # surrogatepass: an ns read back from a damaged index still names a directory
+    return blake3.blake3(ns.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def read_identity(path: Path) -> Identity:
+def block_key(identity: Identity, ns: str) -> bytes | None:
+    """The key an entry's blocks are named with: its namespace's under isolation, else none.
+    The header records both, so every reader can verify every block it reads."""
+    return blk.namespace_key(ns) if identity.codec == KEYED_CODEC_ID else None
+
+
+def read_identity(path: Path, fs: FileLayer | None = None) -> Identity:
     """The identity recorded in a fingerprint directory's IDENTITY file."""
     try:
-        meta = json.loads((path / "IDENTITY").read_text())
+        data = (fs or FileLayer()).read(path / "IDENTITY")
+        if len(data) > _MAX_IDENTITY_BYTES:
+            raise ValueError(f"{len(data)} bytes is not a plausible IDENTITY")
+        meta = json.loads(data)
         identity = Identity(meta["model_id"], meta["config_fingerprint"], meta["tokenizer_hash"], CODEC_ID)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FileNotFoundError(f"{path} is not a blockkv fingerprint directory ({exc})") from None
@@ -77,7 +90,18 @@ class Directory:
         self.index_dir = path / "index"
 
     def header_path(self, ns: str, entry_id: str) -> Path:
+        """Where the header of ``entry_id`` in ``ns`` lives. The id comes from the
+        index, which is not trusted as a path: anything but 32 hex is corrupt."""
+        if not isinstance(entry_id, str) or not _UUID.fullmatch(entry_id):
+            raise CorruptError(f"entry id {entry_id[:80]!r} is not ours (32 hex)")
         return self.entries_dir / ns_dirname(ns) / f"{entry_id}{SUFFIX}"
+
+    def recorded_header_path(self, entry_id: str, rel: object) -> Path | None:
+        """The header path an index record names, if it has our exact shape
+        (``entries/<16 hex>/<entry id>.bkv``); None for anything else, such as
+        ``../../victim.txt`` or an absolute path planted in the index."""
+        m = _HEADER_REL.fullmatch(rel) if isinstance(rel, str) else None
+        return self.path / rel if m is not None and m.group(1) == entry_id else None
 
     def rel(self, path: Path) -> str:
         return str(path.relative_to(self.path))

@@ -24,6 +24,10 @@ class BlockMissingError(BlockKVError, FileNotFoundError):
     """A block an entry references is not in the pool (removed by another process)."""
 
 
+class NotRegularFileError(BlockKVError, FileNotFoundError):
+    """Where a file of ours should be, something else: a symlink, FIFO, device
+    or directory. Treated as absent: never followed, never read."""
+
 
 class LockTimeout(BlockKVError, TimeoutError):
     """The directory lock was not had within the timeout (a stopped or slow holder)."""

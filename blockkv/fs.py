@@ -15,14 +15,18 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from .errors import NotRegularFileError
 
 Buffer = bytes | bytearray | memoryview
 
 TMP_SUFFIX = ".tmp"
 _IOV_MAX = 512
+_SYMLINK_ERRNOS = (errno.ELOOP, errno.EMLINK)  # O_NOFOLLOW on a link: Linux and macOS, FreeBSD
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
@@ -34,6 +38,13 @@ def tmp_name(final: Path, tag: str = "") -> Path:
     file may be reaped (writers.py)."""
     middle = f"{tag}.{secrets.token_hex(4)}" if tag else secrets.token_hex(6)
     return final.with_name(f".{final.name}.{middle}{TMP_SUFFIX}")
+
+
+def refuse_linked(path: Path) -> None:
+    """OSError(ELOOP) if ``path`` (a directory or file blockkv creates) is a
+    symlink: nothing is written through a link out of the root."""
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, "a symlink where blockkv keeps its own files; not followed", str(path))
 
 
 class FileLayer:
@@ -66,12 +77,35 @@ class FileLayer:
     def unlink(self, path: Path) -> None:
         os.unlink(path)
 
+    def open_regular(self, path: Path) -> int:
+        """A read-only fd of ``path`` if it is a regular file, else NotRegularFileError.
+
+        Every read of a header, block or IDENTITY opens through here: a symlink
+        is not followed (O_NOFOLLOW), a FIFO cannot block the open (O_NONBLOCK)
+        and nothing but a regular file is read, so a planted FIFO, device or
+        link to /dev/zero can neither hang a reader nor feed it without bound."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno in _SYMLINK_ERRNOS:  # O_NOFOLLOW met a symlink
+                raise NotRegularFileError(f"{path} is a symlink; not followed") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegularFileError(f"{path} is not a regular file; not read")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def mkdir(self, path: Path) -> None:
         os.mkdir(path, DIR_MODE)
 
     def read(self, path: Path) -> bytes:
-        with open(path, "rb", buffering=0) as f:
-            return f.read()
+        """The whole file, at most its size when opened (a growing file cannot feed us more)."""
+        with open(self.open_regular(path), "rb", buffering=0) as f:
+            return f.read(os.fstat(f.fileno()).st_size)
 
     def read_exact(self, path: Path, buffers: Sequence[memoryview]) -> bool:
         """Fill ``buffers`` in order from the file with scatter reads, if the file
@@ -79,7 +113,7 @@ class FileLayer:
         is not, or shrinks while we read. This is the one place a block file is
         opened for a restore."""
         want = sum(b.nbytes for b in buffers)
-        with open(path, "rb", buffering=0) as f:
+        with open(self.open_regular(path), "rb", buffering=0) as f:
             fd = f.fileno()
             if os.fstat(fd).st_size != want:
                 return False

@@ -18,7 +18,7 @@ from typing import Any
 
 from . import blocks as blk
 from . import writers
-from .directory import Directory
+from .directory import Directory, block_key
 from .errors import BlockMissingError, CorruptBlockError, CorruptError
 from .index import BlockRow, read_only_block_rows
 from .locks import DirLock
@@ -39,6 +39,7 @@ class CheckReport:
     corrupt_headers: list[str] = field(default_factory=list)  # paths relative to the fingerprint dir
     corrupt_blocks: list[str] = field(default_factory=list)
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
+    unreadable: list[str] = field(default_factory=list)  # headers and blocks a transient error kept us from reading
     stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
     in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
     index_missing: bool = False
@@ -47,33 +48,67 @@ class CheckReport:
     @property
     def clean(self) -> bool:
         return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
-                    or self.corrupt_headers or self.corrupt_blocks or self.stale_tmp or self.index_missing)
+                    or self.corrupt_headers or self.corrupt_blocks or self.stale_tmp or self.index_missing
+                    or self.unreadable)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "clean": self.clean}
 
 
-def verify_blocks(directory: Directory, progress: Progress | None = None) -> dict[str, bool]:
-    """Hash every block file: name → whether it is corrupt. The slow part of a
+Keys = dict[str, "bytes | None"]  # block name -> the key its referencing header names it with
+Verified = tuple[dict[str, bool], list[str]]  # block -> corrupt?, and the blocks that could not be read
+
+
+def block_keys(directory: Directory) -> Keys:
+    """The key of every block some readable header references (None: not keyed).
+    Headers that do not read are left out here; ``inspect`` reports them."""
+    keys: Keys = {}
+    for p in directory.listing().headers.values():
+        try:
+            header = directory.read_header(Path(p))
+        except Exception:  # noqa: BLE001 - reported by inspect, which reads every header again
+            continue
+        key = block_key(header.identity, header.ns)
+        keys.update((r.name, key) for r in blk.blocks_for_prefix(header.descriptor, None))
+    return keys
+
+
+def _verify(name: str, data: bytes, keys: Keys) -> None:
+    """Check a block's frame and, when a header names it, its hash under that
+    header's key; a block no header references has no known key (isolation
+    keys blocks by namespace), so only its frame is checked."""
+    if name in keys:
+        blk.decode_block(name, data, key=keys[name])
+    else:
+        blk.decode_block(name, data, verify=False)
+
+
+def verify_blocks(directory: Directory, progress: Progress | None = None) -> Verified:
+    """Hash every block file: name → whether it is corrupt, and the blocks a
+    transient error kept us from reading (never corrupt). The slow part of a
     check, so it runs without the directory lock (a block deleted meanwhile is
     left out; one written meanwhile is verified by ``inspect``)."""
+    keys = block_keys(directory)
     names = sorted(directory.pool.names())
     out: dict[str, bool] = {}
+    unreadable: list[str] = []
     for done, name in enumerate(names, 1):
         try:
-            blk.decode_block(name, directory.pool.read(name))
+            _verify(name, directory.pool.read(name), keys)
             out[name] = False
         except CorruptBlockError:
             out[name] = True
         except BlockMissingError:
             pass
+        except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
+            unreadable.append(name)
         if progress is not None:
             progress(done, len(names))
-    return out
+    return out, unreadable
 
 
 def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
-            progress: Progress | None = None, *, verified: dict[str, bool] | None = None,
+            progress: Progress | None = None, *, verified: Verified | None = None,
             tmp_cutoff: float | None = None) -> CheckReport:
     """Findings for ``directory`` against index rows ``rows`` (None: no usable index).
 
@@ -93,6 +128,7 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     files = listing.blocks
     truth: Counter[str] = Counter()
     referencing: dict[str, tuple[str, ...]] = {}
+    keys: dict[str, bytes | None] = {}  # block -> the key its referencing header names it with
     for entry_id, p in listing.headers.items():
         path = Path(p)
         try:
@@ -100,8 +136,11 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
             record = directory.record(entry_id, path, header, path.stat().st_size)
         except FileNotFoundError:
             continue  # removed while we looked
-        except (CorruptError, OSError):
+        except CorruptError:
             report.corrupt_headers.append(directory.rel(path))
+            continue
+        except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
+            report.unreadable.append(directory.rel(path))
             continue
         if record.owner != directory.identity.digest():
             report.foreign_headers.append(record.path)
@@ -109,17 +148,22 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
             report.entries += 1
             referencing[entry_id] = record.blocks
         truth.update(record.blocks)
-    known = verified or {}
+        key = block_key(header.identity, header.ns)
+        keys.update((n, key) for n in record.blocks)
+    known, unread = verified or ({}, [])
     rest = {n: known[n] for n in files if n in known}
-    fresh = [n for n in sorted(files) if n not in known]
+    fresh = [n for n in sorted(files) if n not in known and n not in unread]
+    report.unreadable += [directory.rel(directory.pool.path(n)) for n in unread if n in files]
     for done, name in enumerate(fresh, 1):
         try:
-            blk.decode_block(name, directory.pool.read(name))
+            _verify(name, directory.pool.read(name), keys)
             rest[name] = False
         except CorruptBlockError:
             rest[name] = True
         except BlockMissingError:
             files.discard(name)
+        except Exception:  # noqa: BLE001 - not proof of corruption: neither corrupt nor an orphan
+            report.unreadable.append(directory.rel(directory.pool.path(name)))
         if progress is not None and verified is None:
             progress(done, len(fresh))
     corrupt = {n for n, bad in rest.items() if bad and n in files}
@@ -128,6 +172,8 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     report.dangling = sorted(
         entry_id for entry_id, needed in referencing.items() if any(n not in files or n in corrupt for n in needed)
     )
+    if any(u.startswith("entries/") for u in report.unreadable):
+        return report  # a header we could not read may reference any block: no orphans, no refcounts
     waiting_for_gc = {n for n, row in (rows or {}).items() if row.refs == 0}
     report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc
                                   and n not in live.names)
@@ -159,7 +205,9 @@ def repair(directory: Directory, report: CheckReport) -> None:
     """Act on the findings, in the same hold of the directory lock as
     ``inspect``: unlink corrupt and dangling headers of ours, delete corrupt
     blocks (hashed again first: only proof deletes) and orphan blocks (no live
-    writer had announced them), dead writers' temp files and intent files."""
+    writer had announced them), dead writers' temp files and intent files.
+    Unreadable files are left alone."""
+    keys = block_keys(directory) if report.corrupt_blocks else {}  # before dangling headers go
     for rel in report.corrupt_headers:
         directory.unlink_quietly(directory.path / rel)
         report.actions.append(f"removed corrupt header {rel}")
@@ -171,10 +219,10 @@ def repair(directory: Directory, report: CheckReport) -> None:
     corrupt = []
     for name in report.corrupt_blocks:
         try:
-            blk.decode_block(name, directory.pool.read(name))
+            _verify(name, directory.pool.read(name), keys)
         except CorruptBlockError:
             corrupt.append(name)
-        except BlockMissingError:
+        except Exception:  # noqa: BLE001 - gone, or unreadable now: not proof
             continue
     orphans = report.orphan_blocks
     for name in corrupt + orphans:

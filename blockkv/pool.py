@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from .errors import BlockMissingError
-from .fs import Buffer, FileLayer, tmp_name
+from .fs import Buffer, FileLayer, refuse_linked, tmp_name
 
 _NAME = re.compile(r"[0-9a-f]{64}")
 
@@ -163,12 +163,14 @@ class LocalPool:
         """Publish a block durably (tmp → fsync → rename → fsync dir); ``tag``
         names the writer in the temp file's name (writers.py)."""
         path = self.path(name)
+        refuse_linked(path.parent)
         self._fs.makedirs(path.parent)
         return self._fs.write_atomic(path, parts, tag=tag)
 
     def stage(self, name: str, parts: Sequence[Buffer], *, tag: str = "") -> Staged:
         """Write a block to a durable tmp file; nothing can see it until ``publish``."""
         path = self.path(name)
+        refuse_linked(path.parent)
         self._fs.makedirs(path.parent)
         tmp, nbytes = self._fs.write_tmp(path, parts, tag=tag)
         return Staged(tmp, path, nbytes)
@@ -212,8 +214,11 @@ class LocalPool:
         return view
 
     def delete(self, name: str) -> None:
+        path = self.path(name)
+        if path.parent.is_symlink():
+            return  # not ours: the listing never saw what is behind a linked shard
         try:
-            self._fs.unlink(self.path(name))
+            self._fs.unlink(path)
         except FileNotFoundError:
             pass
 

@@ -21,10 +21,12 @@ holds the directory lock, so a dedup hit and a gc delete never interleave.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -33,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 import mlx.core as mx
@@ -42,9 +44,10 @@ from mlx.utils import tree_flatten
 
 from . import blocks as blk
 from . import gc, writers
-from .directory import CODEC_ID, Directory, fingerprint_dirname, read_identity
-from .errors import BlockKVError, CorruptBlockError, CorruptError, LockTimeout
-from .fs import FileLayer
+from .codec import record_offsets
+from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
+from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
+from .fs import FileLayer, refuse_linked
 from .gc import CheckReport
 from .header import Header, Identity, encode_header
 from .index import EntryRecord, Index
@@ -54,9 +57,11 @@ from .prefix_index import PrefixIndex
 from .writers import IntentFile
 
 log = logging.getLogger("blockkv")
+_T = TypeVar("_T")
 
 ROOT_MARKER = ".blockkv"
-CHECKPOINT_NS = "__generation_checkpoint__:"
+CHECKPOINT_NS = "__generation_checkpoint__:"  # reserved: no caller's ns may start with it
+MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
 _MAX_TOKEN = (1 << 32) - 1
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
@@ -135,7 +140,7 @@ class FingerprintDir:
 def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
     """The fingerprint directories under a blockkv root (read-only)."""
     out = []
-    for d in sorted(Path(root).iterdir()):
+    for d in sorted(Path(root).expanduser().iterdir()):
         if d.is_dir() and not d.is_symlink() and (d / "IDENTITY").is_file():
             try:
                 ident = read_identity(d)
@@ -144,6 +149,22 @@ def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
                 continue
             out.append(FingerprintDir(d, ident.model_id, ident.config_fingerprint, ident.tokenizer_hash))
     return out
+
+
+def _open_only(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Refuse a call on a closed handle, or on one inherited through fork (LMDB
+    and flock state do not survive fork: the child must open its own)."""
+
+    @functools.wraps(method)
+    def guarded(self: BlockStore, *args: Any, **kwargs: Any) -> _T:
+        if self._closed:
+            raise ValueError("store is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this BlockStore was opened in process {self._pid} and used in a child "
+                               f"created by fork ({os.getpid()}): open a new BlockStore in the child")
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 class BlockStore:
@@ -172,6 +193,7 @@ class BlockStore:
         tmp_grace: float = writers.DEFAULT_TMP_GRACE,
         index_map_size: int = 256 << 20,
         lock_timeout: float = 10.0,
+        isolate_namespaces: bool = False,
     ) -> None:
         for name, value in (("model_id", model_id), ("config_fingerprint", config_fingerprint),
                             ("tokenizer_hash", tokenizer_hash)):
@@ -189,8 +211,13 @@ class BlockStore:
         for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace), ("lock_timeout", lock_timeout)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-        self.root = Path(root)
-        self.identity = Identity(model_id, config_fingerprint, tokenizer_hash, CODEC_ID)
+        if not isinstance(isolate_namespaces, bool):
+            raise TypeError(f"isolate_namespaces must be a bool, got {type(isolate_namespaces).__name__}")
+        self.root = Path(root).expanduser()
+        self.isolate_namespaces = isolate_namespaces
+        # the codec id in every header says how its blocks are named; the two modes' entries are foreign to each other
+        self.identity = Identity(model_id, config_fingerprint, tokenizer_hash,
+                                 KEYED_CODEC_ID if isolate_namespaces else CODEC_ID)
         self._owner = self.identity.digest()
         self.directory = self.root / fingerprint_dirname(config_fingerprint)
         self.block_tokens = block_tokens
@@ -207,12 +234,14 @@ class BlockStore:
         self._dir = Directory(self.directory, self.identity, self._fs)
         self._pool = self._dir.pool
         self.recovery: list[str] = []  # what the last scan() had to fix
+        self._unread_headers: dict[str, str] = {}  # entry id -> header path a transient error kept unindexed
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
         self._mutex = threading.RLock()  # in-memory index of this handle
         self._executors: dict[str, ThreadPoolExecutor] = {}  # store_async, restore_async, block I/O
         self._closed = False
+        self._pid = os.getpid()
         self._make_directory()
         self._lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
@@ -240,14 +269,17 @@ class BlockStore:
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
                  **kwargs: Any) -> BlockStore:
         """Open an existing fingerprint directory with the identity it records (for tools)."""
-        d = Path(directory)
-        ident = read_identity(d)
+        d = Path(directory).expanduser()
+        ident = read_identity(d, kwargs.get("fs"))
         return cls(d.parent, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                    tokenizer_hash=ident.tokenizer_hash, max_bytes=max_bytes if max_bytes is not None else 1 << 62,
                    **kwargs)
 
     # -- lifecycle ------------------------------------------------------------
     def _make_directory(self) -> None:
+        for fixed in (self.directory, self.directory / "entries", self.directory / "blobs", self._dir.index_dir,
+                      self.directory / "writers", self.directory / "LOCK", self.directory / "IDENTITY"):
+            refuse_linked(fixed)  # writing through it would write outside the root
         self._fs.makedirs(self.root)
         marker = self.root / ROOT_MARKER
         if not marker.exists():
@@ -264,9 +296,12 @@ class BlockStore:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        for pool in self._executors.values():
+        if os.getpid() != self._pid:  # a forked child's copy: the parent still owns the environment
+            self._closed = True
+            return
+        for pool in self._executors.values():  # pending writes finish before the handle closes
             pool.shutdown(wait=True)
+        self._closed = True
         self._intents.close()
         self._index.close()
         self._lock.close()
@@ -278,6 +313,7 @@ class BlockStore:
         self.close()
 
     # -- recovery ---------------------------------------------------------------
+    @_open_only
     def scan(self) -> int:
         """Recover and index: reap stale tmp files, trust or rebuild the LMDB
         tables, reconcile them with a directory listing, reclaim unreferenced
@@ -355,6 +391,7 @@ class BlockStore:
         if finished:
             self.evict_to_cap()
 
+    @_open_only
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
         with self._locked():
@@ -393,17 +430,28 @@ class BlockStore:
     def _scan_header(self, entry_id: str, path: Path, block_files: Container[str]) -> EntryRecord | None:
         """Index-worthy record of a header file, or None. A corrupt header is
         unlinked (its uuid name in our directory makes it ours); a foreign one
-        is kept and counted for its references, never served or deleted."""
+        is kept and counted for its references, never served or deleted. One
+        that cannot be read now (EMFILE, EIO, MemoryError...) is not proof of
+        anything: it is kept, and until it is indexed no orphan block is swept
+        (it may reference them)."""
         try:
             header = self._dir.read_header(path)
             record = self._dir.record(entry_id, path, header, path.stat().st_size)
         except FileNotFoundError:
+            self._unread_headers.pop(entry_id, None)
             return None
-        except (CorruptError, OSError) as exc:
+        except CorruptError as exc:
+            self._unread_headers.pop(entry_id, None)
             self._warn("corrupt-header", f"removing corrupt header {path.name}: {exc}")
             self._note(f"removed corrupt header {self._dir.rel(path)}")
             self._dir.unlink_quietly(path)
             return None
+        except Exception as exc:  # noqa: BLE001 - transient: a miss, never a deletion
+            self._unread_headers[entry_id] = str(path)
+            self._warn("unreadable-header", f"could not read header {path.name} ({exc!r}); kept, not indexed yet")
+            self._note(f"could not read header {self._dir.rel(path)} ({exc!r}): kept")
+            return None
+        self._unread_headers.pop(entry_id, None)
         if record.owner == self._owner and any(n not in block_files for n in record.blocks):
             self._warn("dangling", f"removing entry {entry_id}: some of its blocks are gone")
             self._note(f"removed dangling entry {entry_id}")
@@ -439,8 +487,10 @@ class BlockStore:
         for entry_id, rec in pending.items():
             self._index.rollback_pending(entry_id, now)
             self._note(f"rolled back the references of an unfinished store ({entry_id})")
-            path = self.directory / rec["path"]
-            if entry_id not in known and path.exists():  # header landed, entry never indexed
+            path = self._dir.recorded_header_path(entry_id, rec.get("path") if isinstance(rec, dict) else None)
+            if path is None:
+                self._note(f"pending record {entry_id[:80]!r} names no header of ours: ignored its path")
+            elif entry_id not in known and path.exists():  # header landed, entry never indexed
                 sizes = {f.name: f.size for f in self._pool.files()}
                 record = self._scan_header(entry_id, path, sizes)
                 if record is not None:
@@ -461,7 +511,7 @@ class BlockStore:
             elif dangling:
                 self._warn("dangling", f"removing entry {entry_id}: its blocks are gone")
                 self._note(f"removed dangling entry {entry_id}")
-                self._dir.unlink_quietly(self.directory / record.path)
+                self._dir.unlink_quietly(Path(on_disk[entry_id]))  # the listing's path: ours by its shape
             else:
                 continue
             self._index.remove_entry(entry_id, now)
@@ -482,6 +532,8 @@ class BlockStore:
         caller already has. A block freed less than ``gc_grace`` ago by this
         clock is kept for reuse; that is policy, not safety (design.md, "Block
         lifetime"), so a block stamped in our future is not kept."""
+        if not self._index_unread_headers():
+            return 0  # a header we could not read may reference any unreferenced block
         listing = self._dir.listing() if files is None else None
         if listing is not None:
             files = listing.blocks
@@ -500,6 +552,20 @@ class BlockStore:
             self._pool.delete(name)
         self._index.drop_blocks(doomed)
         return len(doomed)
+
+    def _index_unread_headers(self) -> bool:
+        """Retry the headers a transient error kept out of the index; True once none is left."""
+        if not self._unread_headers:
+            return True
+        sizes = {f.name: f.size for f in self._pool.files()}
+        for entry_id, p in list(self._unread_headers.items()):
+            record = self._scan_header(entry_id, Path(p), sizes)
+            if record is not None and self._index.entry(entry_id) is None:
+                self._index.add_scanned(record, {n: sizes.get(n, 0) for n in record.blocks}, self._clock())
+                self._note(f"indexed header {self._dir.rel(Path(p))} once it could be read")
+        if self._unread_headers:
+            self._warn("gc-deferred", "not sweeping unreferenced blocks while a header cannot be read")
+        return not self._unread_headers
 
     # -- the in-memory index ------------------------------------------------------
     def _load(self, records: list[EntryRecord] | None = None) -> None:
@@ -580,11 +646,13 @@ class BlockStore:
             self._position = position
 
     # -- queries (pure index lookups) ------------------------------------------------
+    @_open_only
     def __len__(self) -> int:
         self._refresh()
         return len(self._entries)
 
     @property
+    @_open_only
     def total_bytes(self) -> int:
         """Headers plus every referenced block, each counted once."""
         return self._index.total_bytes()
@@ -594,27 +662,46 @@ class BlockStore:
         return self._limit() if self._limit is not None else self._max_bytes
 
     @property
+    @_open_only
     def block_count(self) -> int:
         return sum(1 for row in self._index.blocks().values() if row.refs > 0)
 
     @property
+    @_open_only
     def logical_bytes(self) -> int:
         """What one self-contained file per entry would take (no sharing)."""
         return sum(e.nbytes for e in self.entries())
 
-    def entries(self) -> list[Entry]:
+    @_open_only
+    def entries(self, ns: str | None = None) -> list[Entry]:
+        """Every entry, or (``ns`` given) only that namespace's: a tenant sees its own."""
+        if ns is not None:
+            _check_ns(ns)
         self._refresh()
         with self._mutex:
-            return list(self._entries.values())
+            return [e for e in self._entries.values() if ns is None or e.ns == ns]
+
+    @_open_only
+    def count(self, ns: str | None = None) -> int:
+        """``len(store)``, or (``ns`` given) the entries of that namespace."""
+        return len(self) if ns is None else len(self.entries(ns))
 
     @property
+    @_open_only
     def longest_durable_prefix_tokens(self) -> int:
-        return max((e.length for e in self.entries()), default=0)
+        return self.longest_entry_tokens()
 
-    def token_prefixes(self) -> Iterator[tuple[int, ...]]:
-        for entry in self.entries():
+    @_open_only
+    def longest_entry_tokens(self, ns: str | None = None) -> int:
+        """The longest entry's length, across namespaces or (``ns`` given) in one."""
+        return max((e.length for e in self.entries(ns)), default=0)
+
+    @_open_only
+    def token_prefixes(self, ns: str | None = None) -> Iterator[tuple[int, ...]]:
+        for entry in self.entries(ns):
             yield entry.tokens
 
+    @_open_only
     def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
         arr = _tokens(tokens)
         _check_ns(ns)
@@ -623,6 +710,7 @@ class BlockStore:
             trie = self._tries.get(ns)
             return trie is not None and trie.has_durable_prefix(arr)
 
+    @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
         arr = _tokens(prompt)
         _check_ns(ns)
@@ -632,6 +720,7 @@ class BlockStore:
             found = trie.find(arr) if trie is not None else None
         return Match(*found) if found else None
 
+    @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
         arr = _tokens(tokens)
         _check_ns(ns)
@@ -641,6 +730,7 @@ class BlockStore:
             entry = self._entries.get(entry_id) if entry_id else None
         return Match(entry, len(arr)) if entry is not None else None
 
+    @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
         arr = _tokens(prompt)
         best: Entry | None = None
@@ -657,17 +747,20 @@ class BlockStore:
         return best
 
     # -- restore ---------------------------------------------------------------------
+    @_open_only
     def restore(self, entry: Entry, prefix_len: int | None = None) -> Loaded | None:
         """Rebuild an entry's caches (cut to ``prefix_len`` tokens when given).
 
-        Reads only the blocks that cover the prefix. Any failure (a block gone,
-        a hash mismatch, a damaged header) warns, drops the entry and returns
-        None: never wrong tensors."""
+        Reads only the blocks that cover the prefix. Any failure warns and
+        returns None, never wrong tensors; only proof of corruption (a block
+        gone, a hash mismatch, a damaged header) also drops the entry."""
         if not isinstance(entry, Entry):
             raise TypeError(f"restore takes an Entry from find/find_exact, got {type(entry).__name__}")
         p = _prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
+        key = block_key(self.identity, entry.ns)
+        reading = ""  # "header" while the header is read: its file gone is proof too
         corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
 
         def fill(target: blk.Target) -> None:
@@ -679,9 +772,9 @@ class BlockStore:
                 prefix = bytearray(len(target.frame_prefix))
                 if self._pool.read_exact(name, [memoryview(prefix), *target.pieces]) and prefix == target.frame_prefix:
                     if self.verify:
-                        target.verify(full=self.verify == "full")
+                        target.verify(full=self.verify == "full", key=key)
                 else:
-                    target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self.verify)))
+                    target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self.verify), key=key))
             except CorruptBlockError as exc:
                 corrupt.append((exc, name))
                 raise
@@ -692,16 +785,22 @@ class BlockStore:
                 pass
 
         try:
+            reading = "header"
             header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
+            reading = ""
             if header.identity != self.identity or header.ns != entry.ns:
-                raise CorruptError("the header on disk is not the one indexed")
-            caches, attachments = blk.rebuild(blk.with_xxh3(header.descriptor, header.block_xxh3), None, cut, fill_all)
+                raise _IndexDisagrees("the header on disk is not the one indexed")
+            descriptor = blk.with_xxh3(header.descriptor, header.block_xxh3)
+            # every array rebuild allocates is bounded by the bytes actually on disk, never by a
+            # size the header declares: a planted header cannot force a huge allocation
+            self._stored_sizes(blk.blocks_for_prefix(blk.parse_descriptor(descriptor), cut))
+            caches, attachments = blk.rebuild(descriptor, None, cut, fill_all)
             # materialise here: a lazy array built on a worker thread cannot be
             # evaluated from the caller's thread (restore_async)
             mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
                      if isinstance(v, mx.array)])
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            self._restore_failed(entry, exc, next((name for e, name in corrupt if e is exc), ""))
+            self._restore_failed(entry, exc, reading or next((name for e, name in corrupt if e is exc), ""))
             return None
         try:
             self._index.touch(entry.id, self._clock())
@@ -711,11 +810,40 @@ class BlockStore:
         self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
         return Loaded(caches, tuple(header.tokens[:p].tolist()), attachments, entry.checkpoint)
 
+    @_open_only
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
         _prefix_len(entry, prefix_len)
         return self._executor("restore").submit(self.restore, entry, prefix_len)
 
-    def _restore_failed(self, entry: Entry, exc: BaseException, corrupt_block: str) -> None:
+    def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
+        """Bytes on disk of each block a restore needs. A block whose file could not
+        hold the raw bytes the header declares is a corrupt entry, found before
+        anything of the declared size is allocated."""
+        sizes: dict[str, int] = {}
+        for ref in refs:
+            try:
+                st = os.lstat(self._pool.path(ref.name))
+            except FileNotFoundError:
+                raise BlockMissingError(f"block {ref.name} is not in the pool") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise BlockMissingError(f"block {ref.name} is not a regular file")
+            if ref.raw_bytes > blk.max_raw_bytes(st.st_size):
+                raise CorruptError(f"the header declares {ref.raw_bytes} bytes for block {ref.name}, "
+                                   f"whose {st.st_size}-byte file cannot hold them")
+            sizes[ref.name] = st.st_size
+        return sizes
+
+    def _restore_failed(self, entry: Entry, exc: BaseException, reading: str) -> None:
+        """Only proof of corruption deletes: a corrupt header or block, or the
+        entry's own header or block file gone. Anything else (EMFILE, EIO,
+        MemoryError, an exception from mlx or mlx-lm) is a miss that keeps the
+        entry, its header and its index row as they were."""
+        proof = (isinstance(exc, (CorruptError, BlockMissingError))
+                 or (reading == "header" and isinstance(exc, FileNotFoundError)))
+        if not proof:
+            self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc!r}); kept, served as a miss")
+            return
+        corrupt_block = reading if isinstance(exc, CorruptBlockError) and reading != "header" else ""
         self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
         try:
             with self._locked(timeout=_SERVING_WAIT):
@@ -731,18 +859,21 @@ class BlockStore:
             self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
 
     # -- store --------------------------------------------------------------------------
+    @_open_only
     def store(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
               attachments: Mapping[str, Any] | None = None) -> bool:
         """Persist a prompt cache. Returns False (with one warning) on any disk failure."""
         job = self._prepare(tokens, caches, ns, attachments, None)
         return self._commit(*job)
 
+    @_open_only
     def store_async(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
                     attachments: Mapping[str, Any] | None = None) -> Future[bool]:
         """Snapshot the caches now (the caller may keep using them), write in the background."""
         job = self._prepare(tokens, caches, ns, attachments, None)
         return self._executor("store").submit(self._commit, *job)
 
+    @_open_only
     def store_generation_checkpoint(self, tokens: Sequence[int], caches: Sequence[Any],
                                     checkpoint: GenerationCheckpoint) -> bool:
         """Persist an in-flight generation; older checkpoints of its key go only once it is durable."""
@@ -751,6 +882,7 @@ class BlockStore:
         job = self._prepare(tokens, caches, CHECKPOINT_NS + checkpoint.key, None, checkpoint)
         return self._commit(*job)
 
+    @_open_only
     def remove_generation_checkpoints(self, key: str) -> None:
         try:
             with self._locked():
@@ -780,12 +912,21 @@ class BlockStore:
         input raises here). Capturing is cheap; the host copy and hashing happen
         in ``_commit``, which ``store_async`` runs on its worker thread."""
         arr = _tokens(tokens)
-        _check_ns(ns)
+        _check_ns(ns, reserved_ok=checkpoint is not None)
+        if not len(arr):
+            raise ValueError("tokens is empty: there is no prompt to store")
         if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
             raise TypeError(f"caches must be a list of mlx-lm cache objects, got {type(caches).__name__}")
+        if not caches:
+            raise ValueError("caches is empty: pass the model's cache list (one per layer)")
         if attachments is not None and not isinstance(attachments, Mapping):
             raise TypeError("attachments must be a mapping of name to mx.array")
-        return arr, ns, blk.snapshot(list(caches), attachments), checkpoint
+        snap = blk.snapshot(list(caches), attachments)
+        counts = record_offsets(snap.records)
+        if counts and counts != {len(arr)}:  # restoring it would hand mlx-lm a cache that is not the prompt's
+            raise ValueError(f"{len(arr)} tokens but the caches hold {' / '.join(map(str, sorted(counts)))} "
+                             "tokens: pass exactly the tokens the caches were filled with")
+        return arr, ns, snap, checkpoint
 
     def _commit(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
@@ -795,7 +936,8 @@ class BlockStore:
         refs_taken = False
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
-            layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit)
+            layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit,
+                                     key=block_key(self.identity, ns))
             written = writer.wait()
             header = encode_header(Header(self.identity, ns, tokens, layout.descriptor,
                                           checkpoint.to_json() if checkpoint else None, layout.block_xxh3))
@@ -812,6 +954,7 @@ class BlockStore:
                 refs_taken = True
                 writer.release()  # referenced now: the refcounts protect them
                 self._fs.crash_point("store:refs-taken")
+                refuse_linked(path.parent)
                 self._fs.makedirs(path.parent)
                 written += self._fs.write_atomic(path, [header], tag=self._intents.token)
                 self._fs.crash_point("store:header-written")
@@ -884,6 +1027,7 @@ class BlockStore:
             self._remove_quietly(entry.id)
 
     # -- remove, evict, gc --------------------------------------------------------------------
+    @_open_only
     def remove(self, entry: Entry) -> None:
         if not isinstance(entry, Entry):
             raise TypeError(f"remove takes an Entry, got {type(entry).__name__}")
@@ -904,18 +1048,26 @@ class BlockStore:
         """Unlink the header first, then drop its references (a crash between leaks, never dangles)."""
         record = self._index.entry(entry_id)
         if record is not None:
-            path = self.directory / record.path
-            try:
-                self._fs.unlink(path)
-            except FileNotFoundError:
-                pass
-            self._fs.fsync_dir(path.parent)
+            try:  # derived from (ns, id), never the record's path: the index is not trusted as a path
+                path: Path | None = self._dir.header_path(record.ns, entry_id)
+            except CorruptError as exc:
+                self._warn("index-path", f"index row {entry_id[:80]!r} is not ours ({exc}); dropping the row only")
+                path = None
+            if path is not None and path.parent.is_symlink():
+                path = None  # what is behind a linked namespace directory is not ours
+            if path is not None:
+                try:
+                    self._fs.unlink(path)
+                except FileNotFoundError:
+                    pass
+                self._fs.fsync_dir(path.parent)
             self._fs.crash_point("remove:header-unlinked")
             self._index.remove_entry(entry_id, self._clock())
         self._refresh()
         with self._mutex:
             self._drop_memory(entry_id)
 
+    @_open_only
     def evict_plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first. Changes nothing."""
         _check_size("target_bytes", target_bytes)
@@ -945,6 +1097,7 @@ class BlockStore:
                         total -= rows[name].size
         return plan
 
+    @_open_only
     def evict_to(self, target_bytes: int) -> list[Entry]:
         """Remove least recently used entries until ``total_bytes <= target_bytes``."""
         _check_size("target_bytes", target_bytes)
@@ -960,9 +1113,11 @@ class BlockStore:
             return []
         return plan
 
+    @_open_only
     def evict_to_cap(self) -> None:
         self.evict_to(self.max_bytes)
 
+    @_open_only
     def gc(self) -> int:
         """Delete blocks nothing references and no live writer may (see
         ``_sweep_orphans``) and dead writers' temp files; returns how many blocks."""
@@ -981,6 +1136,7 @@ class BlockStore:
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("gc", f"gc failed: {exc}")
 
+    @_open_only
     def check(self, repair: bool = False,
               progress: Callable[[int, int], None] | None = None) -> CheckReport:
         """Compare the index with the files and verify every block hash.
@@ -1091,8 +1247,15 @@ class _BlockWriter:
                 pass  # stale names only delay a deletion
 
 
+class _IndexDisagrees(BlockKVError):
+    """The header at an entry's path is valid but not the one its index row
+    describes: nothing proves either wrong, so restore misses and deletes nothing."""
+
+
 def _tokens(tokens: Sequence[int]) -> np.ndarray:
     """Tokens as uint32, or a TypeError/ValueError naming what is wrong."""
+    if isinstance(tokens, mx.array):  # what MLX users hold; same rules as a numpy array
+        tokens = np.array(tokens)
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise TypeError(f"tokens must be a 1-D sequence of ints, got an array of {tokens.dtype} {tokens.shape}")
@@ -1109,9 +1272,18 @@ def _tokens(tokens: Sequence[int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
-def _check_ns(ns: str) -> None:
+def _check_ns(ns: str, *, reserved_ok: bool = False) -> None:
+    """A caller's namespace: a str of at most MAX_NS_BYTES UTF-8 bytes, not reserved."""
     if not isinstance(ns, str):
         raise TypeError(f"ns must be a str, got {type(ns).__name__}")
+    try:
+        size = len(ns.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"ns must be encodable as UTF-8 ({exc.reason} at index {exc.start})") from None
+    if size > MAX_NS_BYTES:
+        raise ValueError(f"ns is {size} bytes of UTF-8; at most {MAX_NS_BYTES} are allowed")
+    if not reserved_ok and ns.startswith(CHECKPOINT_NS):
+        raise ValueError(f"ns may not start with {CHECKPOINT_NS!r}: reserved for generation checkpoints")
 
 
 def _check_size(name: str, value: int) -> None:
