@@ -1119,10 +1119,21 @@ class BlockStore:
 
     @_open_only
     def gc(self) -> int:
-        """Delete blocks nothing references and no live writer may (see
-        ``_sweep_orphans``) and dead writers' temp files; returns how many blocks."""
+        """Give back the references of stores whose writer died, then delete
+        blocks nothing references and no live writer may (see
+        ``_sweep_orphans``) and dead writers' temp files; returns how many blocks.
+
+        A ``pending`` record seen under the lock is a dead writer's: a live
+        store holds the lock from taking its references to making its entry
+        visible, so recovery's roll-back is safe here too."""
         try:
             with self._locked():
+                if self._index.pending():
+                    finished = self._roll_back_pending(self._index.entries())
+                    self._refresh()
+                    for entry_id in finished:  # its header had landed: finish what its store would have done
+                        if entry_id in self._entries:
+                            self._apply_store_rules(self._entries[entry_id])
                 n = self._sweep_orphans()
                 self._index.trim_log()
         except LockTimeout as exc:
