@@ -57,6 +57,18 @@ class SlowFS(FileLayer):
         super().fsync(fd)
 
 
+class StuckAtHeaderFS(SlowFS):
+    """A slow disk on which a writer stops for good once its header's temp file
+    is durable: its blocks are published and referenced (pending), its temp
+    file is on disk, and a SIGKILL cannot come too late."""
+
+    def write_tmp(self, path: Path, parts: Sequence[Any], **kw: Any) -> tuple[Path, int]:
+        out = super().write_tmp(path, parts, **kw)
+        if path.name.endswith(".bkv"):
+            time.sleep(600)
+        return out
+
+
 # -- child processes (top level: 'spawn' imports this module by name) -----------------------
 
 
@@ -440,9 +452,9 @@ def test_lock_timeout_store_gives_up_restore_does_not_wait(store_root: Path, cap
 
 def _kill_mid_store(root: Path, tmp_path: Path, store: BlockStore) -> None:
     """Start a slow writer of a big entry and SIGKILL it once it has finished
-    blocks and open tmp files on disk."""
+    blocks and a tmp file on disk (it stops there for good)."""
     big = spec(0, 0, 99, 64 * BLOCK_TOKENS)
-    child = start(writer, root, tmp_path / "killed.json", {"fs": SlowFS(0.3)}, [big])
+    child = start(writer, root, tmp_path / "killed.json", {"fs": StuckAtHeaderFS(0.01)}, [big])
     try:
         wait_for(lambda: len(tmp_files(store)) > 0 and len(block_files(store)) >= 2, 120, "the writer's files")
     finally:
