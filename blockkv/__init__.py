@@ -14,7 +14,8 @@ from .errors import (
     CorruptHeaderError,
 )
 from .gc import CheckReport
-from .store import BlockStore, Entry, GenerationCheckpoint, Loaded, Match, list_fingerprints
+from .records import Entry, GenerationCheckpoint, Loaded, Match
+from .store import BlockStore, list_fingerprints
 
 __all__ = [
     "BlockKVError",

@@ -20,7 +20,7 @@ from . import blocks as blk
 from .errors import CorruptError
 from .fs import TMP_SUFFIX, FileLayer
 from .header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
-from .index import EntryRecord
+from .records import EntryRecord
 from .pool import Layout, LocalPool, is_block_name
 
 CODEC_ID = f"blockkv-blocks-{blk.FORMAT}"

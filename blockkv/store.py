@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,17 +50,17 @@ from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptE
 from .fs import FileLayer, refuse_linked
 from .gc import CheckReport
 from .header import Header, Identity, encode_header
-from .index import EntryRecord, Index
+from .index import Index
 from .locks import DirLock
 from .pool import LocalPool, Staged
 from .prefix_index import PrefixIndex
+from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
 from .writers import IntentFile
 
 log = logging.getLogger("blockkv")
 _T = TypeVar("_T")
 
 ROOT_MARKER = ".blockkv"
-CHECKPOINT_NS = "__generation_checkpoint__:"  # reserved: no caller's ns may start with it
 MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
 _MAX_TOKEN = (1 << 32) - 1
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
@@ -69,64 +69,6 @@ _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a faile
 # only these move it aside to be rebuilt
 _BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
                  lmdb.PageNotFoundError, lmdb.BadRslotError)
-
-
-@dataclass(frozen=True)
-class GenerationCheckpoint:
-    """An in-flight generation: ``tokens`` = prompt + output so far."""
-
-    key: str
-    original_prompt_tokens: int
-    cache_ns: str = ""
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "original_prompt_tokens": self.original_prompt_tokens,
-                "cache_ns": self.cache_ns, "meta": dict(self.meta)}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> GenerationCheckpoint:
-        return cls(str(d["key"]), int(d["original_prompt_tokens"]), str(d.get("cache_ns", "")),
-                   dict(d.get("meta") or {}))
-
-
-@dataclass(frozen=True, eq=False)
-class Entry:
-    """One stored prompt cache, as the index knows it (no tensors)."""
-
-    id: str
-    ns: str
-    token_array: np.ndarray = field(repr=False)
-    nbytes: int  # header + every block it references
-    header_bytes: int
-    blocks: tuple[str, ...]
-    last_use: float
-    trimmable: bool
-    minimum_reusable_offset: int
-    checkpoint: GenerationCheckpoint | None
-    attachments: tuple[str, ...]
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return tuple(self.token_array.tolist())
-
-    @property
-    def length(self) -> int:
-        return len(self.token_array)
-
-
-@dataclass(frozen=True)
-class Match:
-    entry: Entry
-    prefix_len: int
-
-
-@dataclass
-class Loaded:
-    caches: list[Any]
-    tokens: tuple[int, ...]
-    attachments: dict[str, Any]
-    checkpoint: GenerationCheckpoint | None
 
 
 @dataclass(frozen=True)
