@@ -54,6 +54,7 @@ from .index import Index
 from .locks import DirLock
 from .pool import LocalPool, Staged
 from .prefix_index import PrefixIndex
+from .arguments import check_ns, check_options, check_prefix_len, check_size, tokens_array
 from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
 from .writers import IntentFile
 
@@ -61,8 +62,6 @@ log = logging.getLogger("blockkv")
 _T = TypeVar("_T")
 
 ROOT_MARKER = ".blockkv"
-MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
-_MAX_TOKEN = (1 << 32) - 1
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 # liblmdb errors that prove an environment broken (not a transient failure):
@@ -137,24 +136,10 @@ class BlockStore:
         lock_timeout: float = 10.0,
         isolate_namespaces: bool = False,
     ) -> None:
-        for name, value in (("model_id", model_id), ("config_fingerprint", config_fingerprint),
-                            ("tokenizer_hash", tokenizer_hash)):
-            if not isinstance(value, str) or not value:
-                raise TypeError(f"{name} must be a non-empty str, got {value!r}")
-        _check_size("max_bytes", max_bytes)
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
-            raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
-        if compression not in (None, "zstd"):
-            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
-        if verify not in (True, False, "full"):
-            raise ValueError(f"verify must be True (xxh3-128 per read), 'full' (blake3 per read) or False, got {verify!r}")
-        if limit is not None and not callable(limit):
-            raise TypeError("limit must be a callable returning the live byte cap")
-        for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace), ("lock_timeout", lock_timeout)):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-        if not isinstance(isolate_namespaces, bool):
-            raise TypeError(f"isolate_namespaces must be a bool, got {type(isolate_namespaces).__name__}")
+        check_options(model_id=model_id, config_fingerprint=config_fingerprint, tokenizer_hash=tokenizer_hash,
+                      max_bytes=max_bytes, limit=limit, block_tokens=block_tokens, compression=compression,
+                      verify=verify, gc_grace=gc_grace, tmp_grace=tmp_grace, lock_timeout=lock_timeout,
+                      isolate_namespaces=isolate_namespaces)
         self.root = Path(root).expanduser()
         self.isolate_namespaces = isolate_namespaces
         # the codec id in every header says how its blocks are named; the two modes' entries are foreign to each other
@@ -618,7 +603,7 @@ class BlockStore:
     def entries(self, ns: str | None = None) -> list[Entry]:
         """Every entry, or (``ns`` given) only that namespace's: a tenant sees its own."""
         if ns is not None:
-            _check_ns(ns)
+            check_ns(ns)
         self._refresh()
         with self._mutex:
             return [e for e in self._entries.values() if ns is None or e.ns == ns]
@@ -645,8 +630,8 @@ class BlockStore:
 
     @_open_only
     def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
-        arr = _tokens(tokens)
-        _check_ns(ns)
+        arr = tokens_array(tokens)
+        check_ns(ns)
         self._refresh()
         with self._mutex:
             trie = self._tries.get(ns)
@@ -654,8 +639,8 @@ class BlockStore:
 
     @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
-        arr = _tokens(prompt)
-        _check_ns(ns)
+        arr = tokens_array(prompt)
+        check_ns(ns)
         self._refresh()
         with self._mutex:
             trie = self._tries.get(ns)
@@ -664,8 +649,8 @@ class BlockStore:
 
     @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
-        arr = _tokens(tokens)
-        _check_ns(ns)
+        arr = tokens_array(tokens)
+        check_ns(ns)
         self._refresh()
         with self._mutex:
             entry_id = self._exact.get((ns, arr.tobytes()))
@@ -674,7 +659,7 @@ class BlockStore:
 
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
-        arr = _tokens(prompt)
+        arr = tokens_array(prompt)
         best: Entry | None = None
         for entry in self.entries():
             cp = entry.checkpoint
@@ -698,7 +683,7 @@ class BlockStore:
         gone, a hash mismatch, a damaged header) also drops the entry."""
         if not isinstance(entry, Entry):
             raise TypeError(f"restore takes an Entry from find/find_exact, got {type(entry).__name__}")
-        p = _prefix_len(entry, prefix_len)
+        p = check_prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
         key = block_key(self.identity, entry.ns)
@@ -754,7 +739,7 @@ class BlockStore:
 
     @_open_only
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
-        _prefix_len(entry, prefix_len)
+        check_prefix_len(entry, prefix_len)
         return self._executor("restore").submit(self.restore, entry, prefix_len)
 
     def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
@@ -853,8 +838,8 @@ class BlockStore:
         """Validate arguments and capture the tensors on the caller's thread (bad
         input raises here). Capturing is cheap; the host copy and hashing happen
         in ``_commit``, which ``store_async`` runs on its worker thread."""
-        arr = _tokens(tokens)
-        _check_ns(ns, reserved_ok=checkpoint is not None)
+        arr = tokens_array(tokens)
+        check_ns(ns, reserved_ok=checkpoint is not None)
         if not len(arr):
             raise ValueError("tokens is empty: there is no prompt to store")
         if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
@@ -1012,7 +997,7 @@ class BlockStore:
     @_open_only
     def evict_plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first. Changes nothing."""
-        _check_size("target_bytes", target_bytes)
+        check_size("target_bytes", target_bytes)
         return self._plan(target_bytes)
 
     def _plan(self, target_bytes: int) -> list[Entry]:
@@ -1042,7 +1027,7 @@ class BlockStore:
     @_open_only
     def evict_to(self, target_bytes: int) -> list[Entry]:
         """Remove least recently used entries until ``total_bytes <= target_bytes``."""
-        _check_size("target_bytes", target_bytes)
+        check_size("target_bytes", target_bytes)
         try:
             with self._locked():
                 plan = self._plan(target_bytes)
@@ -1192,61 +1177,3 @@ class _BlockWriter:
 class _IndexDisagrees(BlockKVError):
     """The header at an entry's path is valid but not the one its index row
     describes: nothing proves either wrong, so restore misses and deletes nothing."""
-
-
-def _tokens(tokens: Sequence[int]) -> np.ndarray:
-    """Tokens as uint32, or a TypeError/ValueError naming what is wrong."""
-    if isinstance(tokens, mx.array):  # what MLX users hold; same rules as a numpy array
-        tokens = np.array(tokens)
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"tokens must be a 1-D sequence of ints, got an array of {tokens.dtype} {tokens.shape}")
-        arr = tokens
-    else:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"tokens must be ints, got {type(t).__name__} {t!r}")
-        arr = np.array(tokens, dtype=np.int64) if tokens else np.empty(0, np.int64)
-    if len(arr) and (arr.min() < 0 or arr.max() > _MAX_TOKEN):
-        raise ValueError("token ids must be in [0, 2**32)")
-    return np.ascontiguousarray(arr, dtype=np.uint32)
-
-
-def _check_ns(ns: str, *, reserved_ok: bool = False) -> None:
-    """A caller's namespace: a str of at most MAX_NS_BYTES UTF-8 bytes, not reserved."""
-    if not isinstance(ns, str):
-        raise TypeError(f"ns must be a str, got {type(ns).__name__}")
-    try:
-        size = len(ns.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"ns must be encodable as UTF-8 ({exc.reason} at index {exc.start})") from None
-    if size > MAX_NS_BYTES:
-        raise ValueError(f"ns is {size} bytes of UTF-8; at most {MAX_NS_BYTES} are allowed")
-    if not reserved_ok and ns.startswith(CHECKPOINT_NS):
-        raise ValueError(f"ns may not start with {CHECKPOINT_NS!r}: reserved for generation checkpoints")
-
-
-def _check_size(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of bytes, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-def _prefix_len(entry: Entry, prefix_len: int | None) -> int:
-    if prefix_len is None:
-        return entry.length
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int):
-        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__}")
-    if not 0 < prefix_len <= entry.length:
-        raise ValueError(f"prefix_len must be in [1, {entry.length}], got {prefix_len}")
-    if prefix_len < entry.length and not entry.trimmable:
-        raise ValueError("prefix_len cuts an entry whose caches cannot be trimmed")
-    if prefix_len < entry.minimum_reusable_offset:
-        raise ValueError(f"prefix_len {prefix_len} is below the entry's minimum reusable offset "
-                         f"{entry.minimum_reusable_offset}")
-    return prefix_len
-
-
