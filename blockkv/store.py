@@ -44,6 +44,8 @@ from mlx.utils import tree_flatten
 
 from . import blocks as blk
 from . import gc, writers
+from .arguments import check_ns, check_options, check_prefix_len, check_size, tokens_array
+from .catalog import Catalog
 from .codec import record_offsets
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
@@ -53,8 +55,6 @@ from .header import Header, Identity, encode_header
 from .index import Index
 from .locks import DirLock
 from .pool import LocalPool, Staged
-from .prefix_index import PrefixIndex
-from .arguments import check_ns, check_options, check_prefix_len, check_size, tokens_array
 from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
 from .writers import IntentFile
 
@@ -165,7 +165,7 @@ class BlockStore:
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
-        self._mutex = threading.RLock()  # in-memory index of this handle
+        self._mutex = threading.Lock()  # the executors of this handle
         self._executors: dict[str, ThreadPoolExecutor] = {}  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
@@ -173,11 +173,7 @@ class BlockStore:
         self._lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
         self._needs_recovery = False  # open could not take the lock: recover at the first mutation
-        self._entries: dict[str, Entry] = {}
-        self._foreign: dict[str, Entry] = {}  # another identity's entries: counted and evictable, never served
-        self._tries: dict[str, PrefixIndex[Entry]] = {}
-        self._exact: dict[tuple[str, bytes], str] = {}
-        self._position: tuple[bytes, int] = (b"", 0)
+        self._catalog = Catalog(self._owner, clock)
         try:
             self._index = Index(self._dir.index_dir, map_size=index_map_size)
         except _BROKEN_INDEX as exc:
@@ -190,7 +186,7 @@ class BlockStore:
             self._warn("lock", "directory lock busy at open: serving the index as it is, recovering later")
             self._needs_recovery = True
             if self._index.is_trusted():
-                self._load()
+                self._catalog.load(self._index)
 
     @classmethod
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
@@ -311,10 +307,11 @@ class BlockStore:
             self._index = self._fresh_index()
             self._rebuild()
         self._sweep_orphans(files, live)
-        self._load(records)
+        self._catalog.load(self._index, records)
         for entry_id in finished:  # a store that died after its header landed: finish what it would have done
-            if entry_id in self._entries:
-                self._apply_store_rules(self._entries[entry_id])
+            entry = self._catalog.get(entry_id)
+            if entry is not None:
+                self._apply_store_rules(entry)
         if finished:
             self.evict_to_cap()
 
@@ -323,7 +320,7 @@ class BlockStore:
         """Throw the LMDB tables away and rebuild them from the header files."""
         with self._locked():
             self._rebuild()
-            self._load()
+            self._catalog.load(self._index)
         return len(self)
 
     def _note(self, finding: str) -> None:
@@ -494,49 +491,7 @@ class BlockStore:
             self._warn("gc-deferred", "not sweeping unreferenced blocks while a header cannot be read")
         return not self._unread_headers
 
-    # -- the in-memory index ------------------------------------------------------
-    def _load(self, records: list[EntryRecord] | None = None) -> None:
-        """Rebuild the in-memory index from the tables (``records``: already read)."""
-        with self._mutex:
-            self._position = self._index.position()  # first: a change made while we read is replayed, not lost
-            self._entries = {}
-            self._foreign = {}
-            self._tries = {}
-            self._exact = {}
-            last_use = self._index.last_use()
-            sizes = {n: row.size for n, row in self._index.blocks().items()}
-            for record in self._index.entries() if records is None else records:
-                self._add_memory(record, last_use.get(record.id, 0.0), sizes)
-
-    def _add_memory(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
-        checkpoint = GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None
-        entry = Entry(
-            id=record.id, ns=record.ns, token_array=record.tokens,
-            nbytes=record.header_bytes + sum(sizes.get(n, 0) for n in record.blocks),
-            header_bytes=record.header_bytes, blocks=record.blocks, last_use=last_use,
-            trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
-            checkpoint=checkpoint, attachments=record.attachments,
-        )
-        if record.owner != self._owner:
-            self._foreign[entry.id] = entry
-            return
-        self._entries[entry.id] = entry
-        trie = self._tries.get(entry.ns)
-        if trie is None:  # not setdefault: that would build a throwaway trie per entry
-            trie = self._tries[entry.ns] = PrefixIndex()
-        trie.add(entry, entry.token_array)
-        self._exact[(entry.ns, entry.token_array.tobytes())] = entry.id
-
-    def _drop_memory(self, entry_id: str) -> None:
-        self._foreign.pop(entry_id, None)
-        entry = self._entries.pop(entry_id, None)
-        if entry is None:
-            return
-        self._tries[entry.ns].remove(entry_id)
-        key = (entry.ns, entry.token_array.tobytes())
-        if self._exact.get(key) == entry_id:
-            del self._exact[key]
-
+    # -- the in-memory catalog ------------------------------------------------------
     def _refresh(self) -> None:
         """Replay what other handles changed since we last looked (cheap when
         nothing did). An index replaced under us is reopened and recovered; if
@@ -544,7 +499,7 @@ class BlockStore:
         try:
             if self._needs_recovery or self._index.replaced():
                 raise lmdb.Error("the index was replaced on disk")
-            self._apply_changes()
+            self._catalog.apply_changes(self._index)
         except lmdb.Error as exc:
             self._warn("index", f"LMDB index lost ({exc}); reopening and recovering")
             self._needs_recovery = True
@@ -554,29 +509,11 @@ class BlockStore:
             except (lmdb.Error, OSError, CorruptError) as exc2:
                 self._warn("index-reopen", f"could not reopen the LMDB index ({exc2}); serving the last known state")
 
-    def _apply_changes(self) -> None:
-        with self._mutex:
-            changes = self._index.changes_since(self._position)
-            if changes is None:  # another generation of the tables, or trimmed past us
-                self._load()
-                return
-            position, ops = changes
-            if not ops:
-                return
-            for op, entry_id in ops:
-                if op == "-":
-                    self._drop_memory(entry_id)
-                elif entry_id not in self._entries and entry_id not in self._foreign:
-                    record = self._index.entry(entry_id)
-                    if record is not None:
-                        self._add_memory(record, self._clock(), self._index.block_sizes(record.blocks))
-            self._position = position
-
     # -- queries (pure index lookups) ------------------------------------------------
     @_open_only
     def __len__(self) -> int:
         self._refresh()
-        return len(self._entries)
+        return len(self._catalog)
 
     @property
     @_open_only
@@ -605,8 +542,7 @@ class BlockStore:
         if ns is not None:
             check_ns(ns)
         self._refresh()
-        with self._mutex:
-            return [e for e in self._entries.values() if ns is None or e.ns == ns]
+        return self._catalog.entries(ns)
 
     @_open_only
     def count(self, ns: str | None = None) -> int:
@@ -633,29 +569,21 @@ class BlockStore:
         arr = tokens_array(tokens)
         check_ns(ns)
         self._refresh()
-        with self._mutex:
-            trie = self._tries.get(ns)
-            return trie is not None and trie.has_durable_prefix(arr)
+        return self._catalog.has_durable_prefix(arr, ns)
 
     @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
         arr = tokens_array(prompt)
         check_ns(ns)
         self._refresh()
-        with self._mutex:
-            trie = self._tries.get(ns)
-            found = trie.find(arr) if trie is not None else None
-        return Match(*found) if found else None
+        return self._catalog.find(arr, ns)
 
     @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
         arr = tokens_array(tokens)
         check_ns(ns)
         self._refresh()
-        with self._mutex:
-            entry_id = self._exact.get((ns, arr.tobytes()))
-            entry = self._entries.get(entry_id) if entry_id else None
-        return Match(entry, len(arr)) if entry is not None else None
+        return self._catalog.find_exact(arr, ns)
 
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
@@ -775,11 +703,11 @@ class BlockStore:
         try:
             with self._locked(timeout=_SERVING_WAIT):
                 self._refresh()
-                doomed = {entry.id} & set(self._entries)
+                doomed = {entry.id} if entry.id in self._catalog else set()
                 if corrupt_block:  # quarantine: every entry that needs it is damaged too;
                     # the next store of this block writes a good copy
                     self._pool.delete(corrupt_block)
-                    doomed |= {e.id for e in self._entries.values() if corrupt_block in e.blocks}
+                    doomed |= {e.id for e in self._catalog.entries() if corrupt_block in e.blocks}
                 for entry_id in doomed:
                     self._remove_locked(entry_id)
         except (OSError, lmdb.Error, BlockKVError) as exc2:  # LockTimeout included: the next restore retries
@@ -814,7 +742,7 @@ class BlockStore:
         try:
             with self._locked():
                 self._refresh()
-                for entry in list(self._entries.values()):
+                for entry in self._catalog.entries():
                     if entry.checkpoint is not None and entry.checkpoint.key == key:
                         self._remove_quietly(entry.id)
         except LockTimeout as exc:
@@ -898,7 +826,7 @@ class BlockStore:
                 self._index.add_entry(record, self._clock())
                 refs_taken = False
                 self._refresh()
-                self._apply_store_rules(self._entries[entry_id])
+                self._apply_store_rules(self._catalog.get(entry_id))
                 self.evict_to_cap()
         except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
             if refs_taken:
@@ -943,12 +871,11 @@ class BlockStore:
     def _apply_store_rules(self, new: Entry) -> None:
         """Replace an identical entry; let a trimmable entry supersede its prefixes;
         a checkpoint supersedes older checkpoints of its key (all after it is durable)."""
-        trie = self._tries[new.ns]
-        doomed = [e for e in trie.prefixes_of(new.token_array)  # same ns, tokens a prefix of the new ones
+        doomed = [e for e in self._catalog.prefixes_of(new.ns, new.token_array)  # same ns, tokens a prefix of the new ones
                   if e is not new and (e.length == new.length  # identical: replaced
                                        or (new.trimmable and e.length >= new.minimum_reusable_offset))]
         if new.checkpoint is not None:  # its namespace holds only this key's checkpoints
-            doomed += [e for e in trie if e is not new and e.checkpoint is not None
+            doomed += [e for e in self._catalog.in_namespace(new.ns) if e is not new and e.checkpoint is not None
                        and e.checkpoint.key == new.checkpoint.key]
         for entry in dict.fromkeys(doomed):
             self._remove_quietly(entry.id)
@@ -991,8 +918,7 @@ class BlockStore:
             self._fs.crash_point("remove:header-unlinked")
             self._index.remove_entry(entry_id, self._clock())
         self._refresh()
-        with self._mutex:
-            self._drop_memory(entry_id)
+        self._catalog.drop(entry_id)
 
     @_open_only
     def evict_plan(self, target_bytes: int) -> list[Entry]:
@@ -1006,9 +932,7 @@ class BlockStore:
             return []
         self._refresh()
         last_use = self._index.last_use()
-        with self._mutex:  # every identity of the directory shares its cap (design.md, "Identities")
-            entries = sorted([*self._entries.values(), *self._foreign.values()],
-                             key=lambda e: last_use.get(e.id, 0.0))
+        entries = sorted(self._catalog.every_identity(), key=lambda e: last_use.get(e.id, 0.0))
         rows = self._index.blocks()
         refs = {n: row.refs for n, row in rows.items()}
         plan = []
@@ -1082,7 +1006,7 @@ class BlockStore:
                 gc.repair(self._dir, report)
                 self._rebuild()
                 report.actions.append("rebuilt the index from the headers")
-                self._load()
+                self._catalog.load(self._index)
         return report
 
     # -- helpers ---------------------------------------------------------------------------------
