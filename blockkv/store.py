@@ -25,12 +25,11 @@ import functools
 import json
 import logging
 import os
-import shutil
 import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from .index import Index
 from .locks import DirLock
 from .pool import LocalPool, Staged
 from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
+from .recovery import Recovery
 from .writers import IntentFile
 
 log = logging.getLogger("blockkv")
@@ -160,8 +160,6 @@ class BlockStore:
         self._map_size = index_map_size
         self._dir = Directory(self.directory, self.identity, self._fs)
         self._pool = self._dir.pool
-        self.recovery: list[str] = []  # what the last scan() had to fix
-        self._unread_headers: dict[str, str] = {}  # entry id -> header path a transient error kept unindexed
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
@@ -172,6 +170,8 @@ class BlockStore:
         self._make_directory()
         self._lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
+        self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
+                                  tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
         self._needs_recovery = False  # open could not take the lock: recover at the first mutation
         self._catalog = Catalog(self._owner, clock)
         try:
@@ -179,7 +179,7 @@ class BlockStore:
         except _BROKEN_INDEX as exc:
             with self._lock.held(self.lock_timeout):
                 self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-                self._index = self._fresh_index()
+                self._index = self._recovery.fresh_index()
         try:
             self.scan()
         except LockTimeout:
@@ -242,7 +242,7 @@ class BlockStore:
         tables, reconcile them with a directory listing, reclaim unreferenced
         blocks. What had to be fixed is left in ``self.recovery``. Returns the
         number of entries indexed."""
-        self.recovery = []
+        self._recovery.notes = []
         with self._lock.held(self.lock_timeout):
             if self._needs_recovery or self._index.replaced():
                 self._reopen_index()  # recovers too
@@ -271,7 +271,7 @@ class BlockStore:
             self._index = Index(self._dir.index_dir, map_size=self._map_size)
         except _BROKEN_INDEX as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-            self._index = self._fresh_index()
+            self._index = self._recovery.fresh_index()
         self._recover_locked()
         self._needs_recovery = False
 
@@ -281,32 +281,32 @@ class BlockStore:
         records: list[EntryRecord] | None = None
         listing = self._dir.listing()  # one listing serves every step below
         live = writers.survey(self._intents.directory)
-        self._reap_tmp(listing.tmp, live)
+        self._recovery.reap_tmp(listing.tmp, live)
         files = listing.blocks
         try:
             if self._index.is_trusted():
                 records = self._index.entries()
-                finished = self._roll_back_pending(records)
+                finished = self._recovery.roll_back_pending(self._index, records)
                 if finished:
                     records = self._index.entries()
-                if self._reconcile(records, listing.headers, files) or finished:
+                if self._recovery.reconcile(self._index, records, listing.headers, files) or finished:
                     records = None  # changed: reload below
             else:
                 self._note("index missing, from another format or from before an OS restart: rebuilt")
-                self._rebuild()
+                self._recovery.rebuild(self._index)
         except CorruptError as exc:  # a record that does not parse: the tables are garbage, the environment works
             self._warn("index", f"LMDB index unreadable ({exc}); rebuilding from headers")
             self._note(f"index unreadable ({exc}): rebuilt")
             records = None
-            self._rebuild()
+            self._recovery.rebuild(self._index)
         except _BROKEN_INDEX as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self._note(f"index unreadable ({exc}): rebuilt")
             records = None
             self._index.close()
-            self._index = self._fresh_index()
-            self._rebuild()
-        self._sweep_orphans(files, live)
+            self._index = self._recovery.fresh_index()
+            self._recovery.rebuild(self._index)
+        self._recovery.sweep_orphans(self._index, self.gc_grace, files, live)
         self._catalog.load(self._index, records)
         for entry_id in finished:  # a store that died after its header landed: finish what it would have done
             entry = self._catalog.get(entry_id)
@@ -319,177 +319,17 @@ class BlockStore:
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
         with self._locked():
-            self._rebuild()
+            self._recovery.rebuild(self._index)
             self._catalog.load(self._index)
         return len(self)
 
     def _note(self, finding: str) -> None:
-        self.recovery.append(finding)
+        self._recovery.notes.append(finding)
 
-    def _fresh_index(self) -> Index:
-        """Under the lock, on proof that it is broken: move the environment aside
-        (never delete it in place: another process may still map it; it notices
-        through ``Index.replaced``) and open a fresh one, to be rebuilt."""
-        aside = self._dir.index_dir.with_name(f".index-broken-{uuid.uuid4().hex[:8]}")
-        try:
-            os.replace(self._dir.index_dir, aside)
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(aside, ignore_errors=True)
-        return Index(self._dir.index_dir, map_size=self._map_size)
-
-    def _reap_tmp(self, tmp: list[str], live: writers.Writers) -> None:
-        """Remove the temp files of dead writers (under the lock). A temp file
-        names its writer; one whose writer is alive is never touched, whatever
-        the clock says. One without a writer token (an older blockkv) goes by
-        age, ``tmp_grace``."""
-        for path in self._stale_tmp(tmp, live):
-            self._dir.unlink_quietly(path)
-            self._note(f"reaped write orphan {self._dir.rel(path)}")
-        writers.reap(live)
-
-    def _stale_tmp(self, tmp: list[str], live: writers.Writers) -> list[Path]:
-        return writers.stale_temp_files(tmp, live, self._clock() - self.tmp_grace)
-
-    def _scan_header(self, entry_id: str, path: Path, block_files: Container[str]) -> EntryRecord | None:
-        """Index-worthy record of a header file, or None. A corrupt header is
-        unlinked (its uuid name in our directory makes it ours); a foreign one
-        is kept and counted for its references, never served or deleted. One
-        that cannot be read now (EMFILE, EIO, MemoryError...) is not proof of
-        anything: it is kept, and until it is indexed no orphan block is swept
-        (it may reference them)."""
-        try:
-            header = self._dir.read_header(path)
-            record = self._dir.record(entry_id, path, header, path.stat().st_size)
-        except FileNotFoundError:
-            self._unread_headers.pop(entry_id, None)
-            return None
-        except CorruptError as exc:
-            self._unread_headers.pop(entry_id, None)
-            self._warn("corrupt-header", f"removing corrupt header {path.name}: {exc}")
-            self._note(f"removed corrupt header {self._dir.rel(path)}")
-            self._dir.unlink_quietly(path)
-            return None
-        except Exception as exc:  # noqa: BLE001 - transient: a miss, never a deletion
-            self._unread_headers[entry_id] = str(path)
-            self._warn("unreadable-header", f"could not read header {path.name} ({exc!r}); kept, not indexed yet")
-            self._note(f"could not read header {self._dir.rel(path)} ({exc!r}): kept")
-            return None
-        self._unread_headers.pop(entry_id, None)
-        if record.owner == self._owner and any(n not in block_files for n in record.blocks):
-            self._warn("dangling", f"removing entry {entry_id}: some of its blocks are gone")
-            self._note(f"removed dangling entry {entry_id}")
-            self._dir.unlink_quietly(path)
-            return None
-        return record
-
-    def _rebuild(self) -> None:
-        sizes = {f.name: f.size for f in self._pool.files()}
-        now = self._clock()
-        found = []
-        for entry_id, p in self._dir.listing().headers.items():
-            path = Path(p)
-            record = self._scan_header(entry_id, path, sizes)
-            if record is not None:
-                try:
-                    found.append((path.stat().st_mtime_ns, record))
-                except FileNotFoundError:
-                    continue
-        found.sort(key=lambda f: f[0])  # write order stands in for store order (find's tie-break)
-        # the header's write time is the best last use left; never one in the future of our clock
-        self._index.rebuild([(record, min(mtime / 1e9, now)) for mtime, record in found], sizes, now)
-
-    def _roll_back_pending(self, records: list[EntryRecord]) -> list[str]:
-        """References taken by a store that died before its entry became visible.
-        Returns the entries whose header had landed (indexed now)."""
-        finished: list[str] = []
-        pending = self._index.pending()
-        if not pending:
-            return finished
-        now = self._clock()
-        known = {r.id for r in records}
-        for entry_id, rec in pending.items():
-            self._index.rollback_pending(entry_id, now)
-            self._note(f"rolled back the references of an unfinished store ({entry_id})")
-            path = self._dir.recorded_header_path(entry_id, rec.get("path") if isinstance(rec, dict) else None)
-            if path is None:
-                self._note(f"pending record {entry_id[:80]!r} names no header of ours: ignored its path")
-            elif entry_id not in known and path.exists():  # header landed, entry never indexed
-                sizes = {f.name: f.size for f in self._pool.files()}
-                record = self._scan_header(entry_id, path, sizes)
-                if record is not None:
-                    self._index.add_scanned(record, {n: sizes[n] for n in record.blocks}, now)
-                    finished.append(entry_id)
-        return finished
-
-    def _reconcile(self, known: list[EntryRecord], on_disk: Mapping[str, str], files: set[str]) -> bool:
-        """Headers added or removed behind the index's back, and blocks deleted
-        behind it, from listings alone. Returns whether anything changed."""
-        now = self._clock()
-        records = {r.id: r for r in known}
-        changed = False
-        for entry_id, record in records.items():
-            dangling = record.owner == self._owner and any(n not in files for n in record.blocks)
-            if entry_id not in on_disk:
-                self._note(f"header of entry {entry_id} vanished: dropped")
-            elif dangling:
-                self._warn("dangling", f"removing entry {entry_id}: its blocks are gone")
-                self._note(f"removed dangling entry {entry_id}")
-                self._dir.unlink_quietly(Path(on_disk[entry_id]))  # the listing's path: ours by its shape
-            else:
-                continue
-            self._index.remove_entry(entry_id, now)
-            changed = True
-        for entry_id, p in on_disk.items():
-            if entry_id not in records:
-                changed = True
-                record = self._scan_header(entry_id, Path(p), files)
-                if record is not None:
-                    self._note(f"indexed header {self._dir.rel(Path(p))} found on disk")
-                    self._index.add_scanned(record, {n: self._pool.stat(n).size for n in record.blocks}, now)
-        return changed
-
-    def _sweep_orphans(self, files: set[str] | None = None, live: writers.Writers | None = None) -> int:
-        """Under the lock: delete blocks nothing references and no live writer
-        may still reference (its intent file names them), and the temp files of
-        dead writers. ``files``/``live``: a pool listing and writer survey the
-        caller already has. A block freed less than ``gc_grace`` ago by this
-        clock is kept for reuse; that is policy, not safety (design.md, "Block
-        lifetime"), so a block stamped in our future is not kept."""
-        if not self._index_unread_headers():
-            return 0  # a header we could not read may reference any unreferenced block
-        listing = self._dir.listing() if files is None else None
-        if listing is not None:
-            files = listing.blocks
-        if live is None:  # surveyed after the listing: a listed block's writer had announced it by then
-            live = writers.survey(self._intents.directory)
-            if listing is not None:
-                self._reap_tmp(listing.tmp, live)
-        now = self._clock()
-        rows = self._index.blocks()
-        doomed = [name for name, row in rows.items()
-                  if row.refs == 0 and not now - self.gc_grace < row.zero_since <= now]
-        doomed += files - rows.keys()
-        doomed = [name for name in doomed if name not in live.names]
-        for name in doomed:
-            self._fs.crash_point("gc:block-unlinked")
-            self._pool.delete(name)
-        self._index.drop_blocks(doomed)
-        return len(doomed)
-
-    def _index_unread_headers(self) -> bool:
-        """Retry the headers a transient error kept out of the index; True once none is left."""
-        if not self._unread_headers:
-            return True
-        sizes = {f.name: f.size for f in self._pool.files()}
-        for entry_id, p in list(self._unread_headers.items()):
-            record = self._scan_header(entry_id, Path(p), sizes)
-            if record is not None and self._index.entry(entry_id) is None:
-                self._index.add_scanned(record, {n: sizes.get(n, 0) for n in record.blocks}, self._clock())
-                self._note(f"indexed header {self._dir.rel(Path(p))} once it could be read")
-        if self._unread_headers:
-            self._warn("gc-deferred", "not sweeping unreferenced blocks while a header cannot be read")
-        return not self._unread_headers
+    @property
+    def recovery(self) -> list[str]:
+        """What the last ``scan()`` (and any recovery since) had to fix."""
+        return self._recovery.notes
 
     # -- the in-memory catalog ------------------------------------------------------
     def _refresh(self) -> None:
@@ -971,10 +811,10 @@ class BlockStore:
     @_open_only
     def gc(self) -> int:
         """Delete blocks nothing references and no live writer may (see
-        ``_sweep_orphans``) and dead writers' temp files; returns how many blocks."""
+        ``Recovery.sweep_orphans``) and dead writers' temp files; returns how many blocks."""
         try:
             with self._locked():
-                n = self._sweep_orphans()
+                n = self._recovery.sweep_orphans(self._index, self.gc_grace)
                 self._index.trim_log()
         except LockTimeout as exc:
             self._warn("lock", f"gc skipped: {exc}")
@@ -983,7 +823,7 @@ class BlockStore:
 
     def _sweep_quietly(self) -> None:
         try:
-            self._sweep_orphans()
+            self._recovery.sweep_orphans(self._index, self.gc_grace)
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("gc", f"gc failed: {exc}")
 
@@ -1004,7 +844,7 @@ class BlockStore:
                                 tmp_cutoff=self._clock() - self.tmp_grace)
             if repair and not report.clean:
                 gc.repair(self._dir, report)
-                self._rebuild()
+                self._recovery.rebuild(self._index)
                 report.actions.append("rebuilt the index from the headers")
                 self._catalog.load(self._index)
         return report
