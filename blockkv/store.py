@@ -46,6 +46,7 @@ from . import gc, writers
 from .arguments import check_ns, check_options, check_prefix_len, check_size, tokens_array
 from .catalog import Catalog
 from .codec import record_offsets
+from .commit import BlockWriter, Commits
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from .fs import FileLayer, refuse_linked
@@ -53,7 +54,6 @@ from .gc import CheckReport
 from .header import Header, Identity, encode_header
 from .index import Index
 from .locks import DirLock
-from .pool import LocalPool, Staged
 from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
 from .recovery import Recovery
 from .writers import IntentFile
@@ -170,6 +170,7 @@ class BlockStore:
         self._make_directory()
         self._lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
+        self._commits = Commits(self._dir, self._intents, self._fs, clock, self._owner, self._warn)
         self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
                                   tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
         self._needs_recovery = False  # open could not take the lock: recover at the first mutation
@@ -627,8 +628,7 @@ class BlockStore:
                 checkpoint: GenerationCheckpoint | None) -> bool:
         entry_id = uuid.uuid4().hex
         path = self._dir.header_path(ns, entry_id)
-        writer = _BlockWriter(self._pool, self._index, self._intents, self._executor("io"), self.compression)
-        refs_taken = False
+        writer = BlockWriter(self._pool, self._index, self._intents, self._executor("io"), self.compression)
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
             layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit,
@@ -644,32 +644,13 @@ class BlockStore:
                 return False
             self._fs.crash_point("store:blocks-written")
             with self._locked():
-                written += writer.ensure_present(layout)  # a deleter may have taken any block since we saw it
-                self._index.take_refs(entry_id, self._dir.rel(path), writer.sizes)
-                refs_taken = True
-                writer.release()  # referenced now: the refcounts protect them
-                self._fs.crash_point("store:refs-taken")
-                refuse_linked(path.parent)
-                self._fs.makedirs(path.parent)
-                written += self._fs.write_atomic(path, [header], tag=self._intents.token)
-                self._fs.crash_point("store:header-written")
-                attachments = tuple(layout.descriptor["attachments"])
-                parsed = blk.parse_descriptor(layout.descriptor)
-                record = EntryRecord(
-                    id=entry_id, ns=ns, path=self._dir.rel(path), header_bytes=len(header),
-                    blocks=tuple(writer.sizes),
-                    trimmable=not attachments and blk.descriptor_trimmable(parsed),
-                    minimum_reusable_offset=blk.descriptor_min_offset(parsed),
-                    checkpoint=checkpoint.to_json() if checkpoint else None, attachments=attachments,
-                    owner=self._owner, tokens=tokens,
-                )
-                self._index.add_entry(record, self._clock())
-                refs_taken = False
+                written += self._commits.publish(self._index, writer, layout, header, entry_id, path, ns, tokens,
+                                                 checkpoint)
                 self._refresh()
                 self._apply_store_rules(self._catalog.get(entry_id))
                 self.evict_to_cap()
         except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
-            if refs_taken:
+            if writer.referenced:
                 self._undo_store(entry_id, path)
             elif isinstance(exc, LockTimeout):
                 writer.abandon()  # what it wrote is garbage for the next gc: waiting again to delete it helps nobody
@@ -685,16 +666,13 @@ class BlockStore:
         self.stats["bytes_deduplicated"] += sum(b.ref.raw_bytes for b in layout.blocks if b.ref.name not in writer.new)
         return True
 
-    def _discard(self, writer: _BlockWriter) -> None:
+    def _discard(self, writer: BlockWriter) -> None:
         """A refused or failed store: delete the blocks it wrote that nothing
         references and no live writer (of any handle) may still reference."""
         writer.abandon()
         try:
             with self._locked():
-                live = writers.survey(self._intents.directory)
-                for name in writer.new:
-                    if name not in live.names and self._index.block(name) is None:
-                        self._pool.delete(name)
+                self._commits.delete_unreferenced(self._index, writer.new)
         except (OSError, lmdb.Error, BlockKVError):
             pass  # left as garbage: the next gc reclaims it
 
@@ -703,8 +681,7 @@ class BlockStore:
         Under the lock, or not at all: its ``pending`` record lets recovery do it."""
         try:
             with self._locked():
-                self._dir.unlink_quietly(path)
-                self._index.rollback_pending(entry_id, self._clock())
+                self._commits.undo(self._index, entry_id, path)
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("undo", f"could not undo a failed store ({exc}); check(repair=True) reclaims it")
 
@@ -739,24 +716,8 @@ class BlockStore:
             self._warn("remove", f"could not remove entry {entry_id}: {exc}")
 
     def _remove_locked(self, entry_id: str) -> None:
-        """Unlink the header first, then drop its references (a crash between leaks, never dangles)."""
-        record = self._index.entry(entry_id)
-        if record is not None:
-            try:  # derived from (ns, id), never the record's path: the index is not trusted as a path
-                path: Path | None = self._dir.header_path(record.ns, entry_id)
-            except CorruptError as exc:
-                self._warn("index-path", f"index row {entry_id[:80]!r} is not ours ({exc}); dropping the row only")
-                path = None
-            if path is not None and path.parent.is_symlink():
-                path = None  # what is behind a linked namespace directory is not ours
-            if path is not None:
-                try:
-                    self._fs.unlink(path)
-                except FileNotFoundError:
-                    pass
-                self._fs.fsync_dir(path.parent)
-            self._fs.crash_point("remove:header-unlinked")
-            self._index.remove_entry(entry_id, self._clock())
+        """Remove an entry from the files and the index (``Commits.remove``), then from the catalog."""
+        self._commits.remove(self._index, entry_id)
         self._refresh()
         self._catalog.drop(entry_id)
 
@@ -857,85 +818,6 @@ class BlockStore:
             return
         self._warned.add(kind)
         log.warning("blockkv: %s", message)
-
-
-class _BlockWriter:
-    """The blocks of one store: which the pool lacks, written in the background.
-
-    Every block it touches is declared in the handle's intent file before it
-    looks for it, and stays declared until the store references it or gives
-    up (writers.py): deleters spare it meanwhile."""
-
-    def __init__(self, pool: LocalPool, index: Index, intents: IntentFile, io: ThreadPoolExecutor,
-                 compression: str | None) -> None:
-        self._pool, self._index, self._intents, self._io = pool, index, intents, io
-        self._compression = compression
-        self.sizes: dict[str, int] = {}  # stored bytes of every block the entry references
-        self.new: set[str] = set()  # blocks this store wrote
-        self._declared: list[str] = []
-        self._writes: list[Future[Staged]] = []
-
-    def submit(self, block: blk.Block) -> None:
-        name = block.ref.name
-        self._intents.add([name])
-        self._declared.append(name)
-        row = self._index.block(name)
-        if row is not None and self._pool.exists(name):  # a dedup hit
-            self.sizes[name] = row.size
-            return
-        frame = blk.encode_block(block, self._compression)
-        self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
-        self.new.add(name)
-        self._writes.append(self._io.submit(self._pool.stage, name, frame, tag=self._intents.token))
-
-    def wait(self) -> int:
-        """Bytes written, once every block is durable under its name (re-raises
-        the first failure). Blocks are published as one batch: one fsync per
-        shard directory rather than one per block."""
-        staged, failure = [], None
-        for f in self._writes:
-            try:
-                staged.append(f.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised once every write has settled
-                failure = failure or exc
-        if failure is not None:
-            self._pool.unstage(staged)
-            raise failure
-        return self._pool.publish(staged)
-
-    def ensure_present(self, layout: blk.EntryLayout) -> int:
-        """Under the lock, right before taking references: every block of the
-        entry, new or reused, is in the pool; any that a deleter took since
-        ``submit`` is written again. Returns the bytes that took."""
-        written = 0
-        for block in layout.blocks:
-            name = block.ref.name
-            if not self._pool.exists(name):
-                frame = blk.encode_block(block, self._compression)
-                self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
-                written += self._pool.write(name, frame, tag=self._intents.token)
-                self.new.add(name)
-        return written
-
-    def abandon(self) -> None:
-        """Stop: cancel queued writes, wait for running ones, release the names."""
-        for f in self._writes:
-            f.cancel()
-        for f in self._writes:
-            try:
-                self._pool.unstage([f.result()])  # a tmp file wait() never published
-            except BaseException:  # noqa: BLE001 - the failure is reported by the caller
-                pass
-        self.release()
-
-    def release(self) -> None:
-        """Take this store's names out of the intent file (once; later calls do nothing)."""
-        names, self._declared = self._declared, []
-        if names:
-            try:
-                self._intents.release(names)
-            except OSError:
-                pass  # stale names only delay a deletion
 
 
 class _IndexDisagrees(BlockKVError):
