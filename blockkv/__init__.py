@@ -13,7 +13,7 @@ from .errors import (
     CorruptError,
     CorruptHeaderError,
 )
-from .gc import CheckReport
+from .check import CheckReport
 from .records import Entry, GenerationCheckpoint, Loaded, Match
 from .store import BlockStore, list_fingerprints
 

@@ -35,8 +35,8 @@ from tqdm import tqdm
 from blockkv.directory import Directory, read_identity
 from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
-from blockkv.gc import CheckReport
-from blockkv.gc import check_directory
+from blockkv.check import CheckReport
+from blockkv.check import check_directory
 from blockkv.index import read_only_block_rows
 from blockkv.store import ROOT_MARKER, BlockStore, Entry, FingerprintDir, list_fingerprints
 

@@ -42,15 +42,16 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import blocks as blk
-from . import gc, writers
+from . import writers
 from .arguments import check_ns, check_options, check_prefix_len, check_size, tokens_array
 from .catalog import Catalog
+from .check import CheckReport, inspect, verify_blocks
+from .check import repair as repair_directory
 from .codec import record_offsets
 from .commit import BlockWriter, Commits
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from .fs import FileLayer, refuse_linked
-from .gc import CheckReport
 from .header import Header, Identity, encode_header
 from .index import Index
 from .locks import DirLock
@@ -62,6 +63,7 @@ log = logging.getLogger("blockkv")
 _T = TypeVar("_T")
 
 ROOT_MARKER = ".blockkv"
+DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 # liblmdb errors that prove an environment broken (not a transient failure):
@@ -130,7 +132,7 @@ class BlockStore:
         verify: bool | str = True,
         fs: FileLayer | None = None,
         clock: Callable[[], float] = time.time,
-        gc_grace: float = gc.DEFAULT_GC_GRACE,
+        gc_grace: float = DEFAULT_GC_GRACE,
         tmp_grace: float = writers.DEFAULT_TMP_GRACE,
         index_map_size: int = 256 << 20,
         lock_timeout: float = 10.0,
@@ -799,12 +801,12 @@ class BlockStore:
         are checked without the directory lock; the comparison of files and
         index runs under it, so a busy, healthy root reports clean.
         ``LockTimeout`` if the lock is not had within ``lock_timeout``."""
-        verified = gc.verify_blocks(self._dir, progress)
+        verified = verify_blocks(self._dir, progress)
         with self._locked():
-            report = gc.inspect(self._dir, self._index.blocks(), verified=verified,
+            report = inspect(self._dir, self._index.blocks(), verified=verified,
                                 tmp_cutoff=self._clock() - self.tmp_grace)
             if repair and not report.clean:
-                gc.repair(self._dir, report)
+                repair_directory(self._dir, report)
                 self._recovery.rebuild(self._index)
                 report.actions.append("rebuilt the index from the headers")
                 self._catalog.load(self._index)
