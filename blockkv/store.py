@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import os
-import stat
 import threading
 import time
 import uuid
@@ -39,7 +38,6 @@ from typing import Any, TypeVar
 import lmdb
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from . import blocks as blk
 from . import writers
@@ -57,6 +55,7 @@ from .index import Index
 from .locks import DirLock
 from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
 from .recovery import Recovery
+from .restore import EntryRead
 from .writers import IntentFile
 
 log = logging.getLogger("blockkv")
@@ -457,48 +456,11 @@ class BlockStore:
         p = check_prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
-        key = block_key(self.identity, entry.ns)
-        reading = ""  # "header" while the header is read: its file gone is proof too
-        corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
-
-        def fill(target: blk.Target) -> None:
-            """Read a block straight into its destination and verify it there; a
-            frame that is not the expected uncompressed one (zstd, or damage)
-            is read whole and decoded, which names what is wrong."""
-            name = target.ref.name
-            try:
-                prefix = bytearray(len(target.frame_prefix))
-                if self._pool.read_exact(name, [memoryview(prefix), *target.pieces]) and prefix == target.frame_prefix:
-                    if self.verify:
-                        target.verify(full=self.verify == "full", key=key)
-                else:
-                    target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self.verify), key=key))
-            except CorruptBlockError as exc:
-                corrupt.append((exc, name))
-                raise
-
-        def fill_all(targets: Iterator[blk.Target]) -> None:
-            # two threads: one block's read overlaps another's hash (both release the GIL)
-            for _ in self._executor("read").map(fill, targets):
-                pass
-
+        read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
         try:
-            reading = "header"
-            header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
-            reading = ""
-            if header.identity != self.identity or header.ns != entry.ns:
-                raise _IndexDisagrees("the header on disk is not the one indexed")
-            descriptor = blk.with_xxh3(header.descriptor, header.block_xxh3)
-            # every array rebuild allocates is bounded by the bytes actually on disk, never by a
-            # size the header declares: a planted header cannot force a huge allocation
-            self._stored_sizes(blk.blocks_for_prefix(blk.parse_descriptor(descriptor), cut))
-            caches, attachments = blk.rebuild(descriptor, None, cut, fill_all)
-            # materialise here: a lazy array built on a worker thread cannot be
-            # evaluated from the caller's thread (restore_async)
-            mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
-                     if isinstance(v, mx.array)])
+            header, caches, attachments = read.run(cut)
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            self._restore_failed(entry, exc, reading or next((name for e, name in corrupt if e is exc), ""))
+            self._restore_failed(entry, exc, read.culprit(exc))
             return None
         try:
             self._index.touch(entry.id, self._clock())
@@ -512,24 +474,6 @@ class BlockStore:
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
         check_prefix_len(entry, prefix_len)
         return self._executor("restore").submit(self.restore, entry, prefix_len)
-
-    def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
-        """Bytes on disk of each block a restore needs. A block whose file could not
-        hold the raw bytes the header declares is a corrupt entry, found before
-        anything of the declared size is allocated."""
-        sizes: dict[str, int] = {}
-        for ref in refs:
-            try:
-                st = os.lstat(self._pool.path(ref.name))
-            except FileNotFoundError:
-                raise BlockMissingError(f"block {ref.name} is not in the pool") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise BlockMissingError(f"block {ref.name} is not a regular file")
-            if ref.raw_bytes > blk.max_raw_bytes(st.st_size):
-                raise CorruptError(f"the header declares {ref.raw_bytes} bytes for block {ref.name}, "
-                                   f"whose {st.st_size}-byte file cannot hold them")
-            sizes[ref.name] = st.st_size
-        return sizes
 
     def _restore_failed(self, entry: Entry, exc: BaseException, reading: str) -> None:
         """Only proof of corruption deletes: a corrupt header or block, or the
@@ -820,8 +764,3 @@ class BlockStore:
             return
         self._warned.add(kind)
         log.warning("blockkv: %s", message)
-
-
-class _IndexDisagrees(BlockKVError):
-    """The header at an entry's path is valid but not the one its index row
-    describes: nothing proves either wrong, so restore misses and deletes nothing."""
