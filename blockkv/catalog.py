@@ -17,7 +17,7 @@ import numpy as np
 
 from .index import Index
 from .prefix_index import PrefixIndex
-from .records import Entry, EntryRecord, GenerationCheckpoint, Match
+from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Match
 
 
 class Catalog:
@@ -142,3 +142,18 @@ class Catalog:
             entry_id = self._exact.get((ns, tokens.tobytes()))
             entry = self._entries.get(entry_id) if entry_id else None
         return Match(entry, len(tokens)) if entry is not None else None
+
+    def generation_checkpoint(self, prompt: np.ndarray, key: str, cache_ns: str) -> Entry | None:
+        """The longest checkpoint of ``key`` that continues exactly ``prompt``."""
+        best: Entry | None = None
+        for entry in self.entries():
+            cp = entry.checkpoint
+            if cp is None or cp.key != key or cp.cache_ns != cache_ns or entry.ns != CHECKPOINT_NS + key:
+                continue
+            if cp.original_prompt_tokens != len(prompt) or entry.length <= len(prompt):
+                continue
+            if not np.array_equal(entry.token_array[: len(prompt)], prompt):
+                continue
+            if best is None or entry.length > best.length:
+                best = entry
+        return best

@@ -430,18 +430,8 @@ class BlockStore:
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
         arr = tokens_array(prompt)
-        best: Entry | None = None
-        for entry in self.entries():
-            cp = entry.checkpoint
-            if cp is None or cp.key != key or cp.cache_ns != cache_ns or entry.ns != CHECKPOINT_NS + key:
-                continue
-            if cp.original_prompt_tokens != len(arr) or entry.length <= len(arr):
-                continue
-            if not np.array_equal(entry.token_array[: len(arr)], arr):
-                continue
-            if best is None or entry.length > best.length:
-                best = entry
-        return best
+        self._refresh()
+        return self._catalog.generation_checkpoint(arr, key, cache_ns)
 
     # -- restore ---------------------------------------------------------------------
     @_open_only
