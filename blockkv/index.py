@@ -42,6 +42,10 @@ _BLOCK = struct.Struct("<IQd")
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct("<d")
 _LOG_KEEP = 50_000
+# liblmdb errors that prove an environment broken (not a transient failure):
+# only these move it aside to be rebuilt
+BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
+                 lmdb.PageNotFoundError, lmdb.BadRslotError)
 R = TypeVar("R")
 
 

@@ -51,7 +51,7 @@ from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerpri
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from .fs import FileLayer, refuse_linked
 from .header import Header, Identity, encode_header
-from .index import Index
+from .index import BROKEN_INDEX, Index
 from .locks import DirLock
 from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
 from .recovery import Recovery
@@ -65,10 +65,6 @@ ROOT_MARKER = ".blockkv"
 DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
-# liblmdb errors that prove an environment broken (not a transient failure):
-# only these move it aside to be rebuilt
-_BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
-                 lmdb.PageNotFoundError, lmdb.BadRslotError)
 
 
 @dataclass(frozen=True)
@@ -178,7 +174,7 @@ class BlockStore:
         self._catalog = Catalog(self._owner, clock)
         try:
             self._index = Index(self._dir.index_dir, map_size=index_map_size)
-        except _BROKEN_INDEX as exc:
+        except BROKEN_INDEX as exc:
             with self._lock.held(self.lock_timeout):
                 self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
                 self._index = self._recovery.fresh_index()
@@ -271,7 +267,7 @@ class BlockStore:
             pass
         try:
             self._index = Index(self._dir.index_dir, map_size=self._map_size)
-        except _BROKEN_INDEX as exc:
+        except BROKEN_INDEX as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self._index = self._recovery.fresh_index()
         self._recover_locked()
@@ -301,7 +297,7 @@ class BlockStore:
             self._note(f"index unreadable ({exc}): rebuilt")
             records = None
             self._recovery.rebuild(self._index)
-        except _BROKEN_INDEX as exc:
+        except BROKEN_INDEX as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self._note(f"index unreadable ({exc}): rebuilt")
             records = None
