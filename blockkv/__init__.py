@@ -14,8 +14,9 @@ from .errors import (
     CorruptHeaderError,
 )
 from .check import CheckReport
+from .directory import list_fingerprints
 from .records import Entry, GenerationCheckpoint, Loaded, Match
-from .store import BlockStore, list_fingerprints
+from .store import BlockStore
 
 __all__ = [
     "BlockKVError",

@@ -22,7 +22,6 @@ holds the directory lock, so a dedup hit and a gc delete never interleave.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import threading
@@ -31,7 +30,6 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,8 +46,9 @@ from .check import repair as repair_directory
 from .codec import record_offsets
 from .commit import BlockWriter, Commits
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
+from .directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
-from .fs import FileLayer, refuse_linked
+from .fs import FileLayer
 from .header import Header, Identity, encode_header
 from .index import BROKEN_INDEX, Index
 from .locks import DirLock
@@ -61,32 +60,9 @@ from .writers import IntentFile
 log = logging.getLogger("blockkv")
 _T = TypeVar("_T")
 
-ROOT_MARKER = ".blockkv"
 DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
-
-
-@dataclass(frozen=True)
-class FingerprintDir:
-    path: Path
-    model_id: str
-    config_fingerprint: str
-    tokenizer_hash: str
-
-
-def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
-    """The fingerprint directories under a blockkv root (read-only)."""
-    out = []
-    for d in sorted(Path(root).expanduser().iterdir()):
-        if d.is_dir() and not d.is_symlink() and (d / "IDENTITY").is_file():
-            try:
-                ident = read_identity(d)
-            except (FileNotFoundError, ValueError) as exc:
-                log.warning("blockkv: %s; skipped", exc)
-                continue
-            out.append(FingerprintDir(d, ident.model_id, ident.config_fingerprint, ident.tokenizer_hash))
-    return out
 
 
 def _open_only(method: Callable[..., _T]) -> Callable[..., _T]:
@@ -164,7 +140,7 @@ class BlockStore:
         self._executors: dict[str, ThreadPoolExecutor] = {}  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
-        self._make_directory()
+        self._dir.create(self.root)
         self._lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
         self._commits = Commits(self._dir, self._intents, self._fs, clock, self._owner, self._warn)
@@ -197,23 +173,6 @@ class BlockStore:
                    **kwargs)
 
     # -- lifecycle ------------------------------------------------------------
-    def _make_directory(self) -> None:
-        for fixed in (self.directory, self.directory / "entries", self.directory / "blobs", self._dir.index_dir,
-                      self.directory / "writers", self.directory / "LOCK", self.directory / "IDENTITY"):
-            refuse_linked(fixed)  # writing through it would write outside the root
-        self._fs.makedirs(self.root)
-        marker = self.root / ROOT_MARKER
-        if not marker.exists():
-            self._fs.write_atomic(marker, [b"blockkv cache root\n"])
-        self._fs.makedirs(self.directory / "entries")
-        self._fs.makedirs(self.directory / "blobs")
-        ident = self.directory / "IDENTITY"
-        if not ident.exists():
-            body = {"format": 1, "model_id": self.identity.model_id,
-                    "config_fingerprint": self.identity.config_fingerprint,
-                    "tokenizer_hash": self.identity.tokenizer_hash}
-            self._fs.write_atomic(ident, [json.dumps(body, indent=1).encode()])
-
     def close(self) -> None:
         if self._closed:
             return
