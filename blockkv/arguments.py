@@ -1,15 +1,20 @@
 """The checks a caller's arguments pass before the store does anything: wrong
 arguments raise ValueError/TypeError naming the problem, while failures of
-the disk never raise (they degrade to a miss or "not stored")."""
+the disk never raise (they degrade to a miss or "not stored"). A store's
+caches are captured here too (``prepare_store``): only they say whether the
+tokens are the ones the caches were filled with."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from .records import CHECKPOINT_NS, Entry
+from . import blocks as blk
+from .codec import record_offsets
+from .records import CHECKPOINT_NS, Entry, GenerationCheckpoint
 
 MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
 MAX_TOKEN = (1 << 32) - 1
@@ -94,3 +99,26 @@ def check_prefix_len(entry: Entry, prefix_len: int | None) -> int:
         raise ValueError(f"prefix_len {prefix_len} is below the entry's minimum reusable offset "
                          f"{entry.minimum_reusable_offset}")
     return prefix_len
+
+
+def prepare_store(tokens: Sequence[int], caches: Sequence[Any], ns: str, attachments: Mapping[str, Any] | None,
+                  checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, blk.Snapshot, GenerationCheckpoint | None]:
+    """Validate arguments and capture the tensors on the caller's thread (bad
+    input raises here). Capturing is cheap; the host copy and hashing happen
+    in ``BlockStore._commit``, which ``store_async`` runs on its worker thread."""
+    arr = tokens_array(tokens)
+    check_ns(ns, reserved_ok=checkpoint is not None)
+    if not len(arr):
+        raise ValueError("tokens is empty: there is no prompt to store")
+    if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
+        raise TypeError(f"caches must be a list of mlx-lm cache objects, got {type(caches).__name__}")
+    if not caches:
+        raise ValueError("caches is empty: pass the model's cache list (one per layer)")
+    if attachments is not None and not isinstance(attachments, Mapping):
+        raise TypeError("attachments must be a mapping of name to mx.array")
+    snap = blk.snapshot(list(caches), attachments)
+    counts = record_offsets(snap.records)
+    if counts and counts != {len(arr)}:  # restoring it would hand mlx-lm a cache that is not the prompt's
+        raise ValueError(f"{len(arr)} tokens but the caches hold {' / '.join(map(str, sorted(counts)))} "
+                         "tokens: pass exactly the tokens the caches were filled with")
+    return arr, ns, snap, checkpoint

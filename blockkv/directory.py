@@ -2,7 +2,7 @@
 
 Mechanism only (python-diskcache's ``Disk``): naming, listing, reading and
 verifying headers. The store owns policy (what to keep, when to delete);
-``gc.inspect`` uses this class alone, so a tool can report on a directory
+``check.inspect`` uses this class alone, so a tool can report on a directory
 without opening it as a store and changing anything.
 """
 

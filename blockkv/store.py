@@ -34,16 +34,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
-import mlx.core as mx
 import numpy as np
 
 from . import blocks as blk
 from . import writers
-from .arguments import check_ns, check_options, check_prefix_len, check_size, tokens_array
+from .arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
 from .catalog import Catalog
 from .check import CheckReport, inspect, verify_blocks
 from .check import repair as repair_directory
-from .codec import record_offsets
 from .commit import BlockWriter, Commits
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
 from .directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
@@ -450,14 +448,14 @@ class BlockStore:
     def store(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
               attachments: Mapping[str, Any] | None = None) -> bool:
         """Persist a prompt cache. Returns False (with one warning) on any disk failure."""
-        job = self._prepare(tokens, caches, ns, attachments, None)
+        job = prepare_store(tokens, caches, ns, attachments, None)
         return self._commit(*job)
 
     @_open_only
     def store_async(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
                     attachments: Mapping[str, Any] | None = None) -> Future[bool]:
         """Snapshot the caches now (the caller may keep using them), write in the background."""
-        job = self._prepare(tokens, caches, ns, attachments, None)
+        job = prepare_store(tokens, caches, ns, attachments, None)
         return self._executor("store").submit(self._commit, *job)
 
     @_open_only
@@ -466,7 +464,7 @@ class BlockStore:
         """Persist an in-flight generation; older checkpoints of its key go only once it is durable."""
         if not isinstance(checkpoint, GenerationCheckpoint):
             raise TypeError("checkpoint must be a GenerationCheckpoint")
-        job = self._prepare(tokens, caches, CHECKPOINT_NS + checkpoint.key, None, checkpoint)
+        job = prepare_store(tokens, caches, CHECKPOINT_NS + checkpoint.key, None, checkpoint)
         return self._commit(*job)
 
     @_open_only
@@ -491,29 +489,6 @@ class BlockStore:
                 pool = self._executors[job] = ThreadPoolExecutor(max_workers=workers,
                                                                  thread_name_prefix=f"blockkv-{job}")
             return pool
-
-    def _prepare(self, tokens: Sequence[int], caches: Sequence[Any], ns: str,
-                 attachments: Mapping[str, Any] | None,
-                 checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, blk.Snapshot, GenerationCheckpoint | None]:
-        """Validate arguments and capture the tensors on the caller's thread (bad
-        input raises here). Capturing is cheap; the host copy and hashing happen
-        in ``_commit``, which ``store_async`` runs on its worker thread."""
-        arr = tokens_array(tokens)
-        check_ns(ns, reserved_ok=checkpoint is not None)
-        if not len(arr):
-            raise ValueError("tokens is empty: there is no prompt to store")
-        if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
-            raise TypeError(f"caches must be a list of mlx-lm cache objects, got {type(caches).__name__}")
-        if not caches:
-            raise ValueError("caches is empty: pass the model's cache list (one per layer)")
-        if attachments is not None and not isinstance(attachments, Mapping):
-            raise TypeError("attachments must be a mapping of name to mx.array")
-        snap = blk.snapshot(list(caches), attachments)
-        counts = record_offsets(snap.records)
-        if counts and counts != {len(arr)}:  # restoring it would hand mlx-lm a cache that is not the prompt's
-            raise ValueError(f"{len(arr)} tokens but the caches hold {' / '.join(map(str, sorted(counts)))} "
-                             "tokens: pass exactly the tokens the caches were filled with")
-        return arr, ns, snap, checkpoint
 
     def _commit(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
