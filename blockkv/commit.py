@@ -1,13 +1,16 @@
 """The write and delete order of one fingerprint directory's entries.
 
-A store writes its blocks (``BlockWriter``, outside the directory lock), then
-under the lock takes their references (recorded as pending), writes the
-header and adds the entry (``Commits.publish``); a crash at any point leaves
-references too high (a leak recovery gives back), never a header whose blocks
-are gone. A remove unlinks the header before it drops the references
-(``Commits.remove``). Each step is told which index to work on; the store
-decides when to write, what to refuse and what to remove (docs/design.md
-says why each step is where it is).
+Write order of a store (docs/design.md says why each step is where it is):
+blocks (tmp → fsync → rename → fsync dir) → references (LMDB, recorded as
+pending) → header (tmp → fsync → rename → fsync dir) → entry visible → success.
+Delete order: unlink header → fsync dir → drop references; a block whose
+count reaches zero is deleted by ``gc`` after a grace period.
+
+``BlockWriter`` writes a store's blocks outside the directory lock;
+``Commits.publish`` does the rest under it. A crash at any point leaves
+references too high (a leak recovery gives back), never a header whose
+blocks are gone. Each step is told which index to work on; the store decides
+when to write, what to refuse and what to remove.
 """
 
 from __future__ import annotations

@@ -1,5 +1,16 @@
 """One fingerprint directory's files: where things live and how to read them.
 
+Layout of one fingerprint directory (everything else under the root belongs
+to other models and is never read, counted or deleted)::
+
+    <root>/.blockkv                      marker: this is a blockkv root
+    <root>/<fingerprint dir>/
+        IDENTITY                          JSON: model_id, config_fingerprint, tokenizer_hash
+        LOCK                              flock(2) target for every mutation
+        entries/<ns hash>/<uuid>.bkv      header files (see header.py) — the entries
+        blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py)
+        index/                            LMDB accelerator (see index.py)
+
 Mechanism only (python-diskcache's ``Disk``): naming, listing, reading and
 verifying headers. The store owns policy (what to keep, when to delete);
 ``check.inspect`` uses this class alone, so a tool can report on a directory

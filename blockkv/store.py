@@ -1,22 +1,13 @@
-"""BlockStore: the SSD cold tier for MLX prompt/KV caches.
+"""BlockStore: the SSD cold tier for MLX prompt/KV caches, as policy.
 
-Layout of one fingerprint directory (everything else under the root belongs
-to other models and is never read, counted or deleted)::
-
-    <root>/.blockkv                      marker: this is a blockkv root
-    <root>/<fingerprint dir>/
-        IDENTITY                          JSON: model_id, config_fingerprint, tokenizer_hash
-        LOCK                              flock(2) target for every mutation
-        entries/<ns hash>/<uuid>.bkv      header files (see header.py) — the entries
-        blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py)
-        index/                            LMDB accelerator (see index.py)
-
-Write order of a store (docs/design.md says why each step is where it is):
-blocks (tmp → fsync → rename → fsync dir) → references (LMDB, recorded as
-pending) → header (tmp → fsync → rename → fsync dir) → entry visible → success.
-Delete order: unlink header → fsync dir → drop references; a block whose
-count reaches zero is deleted by ``gc`` after a grace period. Every mutation
-holds the directory lock, so a dedup hit and a gc delete never interleave.
+The public facade and its decisions: the seed's find/trim/supersede rules,
+the byte cap and LRU eviction, what a failure proves, when to recover, the
+stats. The mechanisms are below it, each with one job: arguments.py (caller
+mistakes), catalog.py (the in-memory lookups), commit.py (write and delete
+order), restore.py (reading an entry back), recovery.py (what ``scan``
+repairs), check.py (check/repair), over directory.py, pool.py, index.py.
+Every mutation holds the directory lock, so a dedup hit and a gc delete
+never interleave.
 """
 
 from __future__ import annotations
