@@ -13,8 +13,10 @@ from .errors import (
     CorruptError,
     CorruptHeaderError,
 )
-from .gc import CheckReport
-from .store import BlockStore, Entry, GenerationCheckpoint, Loaded, Match, list_fingerprints
+from .check import CheckReport
+from .directory import list_fingerprints
+from .records import Entry, GenerationCheckpoint, Loaded, Match
+from .store import BlockStore
 
 __all__ = [
     "BlockKVError",

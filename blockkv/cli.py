@@ -38,8 +38,7 @@ from tqdm import tqdm
 from blockkv.directory import Directory, read_identity
 from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
-from blockkv.gc import CheckReport
-from blockkv.gc import check_directory
+from blockkv.check import CheckReport, check_directory
 from blockkv.human import (
     format_ratio,
     format_size,

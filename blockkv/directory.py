@@ -1,14 +1,27 @@
 """One fingerprint directory's files: where things live and how to read them.
 
+Layout of one fingerprint directory (everything else under the root belongs
+to other models and is never read, counted or deleted)::
+
+    <root>/.blockkv                      marker: this is a blockkv root
+    <root>/<fingerprint dir>/
+        IDENTITY                          JSON: model_id, config_fingerprint, tokenizer_hash
+        LOCK                              flock(2) target for every mutation
+        entries/<ns hash>/<uuid>.bkv      header files (see header.py) — the entries
+        blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py)
+        index/                            LMDB accelerator (see index.py)
+
 Mechanism only (python-diskcache's ``Disk``): naming, listing, reading and
 verifying headers. The store owns policy (what to keep, when to delete);
-``gc.inspect`` uses this class alone, so a tool can report on a directory
+``check.inspect`` uses this class alone, so a tool can report on a directory
 without opening it as a store and changing anything.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +31,14 @@ import numpy as np
 
 from . import blocks as blk
 from .errors import CorruptError
-from .fs import TMP_SUFFIX, FileLayer
+from .fs import TMP_SUFFIX, FileLayer, refuse_linked
 from .header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
-from .index import EntryRecord
 from .pool import Layout, LocalPool, is_block_name
+from .records import EntryRecord
 
+log = logging.getLogger("blockkv")
+
+ROOT_MARKER = ".blockkv"  # "this is a blockkv root": tools refuse a directory without it
 CODEC_ID = f"blockkv-blocks-{blk.FORMAT}"
 KEYED_CODEC_ID = f"{CODEC_ID}+ns-keyed"  # isolate_namespaces: blocks named with their namespace's key
 _UUID = re.compile(r"[0-9a-f]{32}")
@@ -66,6 +82,28 @@ def read_identity(path: Path, fs: FileLayer | None = None) -> Identity:
     return identity
 
 
+@dataclass(frozen=True)
+class FingerprintDir:
+    path: Path
+    model_id: str
+    config_fingerprint: str
+    tokenizer_hash: str
+
+
+def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
+    """The fingerprint directories under a blockkv root (read-only)."""
+    out = []
+    for d in sorted(Path(root).expanduser().iterdir()):
+        if d.is_dir() and not d.is_symlink() and (d / "IDENTITY").is_file():
+            try:
+                ident = read_identity(d)
+            except (FileNotFoundError, ValueError) as exc:
+                log.warning("blockkv: %s; skipped", exc)
+                continue
+            out.append(FingerprintDir(d, ident.model_id, ident.config_fingerprint, ident.tokenizer_hash))
+    return out
+
+
 @dataclass
 class Listing:
     """What one directory listing found. Paths stay strings: at 10k entries,
@@ -88,6 +126,24 @@ class Directory:
         self.pool = LocalPool(path / "blobs", fs)
         self.entries_dir = path / "entries"
         self.index_dir = path / "index"
+
+    def create(self, root: Path) -> None:
+        """Make the root (with its marker) and this directory's fixed parts."""
+        for fixed in (self.path, self.entries_dir, self.path / "blobs", self.index_dir,
+                      self.path / "writers", self.path / "LOCK", self.path / "IDENTITY"):
+            refuse_linked(fixed)  # writing through it would write outside the root
+        self.fs.makedirs(root)
+        marker = root / ROOT_MARKER
+        if not marker.exists():
+            self.fs.write_atomic(marker, [b"blockkv cache root\n"])
+        self.fs.makedirs(self.path / "entries")
+        self.fs.makedirs(self.path / "blobs")
+        ident = self.path / "IDENTITY"
+        if not ident.exists():
+            body = {"format": 1, "model_id": self.identity.model_id,
+                    "config_fingerprint": self.identity.config_fingerprint,
+                    "tokenizer_hash": self.identity.tokenizer_hash}
+            self.fs.write_atomic(ident, [json.dumps(body, indent=1).encode()])
 
     def header_path(self, ns: str, entry_id: str) -> Path:
         """Where the header of ``entry_id`` in ``ns`` lives. The id comes from the

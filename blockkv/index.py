@@ -35,12 +35,17 @@ import lmdb
 import numpy as np
 
 from .errors import CorruptError
+from .records import EntryRecord
 
 FORMAT = b"blockkv-index-1"
 _BLOCK = struct.Struct("<IQd")
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct("<d")
 _LOG_KEEP = 50_000
+# liblmdb errors that prove an environment broken (not a transient failure):
+# only these move it aside to be rebuilt
+BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
+                 lmdb.PageNotFoundError, lmdb.BadRslotError)
 R = TypeVar("R")
 
 
@@ -50,51 +55,6 @@ def boot_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
-
-
-@dataclass(frozen=True)
-class EntryRecord:
-    id: str
-    ns: str
-    path: str  # header path relative to the fingerprint directory
-    header_bytes: int
-    blocks: tuple[str, ...]
-    trimmable: bool
-    minimum_reusable_offset: int
-    checkpoint: dict[str, Any] | None
-    attachments: tuple[str, ...]
-    owner: str  # Identity.digest() of the header: another identity's entry is kept, never served
-    tokens: np.ndarray  # uint32
-
-    def pack(self) -> bytes:
-        meta = json.dumps(
-            {
-                "ns": self.ns,
-                "path": self.path,
-                "hdr": self.header_bytes,
-                "blocks": list(self.blocks),
-                "trim": self.trimmable,
-                "mro": self.minimum_reusable_offset,
-                "ckpt": self.checkpoint,
-                "att": list(self.attachments),
-                "owner": self.owner,
-            },
-            separators=(",", ":"),
-        ).encode()
-        return struct.pack("<I", len(meta)) + meta + np.ascontiguousarray(self.tokens, "<u4").tobytes()
-
-    @classmethod
-    def unpack(cls, entry_id: str, data: bytes) -> EntryRecord:
-        try:
-            (n,) = struct.unpack_from("<I", data)
-            m = json.loads(data[4 : 4 + n])
-            tokens = np.frombuffer(data, "<u4", offset=4 + n).copy()
-            return cls(
-                entry_id, m["ns"], m["path"], int(m["hdr"]), tuple(m["blocks"]), bool(m["trim"]),
-                int(m["mro"]), m["ckpt"], tuple(m["att"]), str(m["owner"]), tokens,
-            )
-        except (ValueError, KeyError, TypeError, struct.error) as exc:
-            raise CorruptError(f"index record {entry_id} unreadable: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -197,14 +157,14 @@ class Index:
             out = []
             for k, v in txn.cursor(db=self._entries):
                 entry_id = k.decode()
-                out.append((seqs.get(entry_id, 0), EntryRecord.unpack(entry_id, v)))
+                out.append((seqs.get(entry_id, 0), unpack_record(entry_id, v)))
             return out
 
         return [r for _, r in sorted(self._read(read), key=lambda t: t[0])]
 
     def entry(self, entry_id: str) -> EntryRecord | None:
         raw = self._read(lambda txn: txn.get(entry_id.encode(), db=self._entries))
-        return EntryRecord.unpack(entry_id, raw) if raw is not None else None
+        return unpack_record(entry_id, raw) if raw is not None else None
 
     def last_use(self) -> dict[str, float]:
         return self._read(
@@ -277,7 +237,7 @@ class Index:
 
         def fn(txn: lmdb.Transaction) -> int:
             key = record.id.encode()
-            txn.put(key, record.pack(), db=self._entries)
+            txn.put(key, _pack_record(record), db=self._entries)
             txn.put(key, _F64.pack(last_use), db=self._lastuse)
             txn.delete(key, db=self._pending)
             _add_bytes(txn, self._meta, record.header_bytes)
@@ -291,7 +251,7 @@ class Index:
         def fn(txn: lmdb.Transaction) -> int:
             self._ref(txn, sizes)
             key = record.id.encode()
-            txn.put(key, record.pack(), db=self._entries)
+            txn.put(key, _pack_record(record), db=self._entries)
             txn.put(key, _F64.pack(last_use), db=self._lastuse)
             _add_bytes(txn, self._meta, record.header_bytes)
             return self._append_log(txn, b"+" + key)
@@ -328,7 +288,7 @@ class Index:
             raw = txn.get(key, db=self._entries)
             if raw is None:
                 return None
-            record = EntryRecord.unpack(entry_id, raw)
+            record = unpack_record(entry_id, raw)
             txn.delete(key, db=self._entries)
             txn.delete(key, db=self._lastuse)
             self._unref(txn, dict.fromkeys(record.blocks), now)
@@ -382,7 +342,7 @@ class Index:
             seq = old_seq
             for record, last_use in records:
                 key = record.id.encode()
-                txn.put(key, record.pack(), db=self._entries)
+                txn.put(key, _pack_record(record), db=self._entries)
                 txn.put(key, _F64.pack(last_use), db=self._lastuse)
                 seq += 1
                 txn.put(_U64.pack(seq), b"+" + key, db=self._log)
@@ -422,6 +382,38 @@ class Index:
         txn.put(_U64.pack(seq), op, db=self._log)
         txn.put(b"seq", _U64.pack(seq), db=self._meta)
         return seq
+
+
+def _pack_record(record: EntryRecord) -> bytes:
+    """An entry's row: a JSON head, then its tokens as little-endian u32."""
+    meta = json.dumps(
+        {
+            "ns": record.ns,
+            "path": record.path,
+            "hdr": record.header_bytes,
+            "blocks": list(record.blocks),
+            "trim": record.trimmable,
+            "mro": record.minimum_reusable_offset,
+            "ckpt": record.checkpoint,
+            "att": list(record.attachments),
+            "owner": record.owner,
+        },
+        separators=(",", ":"),
+    ).encode()
+    return struct.pack("<I", len(meta)) + meta + np.ascontiguousarray(record.tokens, "<u4").tobytes()
+
+
+def unpack_record(entry_id: str, data: bytes) -> EntryRecord:
+    try:
+        (n,) = struct.unpack_from("<I", data)
+        m = json.loads(data[4 : 4 + n])
+        tokens = np.frombuffer(data, "<u4", offset=4 + n).copy()
+        return EntryRecord(
+            entry_id, m["ns"], m["path"], int(m["hdr"]), tuple(m["blocks"]), bool(m["trim"]),
+            int(m["mro"]), m["ckpt"], tuple(m["att"]), str(m["owner"]), tokens,
+        )
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CorruptError(f"index record {entry_id} unreadable: {exc}") from None
 
 
 def _u64(raw: bytes | None) -> int:

@@ -25,7 +25,8 @@ from blockkv.directory import Directory, read_identity
 from blockkv.errors import CorruptError
 from blockkv.fs import FileLayer
 from blockkv.header import Identity
-from blockkv.index import FORMAT, EntryRecord, boot_id
+from blockkv.index import FORMAT, boot_id, unpack_record
+from blockkv.records import EntryRecord
 
 _LAST_USE = struct.Struct("<d")  # the index's lastuse table: f64 seconds per entry id
 _MAX_DBS = 16  # an upper bound on the index's named tables (lmdb needs one to open them)
@@ -130,7 +131,7 @@ def trusted_index(index_dir: Path) -> tuple[dict[str, EntryRecord], dict[str, fl
             if txn.get(b"format", db=meta) != FORMAT or txn.get(b"boot", db=meta) != boot_id().encode():
                 return None
             table = env.open_db(b"entries", txn=txn, create=False)
-            rows = {k.decode(): EntryRecord.unpack(k.decode(), v) for k, v in txn.cursor(db=table)}
+            rows = {k.decode(): unpack_record(k.decode(), v) for k, v in txn.cursor(db=table)}
             table = env.open_db(b"lastuse", txn=txn, create=False)
             last_use = {k.decode(): _LAST_USE.unpack(v)[0] for k, v in txn.cursor(db=table)}
             return rows, last_use

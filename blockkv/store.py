@@ -1,154 +1,57 @@
-"""BlockStore: the SSD cold tier for MLX prompt/KV caches.
+"""BlockStore: the SSD cold tier for MLX prompt/KV caches, as policy.
 
-Layout of one fingerprint directory (everything else under the root belongs
-to other models and is never read, counted or deleted)::
-
-    <root>/.blockkv                      marker: this is a blockkv root
-    <root>/<fingerprint dir>/
-        IDENTITY                          JSON: model_id, config_fingerprint, tokenizer_hash
-        LOCK                              flock(2) target for every mutation
-        entries/<ns hash>/<uuid>.bkv      header files (see header.py) — the entries
-        blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py)
-        index/                            LMDB accelerator (see index.py)
-
-Write order of a store (docs/design.md says why each step is where it is):
-blocks (tmp → fsync → rename → fsync dir) → references (LMDB, recorded as
-pending) → header (tmp → fsync → rename → fsync dir) → entry visible → success.
-Delete order: unlink header → fsync dir → drop references; a block whose
-count reaches zero is deleted by ``gc`` after a grace period. Every mutation
-holds the directory lock, so a dedup hit and a gc delete never interleave.
+The public facade and its decisions: the seed's find/trim/supersede rules,
+the byte cap and LRU eviction, what a failure proves, when to recover, the
+stats. The mechanisms are below it, each with one job: arguments.py (caller
+mistakes), catalog.py (the in-memory lookups), commit.py (write and delete
+order), restore.py (reading an entry back), recovery.py (what ``scan``
+repairs), check.py (check/repair), over directory.py, pool.py, index.py.
+Every mutation holds the directory lock, so a dedup hit and a gc delete
+never interleave.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
-import shutil
-import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
-import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from . import blocks as blk
-from . import gc, writers
-from .codec import record_offsets
+from . import writers
+from .arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
+from .catalog import Catalog
+from .check import CheckReport, inspect, verify_blocks
+from .check import repair as repair_directory
+from .commit import BlockWriter, Commits
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
+from .directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
-from .fs import FileLayer, refuse_linked
-from .gc import CheckReport
+from .fs import FileLayer
 from .header import Header, Identity, encode_header
-from .index import EntryRecord, Index
+from .index import BROKEN_INDEX, Index
 from .locks import DirLock
-from .pool import LocalPool, Staged
-from .prefix_index import PrefixIndex
+from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
+from .recovery import Recovery
+from .restore import EntryRead
 from .writers import IntentFile
 
 log = logging.getLogger("blockkv")
 _T = TypeVar("_T")
 
-ROOT_MARKER = ".blockkv"
-CHECKPOINT_NS = "__generation_checkpoint__:"  # reserved: no caller's ns may start with it
-MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
-_MAX_TOKEN = (1 << 32) - 1
+DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
-# liblmdb errors that prove an environment broken (not a transient failure):
-# only these move it aside to be rebuilt
-_BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
-                 lmdb.PageNotFoundError, lmdb.BadRslotError)
-
-
-@dataclass(frozen=True)
-class GenerationCheckpoint:
-    """An in-flight generation: ``tokens`` = prompt + output so far."""
-
-    key: str
-    original_prompt_tokens: int
-    cache_ns: str = ""
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "original_prompt_tokens": self.original_prompt_tokens,
-                "cache_ns": self.cache_ns, "meta": dict(self.meta)}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> GenerationCheckpoint:
-        return cls(str(d["key"]), int(d["original_prompt_tokens"]), str(d.get("cache_ns", "")),
-                   dict(d.get("meta") or {}))
-
-
-@dataclass(frozen=True, eq=False)
-class Entry:
-    """One stored prompt cache, as the index knows it (no tensors)."""
-
-    id: str
-    ns: str
-    token_array: np.ndarray = field(repr=False)
-    nbytes: int  # header + every block it references
-    header_bytes: int
-    blocks: tuple[str, ...]
-    last_use: float
-    trimmable: bool
-    minimum_reusable_offset: int
-    checkpoint: GenerationCheckpoint | None
-    attachments: tuple[str, ...]
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return tuple(self.token_array.tolist())
-
-    @property
-    def length(self) -> int:
-        return len(self.token_array)
-
-
-@dataclass(frozen=True)
-class Match:
-    entry: Entry
-    prefix_len: int
-
-
-@dataclass
-class Loaded:
-    caches: list[Any]
-    tokens: tuple[int, ...]
-    attachments: dict[str, Any]
-    checkpoint: GenerationCheckpoint | None
-
-
-@dataclass(frozen=True)
-class FingerprintDir:
-    path: Path
-    model_id: str
-    config_fingerprint: str
-    tokenizer_hash: str
-
-
-def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
-    """The fingerprint directories under a blockkv root (read-only)."""
-    out = []
-    for d in sorted(Path(root).expanduser().iterdir()):
-        if d.is_dir() and not d.is_symlink() and (d / "IDENTITY").is_file():
-            try:
-                ident = read_identity(d)
-            except (FileNotFoundError, ValueError) as exc:
-                log.warning("blockkv: %s; skipped", exc)
-                continue
-            out.append(FingerprintDir(d, ident.model_id, ident.config_fingerprint, ident.tokenizer_hash))
-    return out
 
 
 def _open_only(method: Callable[..., _T]) -> Callable[..., _T]:
@@ -189,30 +92,16 @@ class BlockStore:
         verify: bool | str = True,
         fs: FileLayer | None = None,
         clock: Callable[[], float] = time.time,
-        gc_grace: float = gc.DEFAULT_GC_GRACE,
+        gc_grace: float = DEFAULT_GC_GRACE,
         tmp_grace: float = writers.DEFAULT_TMP_GRACE,
         index_map_size: int = 256 << 20,
         lock_timeout: float = 10.0,
         isolate_namespaces: bool = False,
     ) -> None:
-        for name, value in (("model_id", model_id), ("config_fingerprint", config_fingerprint),
-                            ("tokenizer_hash", tokenizer_hash)):
-            if not isinstance(value, str) or not value:
-                raise TypeError(f"{name} must be a non-empty str, got {value!r}")
-        _check_size("max_bytes", max_bytes)
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
-            raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
-        if compression not in (None, "zstd"):
-            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
-        if verify not in (True, False, "full"):
-            raise ValueError(f"verify must be True (xxh3-128 per read), 'full' (blake3 per read) or False, got {verify!r}")
-        if limit is not None and not callable(limit):
-            raise TypeError("limit must be a callable returning the live byte cap")
-        for name, value in (("gc_grace", gc_grace), ("tmp_grace", tmp_grace), ("lock_timeout", lock_timeout)):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-        if not isinstance(isolate_namespaces, bool):
-            raise TypeError(f"isolate_namespaces must be a bool, got {type(isolate_namespaces).__name__}")
+        check_options(model_id=model_id, config_fingerprint=config_fingerprint, tokenizer_hash=tokenizer_hash,
+                      max_bytes=max_bytes, limit=limit, block_tokens=block_tokens, compression=compression,
+                      verify=verify, gc_grace=gc_grace, tmp_grace=tmp_grace, lock_timeout=lock_timeout,
+                      isolate_namespaces=isolate_namespaces)
         self.root = Path(root).expanduser()
         self.isolate_namespaces = isolate_namespaces
         # the codec id in every header says how its blocks are named; the two modes' entries are foreign to each other
@@ -233,37 +122,34 @@ class BlockStore:
         self._map_size = index_map_size
         self._dir = Directory(self.directory, self.identity, self._fs)
         self._pool = self._dir.pool
-        self.recovery: list[str] = []  # what the last scan() had to fix
-        self._unread_headers: dict[str, str] = {}  # entry id -> header path a transient error kept unindexed
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
-        self._mutex = threading.RLock()  # in-memory index of this handle
+        self._mutex = threading.Lock()  # the executors of this handle
         self._executors: dict[str, ThreadPoolExecutor] = {}  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
-        self._make_directory()
+        self._dir.create(self.root)
         self._lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
+        self._commits = Commits(self._dir, self._intents, self._fs, clock, self._owner, self._warn)
+        self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
+                                  tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
         self._needs_recovery = False  # open could not take the lock: recover at the first mutation
-        self._entries: dict[str, Entry] = {}
-        self._foreign: dict[str, Entry] = {}  # another identity's entries: counted and evictable, never served
-        self._tries: dict[str, PrefixIndex[Entry]] = {}
-        self._exact: dict[tuple[str, bytes], str] = {}
-        self._position: tuple[bytes, int] = (b"", 0)
+        self._catalog = Catalog(self._owner, clock)
         try:
             self._index = Index(self._dir.index_dir, map_size=index_map_size)
-        except _BROKEN_INDEX as exc:
+        except BROKEN_INDEX as exc:
             with self._lock.held(self.lock_timeout):
                 self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-                self._index = self._fresh_index()
+                self._index = self._recovery.fresh_index()
         try:
             self.scan()
         except LockTimeout:
             self._warn("lock", "directory lock busy at open: serving the index as it is, recovering later")
             self._needs_recovery = True
             if self._index.is_trusted():
-                self._load()
+                self._catalog.load(self._index)
 
     @classmethod
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
@@ -276,23 +162,6 @@ class BlockStore:
                    **kwargs)
 
     # -- lifecycle ------------------------------------------------------------
-    def _make_directory(self) -> None:
-        for fixed in (self.directory, self.directory / "entries", self.directory / "blobs", self._dir.index_dir,
-                      self.directory / "writers", self.directory / "LOCK", self.directory / "IDENTITY"):
-            refuse_linked(fixed)  # writing through it would write outside the root
-        self._fs.makedirs(self.root)
-        marker = self.root / ROOT_MARKER
-        if not marker.exists():
-            self._fs.write_atomic(marker, [b"blockkv cache root\n"])
-        self._fs.makedirs(self.directory / "entries")
-        self._fs.makedirs(self.directory / "blobs")
-        ident = self.directory / "IDENTITY"
-        if not ident.exists():
-            body = {"format": 1, "model_id": self.identity.model_id,
-                    "config_fingerprint": self.identity.config_fingerprint,
-                    "tokenizer_hash": self.identity.tokenizer_hash}
-            self._fs.write_atomic(ident, [json.dumps(body, indent=1).encode()])
-
     def close(self) -> None:
         if self._closed:
             return
@@ -319,7 +188,7 @@ class BlockStore:
         tables, reconcile them with a directory listing, reclaim unreferenced
         blocks. What had to be fixed is left in ``self.recovery``. Returns the
         number of entries indexed."""
-        self.recovery = []
+        self._recovery.notes = []
         with self._lock.held(self.lock_timeout):
             if self._needs_recovery or self._index.replaced():
                 self._reopen_index()  # recovers too
@@ -346,9 +215,9 @@ class BlockStore:
             pass
         try:
             self._index = Index(self._dir.index_dir, map_size=self._map_size)
-        except _BROKEN_INDEX as exc:
+        except BROKEN_INDEX as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-            self._index = self._fresh_index()
+            self._index = self._recovery.fresh_index()
         self._recover_locked()
         self._needs_recovery = False
 
@@ -358,36 +227,37 @@ class BlockStore:
         records: list[EntryRecord] | None = None
         listing = self._dir.listing()  # one listing serves every step below
         live = writers.survey(self._intents.directory)
-        self._reap_tmp(listing.tmp, live)
+        self._recovery.reap_tmp(listing.tmp, live)
         files = listing.blocks
         try:
             if self._index.is_trusted():
                 records = self._index.entries()
-                finished = self._roll_back_pending(records)
+                finished = self._recovery.roll_back_pending(self._index, records)
                 if finished:
                     records = self._index.entries()
-                if self._reconcile(records, listing.headers, files) or finished:
+                if self._recovery.reconcile(self._index, records, listing.headers, files) or finished:
                     records = None  # changed: reload below
             else:
                 self._note("index missing, from another format or from before an OS restart: rebuilt")
-                self._rebuild()
+                self._recovery.rebuild(self._index)
         except CorruptError as exc:  # a record that does not parse: the tables are garbage, the environment works
             self._warn("index", f"LMDB index unreadable ({exc}); rebuilding from headers")
             self._note(f"index unreadable ({exc}): rebuilt")
             records = None
-            self._rebuild()
-        except _BROKEN_INDEX as exc:
+            self._recovery.rebuild(self._index)
+        except BROKEN_INDEX as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self._note(f"index unreadable ({exc}): rebuilt")
             records = None
             self._index.close()
-            self._index = self._fresh_index()
-            self._rebuild()
-        self._sweep_orphans(files, live)
-        self._load(records)
+            self._index = self._recovery.fresh_index()
+            self._recovery.rebuild(self._index)
+        self._recovery.sweep_orphans(self._index, self.gc_grace, files, live)
+        self._catalog.load(self._index, records)
         for entry_id in finished:  # a store that died after its header landed: finish what it would have done
-            if entry_id in self._entries:
-                self._apply_store_rules(self._entries[entry_id])
+            entry = self._catalog.get(entry_id)
+            if entry is not None:
+                self._apply_store_rules(entry)
         if finished:
             self.evict_to_cap()
 
@@ -395,221 +265,19 @@ class BlockStore:
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
         with self._locked():
-            self._rebuild()
-            self._load()
+            self._recovery.rebuild(self._index)
+            self._catalog.load(self._index)
         return len(self)
 
     def _note(self, finding: str) -> None:
-        self.recovery.append(finding)
+        self._recovery.notes.append(finding)
 
-    def _fresh_index(self) -> Index:
-        """Under the lock, on proof that it is broken: move the environment aside
-        (never delete it in place: another process may still map it; it notices
-        through ``Index.replaced``) and open a fresh one, to be rebuilt."""
-        aside = self._dir.index_dir.with_name(f".index-broken-{uuid.uuid4().hex[:8]}")
-        try:
-            os.replace(self._dir.index_dir, aside)
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(aside, ignore_errors=True)
-        return Index(self._dir.index_dir, map_size=self._map_size)
+    @property
+    def recovery(self) -> list[str]:
+        """What the last ``scan()`` (and any recovery since) had to fix."""
+        return self._recovery.notes
 
-    def _reap_tmp(self, tmp: list[str], live: writers.Writers) -> None:
-        """Remove the temp files of dead writers (under the lock). A temp file
-        names its writer; one whose writer is alive is never touched, whatever
-        the clock says. One without a writer token (an older blockkv) goes by
-        age, ``tmp_grace``."""
-        for path in self._stale_tmp(tmp, live):
-            self._dir.unlink_quietly(path)
-            self._note(f"reaped write orphan {self._dir.rel(path)}")
-        writers.reap(live)
-
-    def _stale_tmp(self, tmp: list[str], live: writers.Writers) -> list[Path]:
-        return writers.stale_temp_files(tmp, live, self._clock() - self.tmp_grace)
-
-    def _scan_header(self, entry_id: str, path: Path, block_files: Container[str]) -> EntryRecord | None:
-        """Index-worthy record of a header file, or None. A corrupt header is
-        unlinked (its uuid name in our directory makes it ours); a foreign one
-        is kept and counted for its references, never served or deleted. One
-        that cannot be read now (EMFILE, EIO, MemoryError...) is not proof of
-        anything: it is kept, and until it is indexed no orphan block is swept
-        (it may reference them)."""
-        try:
-            header = self._dir.read_header(path)
-            record = self._dir.record(entry_id, path, header, path.stat().st_size)
-        except FileNotFoundError:
-            self._unread_headers.pop(entry_id, None)
-            return None
-        except CorruptError as exc:
-            self._unread_headers.pop(entry_id, None)
-            self._warn("corrupt-header", f"removing corrupt header {path.name}: {exc}")
-            self._note(f"removed corrupt header {self._dir.rel(path)}")
-            self._dir.unlink_quietly(path)
-            return None
-        except Exception as exc:  # noqa: BLE001 - transient: a miss, never a deletion
-            self._unread_headers[entry_id] = str(path)
-            self._warn("unreadable-header", f"could not read header {path.name} ({exc!r}); kept, not indexed yet")
-            self._note(f"could not read header {self._dir.rel(path)} ({exc!r}): kept")
-            return None
-        self._unread_headers.pop(entry_id, None)
-        if record.owner == self._owner and any(n not in block_files for n in record.blocks):
-            self._warn("dangling", f"removing entry {entry_id}: some of its blocks are gone")
-            self._note(f"removed dangling entry {entry_id}")
-            self._dir.unlink_quietly(path)
-            return None
-        return record
-
-    def _rebuild(self) -> None:
-        sizes = {f.name: f.size for f in self._pool.files()}
-        now = self._clock()
-        found = []
-        for entry_id, p in self._dir.listing().headers.items():
-            path = Path(p)
-            record = self._scan_header(entry_id, path, sizes)
-            if record is not None:
-                try:
-                    found.append((path.stat().st_mtime_ns, record))
-                except FileNotFoundError:
-                    continue
-        found.sort(key=lambda f: f[0])  # write order stands in for store order (find's tie-break)
-        # the header's write time is the best last use left; never one in the future of our clock
-        self._index.rebuild([(record, min(mtime / 1e9, now)) for mtime, record in found], sizes, now)
-
-    def _roll_back_pending(self, records: list[EntryRecord]) -> list[str]:
-        """References taken by a store that died before its entry became visible.
-        Returns the entries whose header had landed (indexed now)."""
-        finished: list[str] = []
-        pending = self._index.pending()
-        if not pending:
-            return finished
-        now = self._clock()
-        known = {r.id for r in records}
-        for entry_id, rec in pending.items():
-            self._index.rollback_pending(entry_id, now)
-            self._note(f"rolled back the references of an unfinished store ({entry_id})")
-            path = self._dir.recorded_header_path(entry_id, rec.get("path") if isinstance(rec, dict) else None)
-            if path is None:
-                self._note(f"pending record {entry_id[:80]!r} names no header of ours: ignored its path")
-            elif entry_id not in known and path.exists():  # header landed, entry never indexed
-                sizes = {f.name: f.size for f in self._pool.files()}
-                record = self._scan_header(entry_id, path, sizes)
-                if record is not None:
-                    self._index.add_scanned(record, {n: sizes[n] for n in record.blocks}, now)
-                    finished.append(entry_id)
-        return finished
-
-    def _reconcile(self, known: list[EntryRecord], on_disk: Mapping[str, str], files: set[str]) -> bool:
-        """Headers added or removed behind the index's back, and blocks deleted
-        behind it, from listings alone. Returns whether anything changed."""
-        now = self._clock()
-        records = {r.id: r for r in known}
-        changed = False
-        for entry_id, record in records.items():
-            dangling = record.owner == self._owner and any(n not in files for n in record.blocks)
-            if entry_id not in on_disk:
-                self._note(f"header of entry {entry_id} vanished: dropped")
-            elif dangling:
-                self._warn("dangling", f"removing entry {entry_id}: its blocks are gone")
-                self._note(f"removed dangling entry {entry_id}")
-                self._dir.unlink_quietly(Path(on_disk[entry_id]))  # the listing's path: ours by its shape
-            else:
-                continue
-            self._index.remove_entry(entry_id, now)
-            changed = True
-        for entry_id, p in on_disk.items():
-            if entry_id not in records:
-                changed = True
-                record = self._scan_header(entry_id, Path(p), files)
-                if record is not None:
-                    self._note(f"indexed header {self._dir.rel(Path(p))} found on disk")
-                    self._index.add_scanned(record, {n: self._pool.stat(n).size for n in record.blocks}, now)
-        return changed
-
-    def _sweep_orphans(self, files: set[str] | None = None, live: writers.Writers | None = None) -> int:
-        """Under the lock: delete blocks nothing references and no live writer
-        may still reference (its intent file names them), and the temp files of
-        dead writers. ``files``/``live``: a pool listing and writer survey the
-        caller already has. A block freed less than ``gc_grace`` ago by this
-        clock is kept for reuse; that is policy, not safety (design.md, "Block
-        lifetime"), so a block stamped in our future is not kept."""
-        if not self._index_unread_headers():
-            return 0  # a header we could not read may reference any unreferenced block
-        listing = self._dir.listing() if files is None else None
-        if listing is not None:
-            files = listing.blocks
-        if live is None:  # surveyed after the listing: a listed block's writer had announced it by then
-            live = writers.survey(self._intents.directory)
-            if listing is not None:
-                self._reap_tmp(listing.tmp, live)
-        now = self._clock()
-        rows = self._index.blocks()
-        doomed = [name for name, row in rows.items()
-                  if row.refs == 0 and not now - self.gc_grace < row.zero_since <= now]
-        doomed += files - rows.keys()
-        doomed = [name for name in doomed if name not in live.names]
-        for name in doomed:
-            self._fs.crash_point("gc:block-unlinked")
-            self._pool.delete(name)
-        self._index.drop_blocks(doomed)
-        return len(doomed)
-
-    def _index_unread_headers(self) -> bool:
-        """Retry the headers a transient error kept out of the index; True once none is left."""
-        if not self._unread_headers:
-            return True
-        sizes = {f.name: f.size for f in self._pool.files()}
-        for entry_id, p in list(self._unread_headers.items()):
-            record = self._scan_header(entry_id, Path(p), sizes)
-            if record is not None and self._index.entry(entry_id) is None:
-                self._index.add_scanned(record, {n: sizes.get(n, 0) for n in record.blocks}, self._clock())
-                self._note(f"indexed header {self._dir.rel(Path(p))} once it could be read")
-        if self._unread_headers:
-            self._warn("gc-deferred", "not sweeping unreferenced blocks while a header cannot be read")
-        return not self._unread_headers
-
-    # -- the in-memory index ------------------------------------------------------
-    def _load(self, records: list[EntryRecord] | None = None) -> None:
-        """Rebuild the in-memory index from the tables (``records``: already read)."""
-        with self._mutex:
-            self._position = self._index.position()  # first: a change made while we read is replayed, not lost
-            self._entries = {}
-            self._foreign = {}
-            self._tries = {}
-            self._exact = {}
-            last_use = self._index.last_use()
-            sizes = {n: row.size for n, row in self._index.blocks().items()}
-            for record in self._index.entries() if records is None else records:
-                self._add_memory(record, last_use.get(record.id, 0.0), sizes)
-
-    def _add_memory(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
-        checkpoint = GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None
-        entry = Entry(
-            id=record.id, ns=record.ns, token_array=record.tokens,
-            nbytes=record.header_bytes + sum(sizes.get(n, 0) for n in record.blocks),
-            header_bytes=record.header_bytes, blocks=record.blocks, last_use=last_use,
-            trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
-            checkpoint=checkpoint, attachments=record.attachments,
-        )
-        if record.owner != self._owner:
-            self._foreign[entry.id] = entry
-            return
-        self._entries[entry.id] = entry
-        trie = self._tries.get(entry.ns)
-        if trie is None:  # not setdefault: that would build a throwaway trie per entry
-            trie = self._tries[entry.ns] = PrefixIndex()
-        trie.add(entry, entry.token_array)
-        self._exact[(entry.ns, entry.token_array.tobytes())] = entry.id
-
-    def _drop_memory(self, entry_id: str) -> None:
-        self._foreign.pop(entry_id, None)
-        entry = self._entries.pop(entry_id, None)
-        if entry is None:
-            return
-        self._tries[entry.ns].remove(entry_id)
-        key = (entry.ns, entry.token_array.tobytes())
-        if self._exact.get(key) == entry_id:
-            del self._exact[key]
-
+    # -- the in-memory catalog ------------------------------------------------------
     def _refresh(self) -> None:
         """Replay what other handles changed since we last looked (cheap when
         nothing did). An index replaced under us is reopened and recovered; if
@@ -617,7 +285,7 @@ class BlockStore:
         try:
             if self._needs_recovery or self._index.replaced():
                 raise lmdb.Error("the index was replaced on disk")
-            self._apply_changes()
+            self._catalog.apply_changes(self._index)
         except lmdb.Error as exc:
             self._warn("index", f"LMDB index lost ({exc}); reopening and recovering")
             self._needs_recovery = True
@@ -627,29 +295,11 @@ class BlockStore:
             except (lmdb.Error, OSError, CorruptError) as exc2:
                 self._warn("index-reopen", f"could not reopen the LMDB index ({exc2}); serving the last known state")
 
-    def _apply_changes(self) -> None:
-        with self._mutex:
-            changes = self._index.changes_since(self._position)
-            if changes is None:  # another generation of the tables, or trimmed past us
-                self._load()
-                return
-            position, ops = changes
-            if not ops:
-                return
-            for op, entry_id in ops:
-                if op == "-":
-                    self._drop_memory(entry_id)
-                elif entry_id not in self._entries and entry_id not in self._foreign:
-                    record = self._index.entry(entry_id)
-                    if record is not None:
-                        self._add_memory(record, self._clock(), self._index.block_sizes(record.blocks))
-            self._position = position
-
     # -- queries (pure index lookups) ------------------------------------------------
     @_open_only
     def __len__(self) -> int:
         self._refresh()
-        return len(self._entries)
+        return len(self._catalog)
 
     @property
     @_open_only
@@ -676,10 +326,9 @@ class BlockStore:
     def entries(self, ns: str | None = None) -> list[Entry]:
         """Every entry, or (``ns`` given) only that namespace's: a tenant sees its own."""
         if ns is not None:
-            _check_ns(ns)
+            check_ns(ns)
         self._refresh()
-        with self._mutex:
-            return [e for e in self._entries.values() if ns is None or e.ns == ns]
+        return self._catalog.entries(ns)
 
     @_open_only
     def count(self, ns: str | None = None) -> int:
@@ -703,48 +352,30 @@ class BlockStore:
 
     @_open_only
     def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
-        arr = _tokens(tokens)
-        _check_ns(ns)
+        arr = tokens_array(tokens)
+        check_ns(ns)
         self._refresh()
-        with self._mutex:
-            trie = self._tries.get(ns)
-            return trie is not None and trie.has_durable_prefix(arr)
+        return self._catalog.has_durable_prefix(arr, ns)
 
     @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
-        arr = _tokens(prompt)
-        _check_ns(ns)
+        arr = tokens_array(prompt)
+        check_ns(ns)
         self._refresh()
-        with self._mutex:
-            trie = self._tries.get(ns)
-            found = trie.find(arr) if trie is not None else None
-        return Match(*found) if found else None
+        return self._catalog.find(arr, ns)
 
     @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
-        arr = _tokens(tokens)
-        _check_ns(ns)
+        arr = tokens_array(tokens)
+        check_ns(ns)
         self._refresh()
-        with self._mutex:
-            entry_id = self._exact.get((ns, arr.tobytes()))
-            entry = self._entries.get(entry_id) if entry_id else None
-        return Match(entry, len(arr)) if entry is not None else None
+        return self._catalog.find_exact(arr, ns)
 
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
-        arr = _tokens(prompt)
-        best: Entry | None = None
-        for entry in self.entries():
-            cp = entry.checkpoint
-            if cp is None or cp.key != key or cp.cache_ns != cache_ns or entry.ns != CHECKPOINT_NS + key:
-                continue
-            if cp.original_prompt_tokens != len(arr) or entry.length <= len(arr):
-                continue
-            if not np.array_equal(entry.token_array[: len(arr)], arr):
-                continue
-            if best is None or entry.length > best.length:
-                best = entry
-        return best
+        arr = tokens_array(prompt)
+        self._refresh()
+        return self._catalog.generation_checkpoint(arr, key, cache_ns)
 
     # -- restore ---------------------------------------------------------------------
     @_open_only
@@ -756,51 +387,14 @@ class BlockStore:
         gone, a hash mismatch, a damaged header) also drops the entry."""
         if not isinstance(entry, Entry):
             raise TypeError(f"restore takes an Entry from find/find_exact, got {type(entry).__name__}")
-        p = _prefix_len(entry, prefix_len)
+        p = check_prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
-        key = block_key(self.identity, entry.ns)
-        reading = ""  # "header" while the header is read: its file gone is proof too
-        corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
-
-        def fill(target: blk.Target) -> None:
-            """Read a block straight into its destination and verify it there; a
-            frame that is not the expected uncompressed one (zstd, or damage)
-            is read whole and decoded, which names what is wrong."""
-            name = target.ref.name
-            try:
-                prefix = bytearray(len(target.frame_prefix))
-                if self._pool.read_exact(name, [memoryview(prefix), *target.pieces]) and prefix == target.frame_prefix:
-                    if self.verify:
-                        target.verify(full=self.verify == "full", key=key)
-                else:
-                    target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self.verify), key=key))
-            except CorruptBlockError as exc:
-                corrupt.append((exc, name))
-                raise
-
-        def fill_all(targets: Iterator[blk.Target]) -> None:
-            # two threads: one block's read overlaps another's hash (both release the GIL)
-            for _ in self._executor("read").map(fill, targets):
-                pass
-
+        read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
         try:
-            reading = "header"
-            header = self._dir.read_header(self._dir.header_path(entry.ns, entry.id))
-            reading = ""
-            if header.identity != self.identity or header.ns != entry.ns:
-                raise _IndexDisagrees("the header on disk is not the one indexed")
-            descriptor = blk.with_xxh3(header.descriptor, header.block_xxh3)
-            # every array rebuild allocates is bounded by the bytes actually on disk, never by a
-            # size the header declares: a planted header cannot force a huge allocation
-            self._stored_sizes(blk.blocks_for_prefix(blk.parse_descriptor(descriptor), cut))
-            caches, attachments = blk.rebuild(descriptor, None, cut, fill_all)
-            # materialise here: a lazy array built on a worker thread cannot be
-            # evaluated from the caller's thread (restore_async)
-            mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
-                     if isinstance(v, mx.array)])
+            header, caches, attachments = read.run(cut)
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            self._restore_failed(entry, exc, reading or next((name for e, name in corrupt if e is exc), ""))
+            self._restore_failed(entry, exc, read.culprit(exc))
             return None
         try:
             self._index.touch(entry.id, self._clock())
@@ -812,26 +406,8 @@ class BlockStore:
 
     @_open_only
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
-        _prefix_len(entry, prefix_len)
+        check_prefix_len(entry, prefix_len)
         return self._executor("restore").submit(self.restore, entry, prefix_len)
-
-    def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
-        """Bytes on disk of each block a restore needs. A block whose file could not
-        hold the raw bytes the header declares is a corrupt entry, found before
-        anything of the declared size is allocated."""
-        sizes: dict[str, int] = {}
-        for ref in refs:
-            try:
-                st = os.lstat(self._pool.path(ref.name))
-            except FileNotFoundError:
-                raise BlockMissingError(f"block {ref.name} is not in the pool") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise BlockMissingError(f"block {ref.name} is not a regular file")
-            if ref.raw_bytes > blk.max_raw_bytes(st.st_size):
-                raise CorruptError(f"the header declares {ref.raw_bytes} bytes for block {ref.name}, "
-                                   f"whose {st.st_size}-byte file cannot hold them")
-            sizes[ref.name] = st.st_size
-        return sizes
 
     def _restore_failed(self, entry: Entry, exc: BaseException, reading: str) -> None:
         """Only proof of corruption deletes: a corrupt header or block, or the
@@ -848,11 +424,11 @@ class BlockStore:
         try:
             with self._locked(timeout=_SERVING_WAIT):
                 self._refresh()
-                doomed = {entry.id} & set(self._entries)
+                doomed = {entry.id} if entry.id in self._catalog else set()
                 if corrupt_block:  # quarantine: every entry that needs it is damaged too;
                     # the next store of this block writes a good copy
                     self._pool.delete(corrupt_block)
-                    doomed |= {e.id for e in self._entries.values() if corrupt_block in e.blocks}
+                    doomed |= {e.id for e in self._catalog.entries() if corrupt_block in e.blocks}
                 for entry_id in doomed:
                     self._remove_locked(entry_id)
         except (OSError, lmdb.Error, BlockKVError) as exc2:  # LockTimeout included: the next restore retries
@@ -863,14 +439,14 @@ class BlockStore:
     def store(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
               attachments: Mapping[str, Any] | None = None) -> bool:
         """Persist a prompt cache. Returns False (with one warning) on any disk failure."""
-        job = self._prepare(tokens, caches, ns, attachments, None)
+        job = prepare_store(tokens, caches, ns, attachments, None)
         return self._commit(*job)
 
     @_open_only
     def store_async(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
                     attachments: Mapping[str, Any] | None = None) -> Future[bool]:
         """Snapshot the caches now (the caller may keep using them), write in the background."""
-        job = self._prepare(tokens, caches, ns, attachments, None)
+        job = prepare_store(tokens, caches, ns, attachments, None)
         return self._executor("store").submit(self._commit, *job)
 
     @_open_only
@@ -879,7 +455,7 @@ class BlockStore:
         """Persist an in-flight generation; older checkpoints of its key go only once it is durable."""
         if not isinstance(checkpoint, GenerationCheckpoint):
             raise TypeError("checkpoint must be a GenerationCheckpoint")
-        job = self._prepare(tokens, caches, CHECKPOINT_NS + checkpoint.key, None, checkpoint)
+        job = prepare_store(tokens, caches, CHECKPOINT_NS + checkpoint.key, None, checkpoint)
         return self._commit(*job)
 
     @_open_only
@@ -887,7 +463,7 @@ class BlockStore:
         try:
             with self._locked():
                 self._refresh()
-                for entry in list(self._entries.values()):
+                for entry in self._catalog.entries():
                     if entry.checkpoint is not None and entry.checkpoint.key == key:
                         self._remove_quietly(entry.id)
         except LockTimeout as exc:
@@ -905,35 +481,11 @@ class BlockStore:
                                                                  thread_name_prefix=f"blockkv-{job}")
             return pool
 
-    def _prepare(self, tokens: Sequence[int], caches: Sequence[Any], ns: str,
-                 attachments: Mapping[str, Any] | None,
-                 checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, blk.Snapshot, GenerationCheckpoint | None]:
-        """Validate arguments and capture the tensors on the caller's thread (bad
-        input raises here). Capturing is cheap; the host copy and hashing happen
-        in ``_commit``, which ``store_async`` runs on its worker thread."""
-        arr = _tokens(tokens)
-        _check_ns(ns, reserved_ok=checkpoint is not None)
-        if not len(arr):
-            raise ValueError("tokens is empty: there is no prompt to store")
-        if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
-            raise TypeError(f"caches must be a list of mlx-lm cache objects, got {type(caches).__name__}")
-        if not caches:
-            raise ValueError("caches is empty: pass the model's cache list (one per layer)")
-        if attachments is not None and not isinstance(attachments, Mapping):
-            raise TypeError("attachments must be a mapping of name to mx.array")
-        snap = blk.snapshot(list(caches), attachments)
-        counts = record_offsets(snap.records)
-        if counts and counts != {len(arr)}:  # restoring it would hand mlx-lm a cache that is not the prompt's
-            raise ValueError(f"{len(arr)} tokens but the caches hold {' / '.join(map(str, sorted(counts)))} "
-                             "tokens: pass exactly the tokens the caches were filled with")
-        return arr, ns, snap, checkpoint
-
     def _commit(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
         entry_id = uuid.uuid4().hex
         path = self._dir.header_path(ns, entry_id)
-        writer = _BlockWriter(self._pool, self._index, self._intents, self._executor("io"), self.compression)
-        refs_taken = False
+        writer = BlockWriter(self._pool, self._index, self._intents, self._executor("io"), self.compression)
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
             layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit,
@@ -949,32 +501,13 @@ class BlockStore:
                 return False
             self._fs.crash_point("store:blocks-written")
             with self._locked():
-                written += writer.ensure_present(layout)  # a deleter may have taken any block since we saw it
-                self._index.take_refs(entry_id, self._dir.rel(path), writer.sizes)
-                refs_taken = True
-                writer.release()  # referenced now: the refcounts protect them
-                self._fs.crash_point("store:refs-taken")
-                refuse_linked(path.parent)
-                self._fs.makedirs(path.parent)
-                written += self._fs.write_atomic(path, [header], tag=self._intents.token)
-                self._fs.crash_point("store:header-written")
-                attachments = tuple(layout.descriptor["attachments"])
-                parsed = blk.parse_descriptor(layout.descriptor)
-                record = EntryRecord(
-                    id=entry_id, ns=ns, path=self._dir.rel(path), header_bytes=len(header),
-                    blocks=tuple(writer.sizes),
-                    trimmable=not attachments and blk.descriptor_trimmable(parsed),
-                    minimum_reusable_offset=blk.descriptor_min_offset(parsed),
-                    checkpoint=checkpoint.to_json() if checkpoint else None, attachments=attachments,
-                    owner=self._owner, tokens=tokens,
-                )
-                self._index.add_entry(record, self._clock())
-                refs_taken = False
+                written += self._commits.publish(self._index, writer, layout, header, entry_id, path, ns, tokens,
+                                                 checkpoint)
                 self._refresh()
-                self._apply_store_rules(self._entries[entry_id])
+                self._apply_store_rules(self._catalog.get(entry_id))
                 self.evict_to_cap()
         except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
-            if refs_taken:
+            if writer.referenced:
                 self._undo_store(entry_id, path)
             elif isinstance(exc, LockTimeout):
                 writer.abandon()  # what it wrote is garbage for the next gc: waiting again to delete it helps nobody
@@ -990,16 +523,13 @@ class BlockStore:
         self.stats["bytes_deduplicated"] += sum(b.ref.raw_bytes for b in layout.blocks if b.ref.name not in writer.new)
         return True
 
-    def _discard(self, writer: _BlockWriter) -> None:
+    def _discard(self, writer: BlockWriter) -> None:
         """A refused or failed store: delete the blocks it wrote that nothing
         references and no live writer (of any handle) may still reference."""
         writer.abandon()
         try:
             with self._locked():
-                live = writers.survey(self._intents.directory)
-                for name in writer.new:
-                    if name not in live.names and self._index.block(name) is None:
-                        self._pool.delete(name)
+                self._commits.delete_unreferenced(self._index, writer.new)
         except (OSError, lmdb.Error, BlockKVError):
             pass  # left as garbage: the next gc reclaims it
 
@@ -1008,20 +538,18 @@ class BlockStore:
         Under the lock, or not at all: its ``pending`` record lets recovery do it."""
         try:
             with self._locked():
-                self._dir.unlink_quietly(path)
-                self._index.rollback_pending(entry_id, self._clock())
+                self._commits.undo(self._index, entry_id, path)
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("undo", f"could not undo a failed store ({exc}); check(repair=True) reclaims it")
 
     def _apply_store_rules(self, new: Entry) -> None:
         """Replace an identical entry; let a trimmable entry supersede its prefixes;
         a checkpoint supersedes older checkpoints of its key (all after it is durable)."""
-        trie = self._tries[new.ns]
-        doomed = [e for e in trie.prefixes_of(new.token_array)  # same ns, tokens a prefix of the new ones
+        doomed = [e for e in self._catalog.prefixes_of(new.ns, new.token_array)  # same ns, tokens a prefix of the new ones
                   if e is not new and (e.length == new.length  # identical: replaced
                                        or (new.trimmable and e.length >= new.minimum_reusable_offset))]
         if new.checkpoint is not None:  # its namespace holds only this key's checkpoints
-            doomed += [e for e in trie if e is not new and e.checkpoint is not None
+            doomed += [e for e in self._catalog.in_namespace(new.ns) if e is not new and e.checkpoint is not None
                        and e.checkpoint.key == new.checkpoint.key]
         for entry in dict.fromkeys(doomed):
             self._remove_quietly(entry.id)
@@ -1045,32 +573,15 @@ class BlockStore:
             self._warn("remove", f"could not remove entry {entry_id}: {exc}")
 
     def _remove_locked(self, entry_id: str) -> None:
-        """Unlink the header first, then drop its references (a crash between leaks, never dangles)."""
-        record = self._index.entry(entry_id)
-        if record is not None:
-            try:  # derived from (ns, id), never the record's path: the index is not trusted as a path
-                path: Path | None = self._dir.header_path(record.ns, entry_id)
-            except CorruptError as exc:
-                self._warn("index-path", f"index row {entry_id[:80]!r} is not ours ({exc}); dropping the row only")
-                path = None
-            if path is not None and path.parent.is_symlink():
-                path = None  # what is behind a linked namespace directory is not ours
-            if path is not None:
-                try:
-                    self._fs.unlink(path)
-                except FileNotFoundError:
-                    pass
-                self._fs.fsync_dir(path.parent)
-            self._fs.crash_point("remove:header-unlinked")
-            self._index.remove_entry(entry_id, self._clock())
+        """Remove an entry from the files and the index (``Commits.remove``), then from the catalog."""
+        self._commits.remove(self._index, entry_id)
         self._refresh()
-        with self._mutex:
-            self._drop_memory(entry_id)
+        self._catalog.drop(entry_id)
 
     @_open_only
     def evict_plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first. Changes nothing."""
-        _check_size("target_bytes", target_bytes)
+        check_size("target_bytes", target_bytes)
         return self._plan(target_bytes)
 
     def _plan(self, target_bytes: int) -> list[Entry]:
@@ -1079,9 +590,7 @@ class BlockStore:
             return []
         self._refresh()
         last_use = self._index.last_use()
-        with self._mutex:  # every identity of the directory shares its cap (design.md, "Identities")
-            entries = sorted([*self._entries.values(), *self._foreign.values()],
-                             key=lambda e: last_use.get(e.id, 0.0))
+        entries = sorted(self._catalog.every_identity(), key=lambda e: last_use.get(e.id, 0.0))
         rows = self._index.blocks()
         refs = {n: row.refs for n, row in rows.items()}
         plan = []
@@ -1100,7 +609,7 @@ class BlockStore:
     @_open_only
     def evict_to(self, target_bytes: int) -> list[Entry]:
         """Remove least recently used entries until ``total_bytes <= target_bytes``."""
-        _check_size("target_bytes", target_bytes)
+        check_size("target_bytes", target_bytes)
         try:
             with self._locked():
                 plan = self._plan(target_bytes)
@@ -1121,7 +630,7 @@ class BlockStore:
     def gc(self) -> int:
         """Give back the references of stores whose writer died, then delete
         blocks nothing references and no live writer may (see
-        ``_sweep_orphans``) and dead writers' temp files; returns how many blocks.
+        ``Recovery.sweep_orphans``) and dead writers' temp files; returns how many blocks.
 
         A ``pending`` record seen under the lock is a dead writer's: a live
         store holds the lock from taking its references to making its entry
@@ -1129,12 +638,13 @@ class BlockStore:
         try:
             with self._locked():
                 if self._index.pending():
-                    finished = self._roll_back_pending(self._index.entries())
+                    finished = self._recovery.roll_back_pending(self._index, self._index.entries())
                     self._refresh()
                     for entry_id in finished:  # its header had landed: finish what its store would have done
-                        if entry_id in self._entries:
-                            self._apply_store_rules(self._entries[entry_id])
-                n = self._sweep_orphans()
+                        entry = self._catalog.get(entry_id)
+                        if entry is not None:
+                            self._apply_store_rules(entry)
+                n = self._recovery.sweep_orphans(self._index, self.gc_grace)
                 self._index.trim_log()
         except LockTimeout as exc:
             self._warn("lock", f"gc skipped: {exc}")
@@ -1143,7 +653,7 @@ class BlockStore:
 
     def _sweep_quietly(self) -> None:
         try:
-            self._sweep_orphans()
+            self._recovery.sweep_orphans(self._index, self.gc_grace)
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("gc", f"gc failed: {exc}")
 
@@ -1158,15 +668,15 @@ class BlockStore:
         are checked without the directory lock; the comparison of files and
         index runs under it, so a busy, healthy root reports clean.
         ``LockTimeout`` if the lock is not had within ``lock_timeout``."""
-        verified = gc.verify_blocks(self._dir, progress)
+        verified = verify_blocks(self._dir, progress)
         with self._locked():
-            report = gc.inspect(self._dir, self._index.blocks(), verified=verified,
+            report = inspect(self._dir, self._index.blocks(), verified=verified,
                                 tmp_cutoff=self._clock() - self.tmp_grace)
             if repair and not report.clean:
-                gc.repair(self._dir, report)
-                self._rebuild()
+                repair_directory(self._dir, report)
+                self._recovery.rebuild(self._index)
                 report.actions.append("rebuilt the index from the headers")
-                self._load()
+                self._catalog.load(self._index)
         return report
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -1177,145 +687,3 @@ class BlockStore:
             return
         self._warned.add(kind)
         log.warning("blockkv: %s", message)
-
-
-class _BlockWriter:
-    """The blocks of one store: which the pool lacks, written in the background.
-
-    Every block it touches is declared in the handle's intent file before it
-    looks for it, and stays declared until the store references it or gives
-    up (writers.py): deleters spare it meanwhile."""
-
-    def __init__(self, pool: LocalPool, index: Index, intents: IntentFile, io: ThreadPoolExecutor,
-                 compression: str | None) -> None:
-        self._pool, self._index, self._intents, self._io = pool, index, intents, io
-        self._compression = compression
-        self.sizes: dict[str, int] = {}  # stored bytes of every block the entry references
-        self.new: set[str] = set()  # blocks this store wrote
-        self._declared: list[str] = []
-        self._writes: list[Future[Staged]] = []
-
-    def submit(self, block: blk.Block) -> None:
-        name = block.ref.name
-        self._intents.add([name])
-        self._declared.append(name)
-        row = self._index.block(name)
-        if row is not None and self._pool.exists(name):  # a dedup hit
-            self.sizes[name] = row.size
-            return
-        frame = blk.encode_block(block, self._compression)
-        self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
-        self.new.add(name)
-        self._writes.append(self._io.submit(self._pool.stage, name, frame, tag=self._intents.token))
-
-    def wait(self) -> int:
-        """Bytes written, once every block is durable under its name (re-raises
-        the first failure). Blocks are published as one batch: one fsync per
-        shard directory rather than one per block."""
-        staged, failure = [], None
-        for f in self._writes:
-            try:
-                staged.append(f.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised once every write has settled
-                failure = failure or exc
-        if failure is not None:
-            self._pool.unstage(staged)
-            raise failure
-        return self._pool.publish(staged)
-
-    def ensure_present(self, layout: blk.EntryLayout) -> int:
-        """Under the lock, right before taking references: every block of the
-        entry, new or reused, is in the pool; any that a deleter took since
-        ``submit`` is written again. Returns the bytes that took."""
-        written = 0
-        for block in layout.blocks:
-            name = block.ref.name
-            if not self._pool.exists(name):
-                frame = blk.encode_block(block, self._compression)
-                self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
-                written += self._pool.write(name, frame, tag=self._intents.token)
-                self.new.add(name)
-        return written
-
-    def abandon(self) -> None:
-        """Stop: cancel queued writes, wait for running ones, release the names."""
-        for f in self._writes:
-            f.cancel()
-        for f in self._writes:
-            try:
-                self._pool.unstage([f.result()])  # a tmp file wait() never published
-            except BaseException:  # noqa: BLE001 - the failure is reported by the caller
-                pass
-        self.release()
-
-    def release(self) -> None:
-        """Take this store's names out of the intent file (once; later calls do nothing)."""
-        names, self._declared = self._declared, []
-        if names:
-            try:
-                self._intents.release(names)
-            except OSError:
-                pass  # stale names only delay a deletion
-
-
-class _IndexDisagrees(BlockKVError):
-    """The header at an entry's path is valid but not the one its index row
-    describes: nothing proves either wrong, so restore misses and deletes nothing."""
-
-
-def _tokens(tokens: Sequence[int]) -> np.ndarray:
-    """Tokens as uint32, or a TypeError/ValueError naming what is wrong."""
-    if isinstance(tokens, mx.array):  # what MLX users hold; same rules as a numpy array
-        tokens = np.array(tokens)
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"tokens must be a 1-D sequence of ints, got an array of {tokens.dtype} {tokens.shape}")
-        arr = tokens
-    else:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"tokens must be ints, got {type(t).__name__} {t!r}")
-        arr = np.array(tokens, dtype=np.int64) if tokens else np.empty(0, np.int64)
-    if len(arr) and (arr.min() < 0 or arr.max() > _MAX_TOKEN):
-        raise ValueError("token ids must be in [0, 2**32)")
-    return np.ascontiguousarray(arr, dtype=np.uint32)
-
-
-def _check_ns(ns: str, *, reserved_ok: bool = False) -> None:
-    """A caller's namespace: a str of at most MAX_NS_BYTES UTF-8 bytes, not reserved."""
-    if not isinstance(ns, str):
-        raise TypeError(f"ns must be a str, got {type(ns).__name__}")
-    try:
-        size = len(ns.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"ns must be encodable as UTF-8 ({exc.reason} at index {exc.start})") from None
-    if size > MAX_NS_BYTES:
-        raise ValueError(f"ns is {size} bytes of UTF-8; at most {MAX_NS_BYTES} are allowed")
-    if not reserved_ok and ns.startswith(CHECKPOINT_NS):
-        raise ValueError(f"ns may not start with {CHECKPOINT_NS!r}: reserved for generation checkpoints")
-
-
-def _check_size(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of bytes, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-def _prefix_len(entry: Entry, prefix_len: int | None) -> int:
-    if prefix_len is None:
-        return entry.length
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int):
-        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__}")
-    if not 0 < prefix_len <= entry.length:
-        raise ValueError(f"prefix_len must be in [1, {entry.length}], got {prefix_len}")
-    if prefix_len < entry.length and not entry.trimmable:
-        raise ValueError("prefix_len cuts an entry whose caches cannot be trimmed")
-    if prefix_len < entry.minimum_reusable_offset:
-        raise ValueError(f"prefix_len {prefix_len} is below the entry's minimum reusable offset "
-                         f"{entry.minimum_reusable_offset}")
-    return prefix_len
-
-

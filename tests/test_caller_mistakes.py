@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from blockkv import BlockStore, GenerationCheckpoint, list_fingerprints
-from blockkv.store import CHECKPOINT_NS, MAX_NS_BYTES
+from blockkv.arguments import MAX_NS_BYTES
+from blockkv.store import CHECKPOINT_NS
 
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 

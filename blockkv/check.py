@@ -24,7 +24,6 @@ from .index import BlockRow, read_only_block_rows
 from .locks import DirLock
 
 Progress = Callable[[int, int], None]
-DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 
 
 @dataclass

@@ -1,0 +1,159 @@
+"""The in-memory catalog of one store handle: every entry of its directory,
+a prefix trie per namespace and an exact map, so that ``find`` is a pure
+lookup that reads no file.
+
+It mirrors the index's ``entries`` table and follows it through the change
+log (``apply_changes``); it is never the truth and never writes. Another
+identity's entries are kept apart: counted and evictable, never served.
+Thread-safe: one mutex guards every structure.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from .index import Index
+from .prefix_index import PrefixIndex
+from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Match
+
+
+class Catalog:
+    def __init__(self, owner: str, clock: Callable[[], float]) -> None:
+        self._owner = owner  # Identity.digest() of the handle: whose entries are served
+        self._clock = clock
+        self._mutex = threading.RLock()
+        self._entries: dict[str, Entry] = {}
+        self._foreign: dict[str, Entry] = {}  # another identity's entries: counted and evictable, never served
+        self._tries: dict[str, PrefixIndex[Entry]] = {}
+        self._exact: dict[tuple[str, bytes], str] = {}
+        self._position: tuple[bytes, int] = (b"", 0)
+
+    # -- following the index ------------------------------------------------------
+    def load(self, index: Index, records: list[EntryRecord] | None = None) -> None:
+        """Rebuild from the tables (``records``: already read)."""
+        with self._mutex:
+            self._position = index.position()  # first: a change made while we read is replayed, not lost
+            self._entries = {}
+            self._foreign = {}
+            self._tries = {}
+            self._exact = {}
+            last_use = index.last_use()
+            sizes = {n: row.size for n, row in index.blocks().items()}
+            for record in index.entries() if records is None else records:
+                self._add(record, last_use.get(record.id, 0.0), sizes)
+
+    def apply_changes(self, index: Index) -> None:
+        """Replay what changed in the tables since we last looked (raises ``lmdb.Error``)."""
+        with self._mutex:
+            changes = index.changes_since(self._position)
+            if changes is None:  # another generation of the tables, or trimmed past us
+                self.load(index)
+                return
+            position, ops = changes
+            if not ops:
+                return
+            for op, entry_id in ops:
+                if op == "-":
+                    self.drop(entry_id)
+                elif entry_id not in self._entries and entry_id not in self._foreign:
+                    record = index.entry(entry_id)
+                    if record is not None:
+                        self._add(record, self._clock(), index.block_sizes(record.blocks))
+            self._position = position
+
+    def _add(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
+        checkpoint = GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None
+        entry = Entry(
+            id=record.id, ns=record.ns, token_array=record.tokens,
+            nbytes=record.header_bytes + sum(sizes.get(n, 0) for n in record.blocks),
+            header_bytes=record.header_bytes, blocks=record.blocks, last_use=last_use,
+            trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
+            checkpoint=checkpoint, attachments=record.attachments,
+        )
+        if record.owner != self._owner:
+            self._foreign[entry.id] = entry
+            return
+        self._entries[entry.id] = entry
+        trie = self._tries.get(entry.ns)
+        if trie is None:  # not setdefault: that would build a throwaway trie per entry
+            trie = self._tries[entry.ns] = PrefixIndex()
+        trie.add(entry, entry.token_array)
+        self._exact[(entry.ns, entry.token_array.tobytes())] = entry.id
+
+    def drop(self, entry_id: str) -> None:
+        """Forget an entry removed from the tables by this handle."""
+        with self._mutex:
+            self._foreign.pop(entry_id, None)
+            entry = self._entries.pop(entry_id, None)
+            if entry is None:
+                return
+            self._tries[entry.ns].remove(entry_id)
+            key = (entry.ns, entry.token_array.tobytes())
+            if self._exact.get(key) == entry_id:
+                del self._exact[key]
+
+    # -- lookups --------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, entry_id: str) -> bool:
+        return entry_id in self._entries
+
+    def get(self, entry_id: str) -> Entry | None:
+        return self._entries.get(entry_id)
+
+    def entries(self, ns: str | None = None) -> list[Entry]:
+        """The served entries, or (``ns`` given) one namespace's."""
+        with self._mutex:
+            return [e for e in self._entries.values() if ns is None or e.ns == ns]
+
+    def every_identity(self) -> list[Entry]:
+        """Served and foreign entries: every identity of the directory shares its cap (design.md, "Identities")."""
+        with self._mutex:
+            return [*self._entries.values(), *self._foreign.values()]
+
+    def in_namespace(self, ns: str) -> list[Entry]:
+        """One namespace's entries, in its trie's order."""
+        with self._mutex:
+            return list(self._tries.get(ns, ()))
+
+    def prefixes_of(self, ns: str, tokens: np.ndarray) -> list[Entry]:
+        """The namespace's entries whose tokens are a prefix of ``tokens`` (them included)."""
+        with self._mutex:
+            trie = self._tries.get(ns)
+            return list(trie.prefixes_of(tokens)) if trie is not None else []
+
+    def has_durable_prefix(self, tokens: np.ndarray, ns: str) -> bool:
+        with self._mutex:
+            trie = self._tries.get(ns)
+            return trie is not None and trie.has_durable_prefix(tokens)
+
+    def find(self, tokens: np.ndarray, ns: str) -> Match | None:
+        with self._mutex:
+            trie = self._tries.get(ns)
+            found = trie.find(tokens) if trie is not None else None
+        return Match(*found) if found else None
+
+    def find_exact(self, tokens: np.ndarray, ns: str) -> Match | None:
+        with self._mutex:
+            entry_id = self._exact.get((ns, tokens.tobytes()))
+            entry = self._entries.get(entry_id) if entry_id else None
+        return Match(entry, len(tokens)) if entry is not None else None
+
+    def generation_checkpoint(self, prompt: np.ndarray, key: str, cache_ns: str) -> Entry | None:
+        """The longest checkpoint of ``key`` that continues exactly ``prompt``."""
+        best: Entry | None = None
+        for entry in self.entries():
+            cp = entry.checkpoint
+            if cp is None or cp.key != key or cp.cache_ns != cache_ns or entry.ns != CHECKPOINT_NS + key:
+                continue
+            if cp.original_prompt_tokens != len(prompt) or entry.length <= len(prompt):
+                continue
+            if not np.array_equal(entry.token_array[: len(prompt)], prompt):
+                continue
+            if best is None or entry.length > best.length:
+                best = entry
+        return best

@@ -1,0 +1,93 @@
+"""What an entry is: the records the truth layer (header files) and the
+in-memory catalog hand around, with no storage behind them.
+
+``EntryRecord`` is an entry as its header file states it (the index keeps a
+copy of it, directory.py reads it from a header); ``Entry`` is what callers
+of the store see; ``Match`` and ``Loaded`` are what ``find`` and ``restore``
+return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+CHECKPOINT_NS = "__generation_checkpoint__:"  # reserved: no caller's ns may start with it
+
+
+@dataclass(frozen=True)
+class EntryRecord:
+    """An entry as its header file states it, in the form the index keeps."""
+
+    id: str
+    ns: str
+    path: str  # header path relative to the fingerprint directory
+    header_bytes: int
+    blocks: tuple[str, ...]
+    trimmable: bool
+    minimum_reusable_offset: int
+    checkpoint: dict[str, Any] | None
+    attachments: tuple[str, ...]
+    owner: str  # Identity.digest() of the header: another identity's entry is kept, never served
+    tokens: np.ndarray  # uint32
+
+
+@dataclass(frozen=True)
+class GenerationCheckpoint:
+    """An in-flight generation: ``tokens`` = prompt + output so far."""
+
+    key: str
+    original_prompt_tokens: int
+    cache_ns: str = ""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "original_prompt_tokens": self.original_prompt_tokens,
+                "cache_ns": self.cache_ns, "meta": dict(self.meta)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GenerationCheckpoint:
+        return cls(str(d["key"]), int(d["original_prompt_tokens"]), str(d.get("cache_ns", "")),
+                   dict(d.get("meta") or {}))
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One stored prompt cache, as the index knows it (no tensors)."""
+
+    id: str
+    ns: str
+    token_array: np.ndarray = field(repr=False)
+    nbytes: int  # header + every block it references
+    header_bytes: int
+    blocks: tuple[str, ...]
+    last_use: float
+    trimmable: bool
+    minimum_reusable_offset: int
+    checkpoint: GenerationCheckpoint | None
+    attachments: tuple[str, ...]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self.token_array.tolist())
+
+    @property
+    def length(self) -> int:
+        return len(self.token_array)
+
+
+@dataclass(frozen=True)
+class Match:
+    entry: Entry
+    prefix_len: int
+
+
+@dataclass
+class Loaded:
+    caches: list[Any]
+    tokens: tuple[int, ...]
+    attachments: dict[str, Any]
+    checkpoint: GenerationCheckpoint | None

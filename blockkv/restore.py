@@ -1,0 +1,106 @@
+"""Reading one entry back: its header, then only the blocks that cover the
+prefix, each read straight into its destination array and verified there.
+
+``EntryRead`` reads and raises; it deletes nothing. What a failure proves
+(``culprit`` names the header or the block being read) is the store's to
+judge: only proof of corruption drops an entry.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import blocks as blk
+from .directory import Directory, block_key
+from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
+from .header import Header, Identity
+from .records import Entry
+
+
+class IndexDisagrees(BlockKVError):
+    """The header at an entry's path is valid but not the one its index row
+    describes: nothing proves either wrong, so restore misses and deletes nothing."""
+
+
+class EntryRead:
+    """One restore of ``entry``: ``run`` rebuilds its caches; ``io`` reads and checks blocks."""
+
+    def __init__(self, directory: Directory, identity: Identity, entry: Entry, verify: bool | str,
+                 io: ThreadPoolExecutor) -> None:
+        self._dir = directory
+        self._pool = directory.pool
+        self._identity = identity
+        self._entry = entry
+        self._verify = verify
+        self._io = io
+        self._key = block_key(identity, entry.ns)
+        self._reading = ""  # "header" while the header is read: its file gone is proof too
+        self._corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
+
+    def run(self, cut: int | None) -> tuple[Header, list[Any], dict[str, Any]]:
+        """The header and the caches (cut to ``cut`` tokens when given), materialised."""
+        self._reading = "header"
+        header = self._dir.read_header(self._dir.header_path(self._entry.ns, self._entry.id))
+        self._reading = ""
+        if header.identity != self._identity or header.ns != self._entry.ns:
+            raise IndexDisagrees("the header on disk is not the one indexed")
+        descriptor = blk.with_xxh3(header.descriptor, header.block_xxh3)
+        # every array rebuild allocates is bounded by the bytes actually on disk, never by a
+        # size the header declares: a planted header cannot force a huge allocation
+        self._stored_sizes(blk.blocks_for_prefix(blk.parse_descriptor(descriptor), cut))
+        caches, attachments = blk.rebuild(descriptor, None, cut, self._fill_all)
+        # materialise here: a lazy array built on a worker thread cannot be
+        # evaluated from the caller's thread (restore_async)
+        mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
+                 if isinstance(v, mx.array)])
+        return header, caches, attachments
+
+    def culprit(self, exc: BaseException) -> str:
+        """What ``exc`` was raised reading: "header", a block's name, or ""."""
+        return self._reading or next((name for e, name in self._corrupt if e is exc), "")
+
+    def _fill(self, target: blk.Target) -> None:
+        """Read a block straight into its destination and verify it there; a
+        frame that is not the expected uncompressed one (zstd, or damage)
+        is read whole and decoded, which names what is wrong."""
+        name = target.ref.name
+        try:
+            prefix = bytearray(len(target.frame_prefix))
+            if self._pool.read_exact(name, [memoryview(prefix), *target.pieces]) and prefix == target.frame_prefix:
+                if self._verify:
+                    target.verify(full=self._verify == "full", key=self._key)
+            else:
+                target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self._verify), key=self._key))
+        except CorruptBlockError as exc:
+            self._corrupt.append((exc, name))
+            raise
+
+    def _fill_all(self, targets: Iterator[blk.Target]) -> None:
+        # two threads: one block's read overlaps another's hash (both release the GIL)
+        for _ in self._io.map(self._fill, targets):
+            pass
+
+    def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
+        """Bytes on disk of each block a restore needs. A block whose file could not
+        hold the raw bytes the header declares is a corrupt entry, found before
+        anything of the declared size is allocated."""
+        sizes: dict[str, int] = {}
+        for ref in refs:
+            try:
+                st = os.lstat(self._pool.path(ref.name))
+            except FileNotFoundError:
+                raise BlockMissingError(f"block {ref.name} is not in the pool") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise BlockMissingError(f"block {ref.name} is not a regular file")
+            if ref.raw_bytes > blk.max_raw_bytes(st.st_size):
+                raise CorruptError(f"the header declares {ref.raw_bytes} bytes for block {ref.name}, "
+                                   f"whose {st.st_size}-byte file cannot hold them")
+            sizes[ref.name] = st.st_size
+        return sizes
