@@ -82,6 +82,18 @@ def _verify(name: str, data: bytes, keys: Keys) -> None:
         blk.decode_block(name, data, verify=False)
 
 
+def _verdict(directory: Directory, name: str, keys: dict[str, bytes | None]) -> bool | None:
+    """Whether one block file is corrupt; None if it is gone. Any other error
+    (EMFILE, EIO, MemoryError) is raised: it proves nothing about the block."""
+    try:
+        _verify(name, directory.pool.read(name), keys)
+        return False
+    except CorruptBlockError:
+        return True
+    except BlockMissingError:
+        return None
+
+
 def verify_blocks(directory: Directory, progress: Progress | None = None) -> Verified:
     """Hash every block file: name → whether it is corrupt, and the blocks a
     transient error kept us from reading (never corrupt). The slow part of a
@@ -93,14 +105,12 @@ def verify_blocks(directory: Directory, progress: Progress | None = None) -> Ver
     unreadable: list[str] = []
     for done, name in enumerate(names, 1):
         try:
-            _verify(name, directory.pool.read(name), keys)
-            out[name] = False
-        except CorruptBlockError:
-            out[name] = True
-        except BlockMissingError:
-            pass
+            bad = _verdict(directory, name, keys)
         except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
             unreadable.append(name)
+        else:
+            if bad is not None:
+                out[name] = bad
         if progress is not None:
             progress(done, len(names))
     return out, unreadable
@@ -155,14 +165,14 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     report.unreadable += [directory.rel(directory.pool.path(n)) for n in unread if n in files]
     for done, name in enumerate(fresh, 1):
         try:
-            _verify(name, directory.pool.read(name), keys)
-            rest[name] = False
-        except CorruptBlockError:
-            rest[name] = True
-        except BlockMissingError:
-            files.discard(name)
+            bad = _verdict(directory, name, keys)
         except Exception:  # noqa: BLE001 - not proof of corruption: neither corrupt nor an orphan
             report.unreadable.append(directory.rel(directory.pool.path(name)))
+        else:
+            if bad is None:
+                files.discard(name)
+            else:
+                rest[name] = bad
         if progress is not None and verified is None:
             progress(done, len(fresh))
     corrupt = {n for n, bad in rest.items() if bad and n in files}

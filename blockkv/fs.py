@@ -47,6 +47,16 @@ def refuse_linked(path: Path) -> None:
         raise OSError(errno.ELOOP, "a symlink where blockkv keeps its own files; not followed", str(path))
 
 
+def _advance(pending: list[memoryview], n: int) -> None:
+    """After a scatter read or gather write moved ``n`` bytes: drop the buffers
+    that landed whole, keep the rest of a partial one."""
+    while n and pending:
+        if n >= pending[0].nbytes:
+            n -= pending.pop(0).nbytes
+        else:
+            pending[0], n = pending[0][n:], 0
+
+
 class FileLayer:
     """Durable file primitives. Subclass and override a primitive to inject faults."""
 
@@ -123,11 +133,7 @@ class FileLayer:
                 if n <= 0:
                     return False
                 offset += n
-                while n and pending:  # drop what landed, keep the rest of a partial buffer
-                    if n >= pending[0].nbytes:
-                        n -= pending.pop(0).nbytes
-                    else:
-                        pending[0], n = pending[0][n:], 0
+                _advance(pending, n)
             return True
 
     def crash_point(self, name: str) -> None:
@@ -189,11 +195,7 @@ class FileLayer:
                     if n <= 0:
                         raise OSError(errno.EIO, "short write", str(tmp))
                     total += n
-                    while n and pending:  # drop what landed, keep the rest of a partial buffer
-                        if n >= pending[0].nbytes:
-                            n -= pending.pop(0).nbytes
-                        else:
-                            pending[0], n = pending[0][n:], 0
+                    _advance(pending, n)
                 self.fsync(fd)
             finally:
                 os.close(fd)
