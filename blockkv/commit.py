@@ -19,34 +19,32 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from . import blocks as blk
 from . import writers
 from .directory import Directory
 from .errors import CorruptError
 from .fs import FileLayer, refuse_linked
+from .header import Header
 from .index import Index
 from .pool import LocalPool, Staged
-from .records import EntryRecord, GenerationCheckpoint
 from .writers import IntentFile
 
 
 class Commits:
     def __init__(self, directory: Directory, intents: IntentFile, fs: FileLayer, clock: Callable[[], float],
-                 owner: str, warn: Callable[[str, str], None]) -> None:
+                 warn: Callable[[str, str], None]) -> None:
         self._dir = directory
         self._pool = directory.pool
         self._intents = intents
         self._fs = fs
         self._clock = clock
-        self._owner = owner  # Identity.digest() of the handle, recorded with each entry it writes
         self._warn = warn
 
-    def publish(self, index: Index, writer: BlockWriter, layout: blk.EntryLayout, header: bytes, entry_id: str,
-                path: Path, ns: str, tokens: np.ndarray, checkpoint: GenerationCheckpoint | None) -> int:
+    def publish(self, index: Index, writer: BlockWriter, layout: blk.EntryLayout, header: Header, encoded: bytes,
+                entry_id: str, path: Path) -> int:
         """Under the lock, once ``writer``'s blocks are durable: references, then
-        the header, then the entry in the index. Returns the bytes written."""
+        the header (``encoded``), then the entry in the index, recorded from
+        ``header`` as recovery would record it. Returns the bytes written."""
         written = writer.ensure_present(layout)  # a deleter may have taken any block since we saw it
         index.take_refs(entry_id, self._dir.rel(path), writer.sizes)
         writer.referenced = True
@@ -54,19 +52,9 @@ class Commits:
         self._fs.crash_point("store:refs-taken")
         refuse_linked(path.parent)
         self._fs.makedirs(path.parent)
-        written += self._fs.write_atomic(path, [header], tag=self._intents.token)
+        written += self._fs.write_atomic(path, [encoded], tag=self._intents.token)
         self._fs.crash_point("store:header-written")
-        attachments = tuple(layout.descriptor["attachments"])
-        parsed = blk.parse_descriptor(layout.descriptor)
-        record = EntryRecord(
-            id=entry_id, ns=ns, path=self._dir.rel(path), header_bytes=len(header),
-            blocks=tuple(writer.sizes),
-            trimmable=not attachments and blk.descriptor_trimmable(parsed),
-            minimum_reusable_offset=blk.descriptor_min_offset(parsed),
-            checkpoint=checkpoint.to_json() if checkpoint else None, attachments=attachments,
-            owner=self._owner, tokens=tokens,
-        )
-        index.add_entry(record, self._clock())
+        index.add_entry(self._dir.record(entry_id, path, header, len(encoded)), self._clock())
         writer.referenced = False
         return written
 
@@ -129,10 +117,7 @@ class BlockWriter:
         if row is not None and self._pool.exists(name):  # a dedup hit
             self.sizes[name] = row.size
             return
-        frame = blk.encode_block(block, self._compression)
-        self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
-        self.new.add(name)
-        self._writes.append(self._io.submit(self._pool.stage, name, frame, tag=self._intents.token))
+        self._writes.append(self._io.submit(self._pool.stage, name, self._frame(block), tag=self._intents.token))
 
     def wait(self) -> int:
         """Bytes written, once every block is durable under its name (re-raises
@@ -157,11 +142,15 @@ class BlockWriter:
         for block in layout.blocks:
             name = block.ref.name
             if not self._pool.exists(name):
-                frame = blk.encode_block(block, self._compression)
-                self.sizes[name] = sum(memoryview(p).nbytes for p in frame)
-                written += self._pool.write(name, frame, tag=self._intents.token)
-                self.new.add(name)
+                written += self._pool.write(name, self._frame(block), tag=self._intents.token)
         return written
+
+    def _frame(self, block: blk.Block) -> list[bytes | memoryview]:
+        """The block's stored bytes; it counts as written by this store, at that size."""
+        frame = blk.encode_block(block, self._compression)
+        self.sizes[block.ref.name] = sum(memoryview(p).nbytes for p in frame)
+        self.new.add(block.ref.name)
+        return frame
 
     def abandon(self) -> None:
         """Stop: cancel queued writes, wait for running ones, release the names."""

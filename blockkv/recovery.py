@@ -64,13 +64,10 @@ class Recovery:
         names its writer; one whose writer is alive is never touched, whatever
         the clock says. One without a writer token (an older blockkv) goes by
         age, ``tmp_grace``."""
-        for path in self._stale_tmp(tmp, live):
+        for path in writers.stale_temp_files(tmp, live, self._clock() - self._tmp_grace):
             self._dir.unlink_quietly(path)
             self._note(f"reaped write orphan {self._dir.rel(path)}")
         writers.reap(live)
-
-    def _stale_tmp(self, tmp: list[str], live: writers.Writers) -> list[Path]:
-        return writers.stale_temp_files(tmp, live, self._clock() - self._tmp_grace)
 
     def _scan_header(self, entry_id: str, path: Path, block_files: Container[str]) -> EntryRecord | None:
         """Index-worthy record of a header file, or None. A corrupt header is
@@ -129,6 +126,7 @@ class Recovery:
             return finished
         now = self._clock()
         known = {r.id for r in records}
+        sizes: dict[str, int] | None = None  # the pool's block sizes, listed once if a header landed
         for entry_id, rec in pending.items():
             index.rollback_pending(entry_id, now)
             self._note(f"rolled back the references of an unfinished store ({entry_id})")
@@ -136,7 +134,8 @@ class Recovery:
             if path is None:
                 self._note(f"pending record {entry_id[:80]!r} names no header of ours: ignored its path")
             elif entry_id not in known and path.exists():  # header landed, entry never indexed
-                sizes = {f.name: f.size for f in self._pool.files()}
+                if sizes is None:
+                    sizes = {f.name: f.size for f in self._pool.files()}
                 record = self._scan_header(entry_id, path, sizes)
                 if record is not None:
                     index.add_scanned(record, {n: sizes[n] for n in record.blocks}, now)

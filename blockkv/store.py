@@ -132,7 +132,7 @@ class BlockStore:
         self._dir.create(self.root)
         self._lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
-        self._commits = Commits(self._dir, self._intents, self._fs, clock, self._owner, self._warn)
+        self._commits = Commits(self._dir, self._intents, self._fs, clock, self._warn)
         self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
                                   tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
         self._needs_recovery = False  # open could not take the lock: recover at the first mutation
@@ -240,21 +240,25 @@ class BlockStore:
             else:
                 self._note("index missing, from another format or from before an OS restart: rebuilt")
                 self._recovery.rebuild(self._index)
-        except CorruptError as exc:  # a record that does not parse: the tables are garbage, the environment works
-            self._warn("index", f"LMDB index unreadable ({exc}); rebuilding from headers")
-            self._note(f"index unreadable ({exc}): rebuilt")
-            records = None
-            self._recovery.rebuild(self._index)
-        except BROKEN_INDEX as exc:
+        except (CorruptError, *BROKEN_INDEX) as exc:
+            # a record that does not parse: the tables are garbage but the environment works;
+            # liblmdb's proof that the environment itself is broken: it is moved aside first
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self._note(f"index unreadable ({exc}): rebuilt")
             records = None
-            self._index.close()
-            self._index = self._recovery.fresh_index()
+            if isinstance(exc, BROKEN_INDEX):
+                self._index.close()
+                self._index = self._recovery.fresh_index()
             self._recovery.rebuild(self._index)
         self._recovery.sweep_orphans(self._index, self.gc_grace, files, live)
         self._catalog.load(self._index, records)
-        for entry_id in finished:  # a store that died after its header landed: finish what it would have done
+        self._finish_dead_stores(finished)
+
+    def _finish_dead_stores(self, finished: list[str]) -> None:
+        """Stores that died after their header landed, indexed now by the
+        roll-back of their pending references: apply the rules and the cap
+        their store would have applied."""
+        for entry_id in finished:
             entry = self._catalog.get(entry_id)
             if entry is not None:
                 self._apply_store_rules(entry)
@@ -491,9 +495,10 @@ class BlockStore:
             layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit,
                                      key=block_key(self.identity, ns))
             written = writer.wait()
-            header = encode_header(Header(self.identity, ns, tokens, layout.descriptor,
-                                          checkpoint.to_json() if checkpoint else None, layout.block_xxh3))
-            entry_bytes = len(header) + sum(writer.sizes.values())
+            header = Header(self.identity, ns, tokens, layout.descriptor,
+                            checkpoint.to_json() if checkpoint else None, layout.block_xxh3)
+            encoded = encode_header(header)
+            entry_bytes = len(encoded) + sum(writer.sizes.values())
             if entry_bytes > self.max_bytes:
                 self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {self.max_bytes}-byte cap",
                            once=False)
@@ -501,8 +506,7 @@ class BlockStore:
                 return False
             self._fs.crash_point("store:blocks-written")
             with self._locked():
-                written += self._commits.publish(self._index, writer, layout, header, entry_id, path, ns, tokens,
-                                                 checkpoint)
+                written += self._commits.publish(self._index, writer, layout, header, encoded, entry_id, path)
                 self._refresh()
                 self._apply_store_rules(self._catalog.get(entry_id))
                 self.evict_to_cap()
@@ -640,10 +644,7 @@ class BlockStore:
                 if self._index.pending():
                     finished = self._recovery.roll_back_pending(self._index, self._index.entries())
                     self._refresh()
-                    for entry_id in finished:  # its header had landed: finish what its store would have done
-                        entry = self._catalog.get(entry_id)
-                        if entry is not None:
-                            self._apply_store_rules(entry)
+                    self._finish_dead_stores(finished)
                 n = self._recovery.sweep_orphans(self._index, self.gc_grace)
                 self._index.trim_log()
         except LockTimeout as exc:
@@ -671,7 +672,7 @@ class BlockStore:
         verified = verify_blocks(self._dir, progress)
         with self._locked():
             report = inspect(self._dir, self._index.blocks(), verified=verified,
-                                tmp_cutoff=self._clock() - self.tmp_grace)
+                             tmp_cutoff=self._clock() - self.tmp_grace)
             if repair and not report.clean:
                 repair_directory(self._dir, report)
                 self._recovery.rebuild(self._index)
