@@ -529,9 +529,13 @@ def _release_env(shared: _SharedEnv) -> None:
         shared.env.close()  # a no-op if it was closed as stale
 
 
-def read_only_block_rows(path: Path) -> dict[str, BlockRow] | None:
-    """Block rows of an index, opened read-only without taking its lock (for
-    reports that must change nothing); None if there is no usable index."""
+def _read_only(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R], *,
+               this_boot: bool = False) -> R | None:
+    """``fn`` over an index opened read-only without its lock file (for tools
+    that must change nothing), if it has our format (and, ``this_boot``, was
+    written since this boot: one a store would trust); None otherwise, or if
+    anything fails to parse. Without the lock a writer may reuse pages under
+    us, so garbage is possible and reads as "no usable index"."""
     if not (path / "data.mdb").is_file():
         return None
     try:
@@ -543,9 +547,33 @@ def read_only_block_rows(path: Path) -> dict[str, BlockRow] | None:
             meta = env.open_db(b"meta", txn=txn, create=False)
             if txn.get(b"format", db=meta) != FORMAT:
                 return None
-            blocks = env.open_db(b"blocks", txn=txn, create=False)
-            return {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in txn.cursor(db=blocks)}
-    except (lmdb.Error, struct.error, UnicodeDecodeError):
+            if this_boot and txn.get(b"boot", db=meta) != boot_id().encode():
+                return None
+            return fn(env, txn)
+    except (lmdb.Error, CorruptError, struct.error, UnicodeDecodeError):
         return None
     finally:
         env.close()
+
+
+def read_only_block_rows(path: Path) -> dict[str, BlockRow] | None:
+    """Block rows of an index, read without its lock; None if there is no usable index."""
+
+    def read(env: lmdb.Environment, txn: lmdb.Transaction) -> dict[str, BlockRow]:
+        blocks = env.open_db(b"blocks", txn=txn, create=False)
+        return {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in txn.cursor(db=blocks)}
+
+    return _read_only(path, read)
+
+
+def read_only_entries(path: Path) -> tuple[dict[str, EntryRecord], dict[str, float]] | None:
+    """Entry rows and last-use times of an index a store would trust, read
+    without its lock; None if it would not be trusted or does not parse."""
+
+    def read(env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[dict[str, EntryRecord], dict[str, float]]:
+        entries = env.open_db(b"entries", txn=txn, create=False)
+        rows = {k.decode(): unpack_record(k.decode(), v) for k, v in txn.cursor(db=entries)}
+        lastuse = env.open_db(b"lastuse", txn=txn, create=False)
+        return rows, {k.decode(): _F64.unpack(v)[0] for k, v in txn.cursor(db=lastuse)}
+
+    return _read_only(path, read, this_boot=True)

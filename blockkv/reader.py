@@ -13,23 +13,18 @@ and its write time is its last use, as for a store rebuilding its index.
 
 from __future__ import annotations
 
-import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import lmdb
 
 from blockkv import Entry, GenerationCheckpoint
 from blockkv.directory import Directory, read_identity
 from blockkv.errors import CorruptError
 from blockkv.fs import FileLayer
 from blockkv.header import Identity
-from blockkv.index import FORMAT, boot_id, unpack_record
-from blockkv.records import EntryRecord
+from blockkv.index import read_only_entries
 
-_LAST_USE = struct.Struct("<d")  # the index's lastuse table: f64 seconds per entry id
-_MAX_DBS = 16  # an upper bound on the index's named tables (lmdb needs one to open them)
 
 
 @dataclass(frozen=True)
@@ -56,7 +51,7 @@ def read_directory(path: Path) -> DirectoryView:
     identity = read_identity(path)
     directory = Directory(path, identity, FileLayer())
     listing = directory.listing()
-    indexed = trusted_index(directory.index_dir)
+    indexed = read_only_entries(directory.index_dir)
     rows, last_use = indexed if indexed is not None else ({}, {})
     own = identity.digest()
     entries: list[Entry] = []
@@ -114,28 +109,3 @@ def _block_size(directory: Directory, name: str) -> int:
         return 0
 
 
-def trusted_index(index_dir: Path) -> tuple[dict[str, EntryRecord], dict[str, float]] | None:
-    """The entry rows and last-use times of an index a store would trust (its
-    format, this boot), opened read-only and without a lock file; None otherwise.
-    Without the lock a writer may reuse pages under us: a row that does not
-    parse makes the whole index count as untrusted, and the headers are read."""
-    if not (index_dir / "data.mdb").is_file():
-        return None
-    try:
-        env = lmdb.open(str(index_dir), readonly=True, lock=False, max_dbs=_MAX_DBS)
-    except lmdb.Error:
-        return None
-    try:
-        with env.begin() as txn:
-            meta = env.open_db(b"meta", txn=txn, create=False)
-            if txn.get(b"format", db=meta) != FORMAT or txn.get(b"boot", db=meta) != boot_id().encode():
-                return None
-            table = env.open_db(b"entries", txn=txn, create=False)
-            rows = {k.decode(): unpack_record(k.decode(), v) for k, v in txn.cursor(db=table)}
-            table = env.open_db(b"lastuse", txn=txn, create=False)
-            last_use = {k.decode(): _LAST_USE.unpack(v)[0] for k, v in txn.cursor(db=table)}
-            return rows, last_use
-    except (lmdb.Error, CorruptError, struct.error, UnicodeDecodeError):
-        return None
-    finally:
-        env.close()
