@@ -456,7 +456,10 @@ def _kill_mid_store(root: Path, tmp_path: Path, store: BlockStore) -> None:
     big = spec(0, 0, 99, 64 * BLOCK_TOKENS)
     child = start(writer, root, tmp_path / "killed.json", {"fs": StuckAtHeaderFS(0.01)}, [big])
     try:
-        wait_for(lambda: len(tmp_files(store)) > 0 and len(block_files(store)) >= 2, 120, "the writer's files")
+        # the header's temp file: the writer stops for good once it is durable (a block's temp
+        # file could be renamed between this check and the kill)
+        wait_for(lambda: any("entries" in p.parts for p in tmp_files(store)) and len(block_files(store)) >= 2,
+                 120, "the writer's files")
     finally:
         child.kill()
         child.join()
