@@ -12,6 +12,7 @@ from .errors import (
     CorruptBlockError,
     CorruptError,
     CorruptHeaderError,
+    NewerFormatError,
 )
 from .check import CheckReport
 from .directory import list_fingerprints
@@ -30,6 +31,7 @@ __all__ = [
     "GenerationCheckpoint",
     "Loaded",
     "Match",
+    "NewerFormatError",
     "list_fingerprints",
     "minimum_reusable_offset",
     "register_codec",

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from . import blocks as blk
 from .directory import HEADER_LAYOUT
-from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
+from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
 from .fs import Buffer
 from .header import MAX_HEADER_BYTES, Header, Identity, decode_header
 from .pool import BLOCK_LAYOUT, Layout
@@ -223,15 +223,16 @@ class Bucket:
     def fetch_headers(self, names: Iterable[str]) -> tuple[dict[str, tuple[bytes, Header]], list[str]]:
         """Many headers at once, concurrently (a node's open): (verified headers,
         names of damaged ones). A header gone since it was listed is left out;
-        an outage raises BucketError."""
+        an outage raises BucketError. Nothing here deletes a damaged one: a
+        later format's header looks the same to this version."""
 
         def read(name: str) -> tuple[str, tuple[bytes, Header] | None]:
             try:
                 return name, self.fetch_header(name)
             except BlockMissingError:
                 return name, ()  # evicted since it was listed: left out
-            except CorruptError:
-                return name, None  # damaged (or a format this version does not read)
+            except (CorruptError, NewerFormatError):
+                return name, None  # damaged, or a later format: never served, never deleted
 
         found, damaged = {}, []
         for name, result in self._fetchers.map(read, list(dict.fromkeys(names))):

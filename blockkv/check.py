@@ -19,7 +19,7 @@ from typing import Any
 from . import blocks as blk
 from . import writers
 from .directory import Directory, block_key
-from .errors import BlockMissingError, CorruptBlockError, CorruptError
+from .errors import BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
 from .index import BlockRow, read_only_block_rows
 from .locks import DirLock
 
@@ -38,6 +38,7 @@ class CheckReport:
     corrupt_headers: list[str] = field(default_factory=list)  # paths relative to the fingerprint dir
     corrupt_blocks: list[str] = field(default_factory=list)
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
+    newer_headers: list[str] = field(default_factory=list)  # a newer blockkv's format: kept, never served
     unreadable: list[str] = field(default_factory=list)  # headers and blocks a transient error kept us from reading
     stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
     in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
@@ -48,7 +49,7 @@ class CheckReport:
     def clean(self) -> bool:
         return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
                     or self.corrupt_headers or self.corrupt_blocks or self.stale_tmp or self.index_missing
-                    or self.unreadable)
+                    or self.unreadable or self.newer_headers)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "clean": self.clean}
@@ -148,6 +149,9 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
         except CorruptError:
             report.corrupt_headers.append(directory.rel(path))
             continue
+        except NewerFormatError:
+            report.newer_headers.append(directory.rel(path))
+            continue
         except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
             report.unreadable.append(directory.rel(path))
             continue
@@ -181,7 +185,7 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     report.dangling = sorted(
         entry_id for entry_id, needed in referencing.items() if any(n not in files or n in corrupt for n in needed)
     )
-    if any(u.startswith("entries/") for u in report.unreadable):
+    if report.newer_headers or any(u.startswith("entries/") for u in report.unreadable):
         return report  # a header we could not read may reference any block: no orphans, no refcounts
     waiting_for_gc = {n for n, row in (rows or {}).items() if row.refs == 0}
     report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc

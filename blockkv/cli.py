@@ -357,6 +357,7 @@ PROBLEMS = {
     "orphan_blocks": "orphan block (nothing references it)",
     "refcount_mismatches": "refcount mismatch (block, index says, headers say)",
     "unreadable": "unreadable file (a transient error such as EMFILE or EIO; kept, never deleted)",
+    "newer_headers": "header of a newer blockkv format (kept, never served; blocks are not swept while it is here)",
 }
 
 

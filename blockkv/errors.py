@@ -20,6 +20,12 @@ class CorruptHeaderError(CorruptError):
     """A header file that fails its checksum or its bounds."""
 
 
+class NewerFormatError(BlockKVError, ValueError):
+    """A header of a later format than this blockkv reads (a newer process
+    shares the root). Not proof of corruption: kept, never served, and while
+    it is present no orphan block is swept (it may reference any)."""
+
+
 class BlockMissingError(BlockKVError, FileNotFoundError):
     """A block an entry references is not in the pool (removed by another process)."""
 

@@ -11,7 +11,9 @@ Layout (all integers little-endian)::
     ..  4 * n_tokens      tokens, u32
     ..  32                blake3 digest of every byte before it
 
-The JSON object holds no tensor data and no numbers that grow with the
+The framing (magic, version, the two sizes, the trailing digest) is the same
+in every version, so a reader can tell a later format's whole header from a
+damaged one. The JSON object holds no tensor data and no numbers that grow with the
 prompt: tokens are binary. The digest covers the whole file, so a torn or
 bit-flipped header is detected before anything in it is trusted.
 """
@@ -26,7 +28,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from .errors import CorruptHeaderError
+from .errors import CorruptHeaderError, NewerFormatError
 
 MAGIC = b"BKVHDR\x00\x00"
 VERSION = 1
@@ -86,13 +88,14 @@ def encode_header(header: Header) -> bytes:
 
 
 def decode_header(data: bytes) -> Header:
-    """Parse and verify a header; anything malformed raises CorruptHeaderError."""
+    """Parse and verify a header; anything malformed raises CorruptHeaderError,
+    a later format NewerFormatError (not corruption: it may be perfectly good)."""
     if len(data) < _FIXED.size + _DIGEST:
         raise CorruptHeaderError(f"header truncated ({len(data)} bytes)")
     magic, version, _, meta_len, n_tokens = _FIXED.unpack_from(data)
     if magic != MAGIC:
         raise CorruptHeaderError("not a blockkv header (bad magic)")
-    if version != VERSION:
+    if version < VERSION:
         raise CorruptHeaderError(f"unsupported header version {version}")
     if meta_len > MAX_META_BYTES or n_tokens > MAX_TOKENS:
         raise CorruptHeaderError("header declares absurd sizes")
@@ -101,6 +104,8 @@ def decode_header(data: bytes) -> Header:
     body = memoryview(data)[:-_DIGEST]
     if blake3.blake3(body).digest() != data[-_DIGEST:]:
         raise CorruptHeaderError("header checksum mismatch")
+    if version > VERSION:  # whole, by the framing every version keeps: a newer blockkv's, not damage
+        raise NewerFormatError(f"header format {version} is newer than this blockkv reads ({VERSION})")
     try:
         meta = json.loads(bytes(body[_FIXED.size : _FIXED.size + meta_len]))
         identity = Identity(*(_str(meta, k) for k in _IDENTITY_KEYS))

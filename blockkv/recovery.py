@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import writers
 from .directory import Directory
-from .errors import CorruptError
+from .errors import CorruptError, NewerFormatError
 from .fs import FileLayer
 from .index import Index
 from .records import EntryRecord
@@ -88,9 +88,10 @@ class Recovery:
             self._note(f"removed corrupt header {self._dir.rel(path)}")
             self._dir.unlink_quietly(path)
             return None
-        except Exception as exc:  # noqa: BLE001 - transient: a miss, never a deletion
+        except Exception as exc:  # noqa: BLE001 - transient, or a newer blockkv's: a miss, never a deletion
             self._unread_headers[entry_id] = str(path)
-            self._warn("unreadable-header", f"could not read header {path.name} ({exc!r}); kept, not indexed yet")
+            kind = "newer-header" if isinstance(exc, NewerFormatError) else "unreadable-header"
+            self._warn(kind, f"could not read header {path.name} ({exc!r}); kept, not indexed yet")
             self._note(f"could not read header {self._dir.rel(path)} ({exc!r}): kept")
             return None
         self._unread_headers.pop(entry_id, None)

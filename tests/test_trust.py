@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import resource
+import struct
 import subprocess
 import sys
 import textwrap
@@ -23,12 +24,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import blake3
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from blockkv import BlockStore
+from blockkv import BlockStore, NewerFormatError
 from blockkv.codec import codec_for, register_codec
 from blockkv.fs import FileLayer
 from blockkv.header import Header, decode_header, encode_header
@@ -188,6 +190,45 @@ def test_unreadable_header_during_rebuild_check_and_gc_is_kept(
         _assert_restores(s, tokens, cache)
 
 
+def _with_version(data: bytes, version: int) -> bytes:
+    """The same header framed as format ``version`` would frame it, resealed."""
+    body = bytearray(data[:-32])
+    struct.pack_into("<H", body, 8, version)
+    return bytes(body) + blake3.blake3(bytes(body)).digest()
+
+
+def test_header_of_a_newer_format_is_kept_and_its_blocks_are_not_swept(
+    tmp_path: Path, stored: tuple[list[int], list[Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newer blockkv sharing the root writes headers this one cannot parse:
+    not proof of corruption, so never deleted, and its blocks never swept."""
+    tokens, cache = stored
+    with BlockStore(tmp_path, **IDENT) as s:
+        assert s.store(tokens, cache)
+        entry = s.find_exact(tokens).entry
+        (old,) = (s.directory / "entries").rglob("*.bkv")
+        newer = old.with_name("0" * 32 + ".bkv")
+        newer.write_bytes(_with_version(old.read_bytes(), 2))
+        directory = s.directory
+    with pytest.raises(NewerFormatError):
+        decode_header(newer.read_bytes())
+    with BlockStore(tmp_path, gc_grace=0.0, **IDENT) as s:
+        s.rebuild_index()
+        assert len(s) == 1 and s.find_exact(tokens).entry.id == entry.id  # the newer one is not served
+        s.remove(s.find_exact(tokens).entry)  # its blocks are now referenced by the newer header alone
+        s.gc()
+        report = s.check(repair=True)
+        assert report.newer_headers == [str(newer.relative_to(directory))]
+        assert not report.corrupt_headers and not report.orphan_blocks and not report.clean
+    assert newer.exists() and not old.exists()
+    assert any("newer than this blockkv" in m for m in _warnings(caplog))
+    # every block the newer header needs is still there: read at version 1, it restores bit-exact
+    newer.write_bytes(_with_version(newer.read_bytes(), 1))
+    with BlockStore(tmp_path, **IDENT) as s:
+        s.rebuild_index()
+        _assert_restores(s, tokens, cache)
+
+
 def test_unreadable_block_during_check_is_not_corrupt(tmp_path: Path, stored: tuple[list[int], list[Any]]) -> None:
     tokens, cache = stored
     fs = FlakyFiles()
@@ -278,7 +319,7 @@ def test_fifo_in_place_of_a_file_does_not_hang_restore(
 
 _MEASURE = textwrap.dedent("""
     import json, os, resource, sys
-    from blockkv import BlockStore
+    from blockkv import BlockStore, NewerFormatError
     root, ident, to_zero = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     with BlockStore(root, **ident) as s:
         entry = s.entries()[0]
