@@ -114,14 +114,14 @@ class BlockStore:
         self._closed = False
         self._pid = os.getpid()
         self._dir.create(self.root)
+        lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
         self._commits = Commits(self._dir, self._intents, self._fs, clock, self._warn)
         self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
                                   tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
         self._catalog = Catalog(self._owner, clock)
-        self._keeper = IndexKeeper(self._dir, DirLock(self.directory / "LOCK"), self._recovery, self._catalog,
-                                   self._intents.directory, map_size=index_map_size, lock_timeout=self.lock_timeout,
-                                   warn=self._warn)
+        self._keeper = IndexKeeper(self._dir, lock, self._recovery, self._catalog, self._intents.directory,
+                                   map_size=index_map_size, lock_timeout=self.lock_timeout, warn=self._warn)
         try:
             self.scan()
         except LockTimeout:
