@@ -6,10 +6,10 @@ rebuilding it), holds the directory lock for mutations, notices an index
 replaced under the handle (an operator deleted it, another process's rebuild
 moved it aside) and reopens and recovers it under that lock, and replays the
 index's change log into the catalog. It runs the steps of ``Recovery`` in
-order and returns what the store must act on: the stores that died after
-their header landed, whose rules and cap are the store's to apply. It never
-waits for the lock on a query: a replaced index found outside a mutation is
-recovered at once if the lock is free, else at the next call.
+order and hands back what the store must act on: the stores that died after
+their header landed, whose rules and cap are the store's to apply. ``refresh``
+(before a query) only flags an index it finds replaced; the next ``locked``
+reopens and recovers it.
 """
 
 from __future__ import annotations
