@@ -273,24 +273,24 @@ class BlockStore:
         for entry in self.entries(ns):
             yield entry.tokens
 
-    def _lookup(self, tokens: Sequence[int], ns: str) -> tuple[np.ndarray, str]:
-        """A lookup's arguments checked, and the catalog brought current for it."""
+    def _lookup(self, tokens: Sequence[int], ns: str) -> np.ndarray:
+        """A lookup's arguments checked (the tokens as an array), and the catalog brought current for it."""
         arr = tokens_array(tokens)
         check_ns(ns)
         self._refresh()
-        return arr, ns
+        return arr
 
     @_open_only
     def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
-        return self._catalog.has_durable_prefix(*self._lookup(tokens, ns))
+        return self._catalog.has_durable_prefix(self._lookup(tokens, ns), ns)
 
     @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
-        return self._catalog.find(*self._lookup(prompt, ns))
+        return self._catalog.find(self._lookup(prompt, ns), ns)
 
     @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
-        return self._catalog.find_exact(*self._lookup(tokens, ns))
+        return self._catalog.find_exact(self._lookup(tokens, ns), ns)
 
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
