@@ -1,4 +1,5 @@
-"""The checks a caller's arguments pass before the store does anything: wrong
+"""The checks a caller's arguments pass before the store does anything (and
+the handle's own: closed, or inherited through fork): wrong
 arguments raise ValueError/TypeError naming the problem, while failures of
 the disk never raise (they degrade to a miss or "not stored"). A store's
 caches are captured here too (``prepare_store``): only they say whether the
@@ -6,8 +7,10 @@ tokens are the ones the caches were filled with."""
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -18,6 +21,23 @@ from .records import CHECKPOINT_NS, Entry, GenerationCheckpoint
 
 MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
 MAX_TOKEN = (1 << 32) - 1
+_T = TypeVar("_T")
+
+
+def open_only(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Refuse a call on a closed handle, or on one inherited through fork (LMDB
+    and flock state do not survive fork: the child must open its own)."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> _T:
+        if self._closed:
+            raise ValueError("store is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this BlockStore was opened in process {self._pid} and used in a child "
+                               f"created by fork ({os.getpid()}): open a new BlockStore in the child")
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 def check_options(*, model_id: str, config_fingerprint: str, tokenizer_hash: str, max_bytes: int,

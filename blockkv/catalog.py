@@ -115,6 +115,26 @@ class Catalog:
         with self._mutex:
             return [*self._entries.values(), *self._foreign.values()]
 
+    def eviction_plan(self, index: Index, total: int, target: int) -> list[Entry]:
+        """The entries whose removal brings ``total`` bytes down to ``target``,
+        least recently used first, of every identity (they share the cap). An
+        entry frees its header and the blocks no other entry still references."""
+        last_use = index.last_use()
+        rows = index.blocks()
+        refs = {n: row.refs for n, row in rows.items()}
+        plan = []
+        for entry in sorted(self.every_identity(), key=lambda e: last_use.get(e.id, 0.0)):
+            if total <= target:
+                break
+            plan.append(entry)
+            total -= entry.header_bytes
+            for name in dict.fromkeys(entry.blocks):
+                if name in refs:
+                    refs[name] -= 1
+                    if refs[name] == 0:
+                        total -= rows[name].size
+        return plan
+
     def in_namespace(self, ns: str) -> list[Entry]:
         """One namespace's entries, in its trie's order."""
         with self._mutex:

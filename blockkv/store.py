@@ -3,16 +3,16 @@
 The public facade and its decisions: the seed's find/trim/supersede rules,
 the byte cap and LRU eviction, what a failure proves, when to recover, the
 stats. The mechanisms are below it, each with one job: arguments.py (caller
-mistakes), catalog.py (the in-memory lookups), commit.py (write and delete
-order), restore.py (reading an entry back), recovery.py (what ``scan``
-repairs), check.py (check/repair), over directory.py, pool.py, index.py.
+mistakes), catalog.py (the in-memory lookups), index_keeper.py (the index
+kept current and recovered under the directory lock), commit.py (write and
+delete order), restore.py (reading an entry back), recovery.py (what
+``scan`` repairs), check.py (check/repair), over directory.py, pool.py, index.py.
 Every mutation holds the directory lock, so a dedup hit and a gc delete
 never interleave.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -30,6 +30,7 @@ import numpy as np
 from . import blocks as blk
 from . import writers
 from .arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
+from .arguments import open_only as _open_only
 from .catalog import Catalog
 from .check import CheckReport, inspect, verify_blocks
 from .check import repair as repair_directory
@@ -39,35 +40,19 @@ from .directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from .fs import FileLayer
 from .header import Header, Identity, encode_header
-from .index import BROKEN_INDEX, Index
+from .index import Index
+from .index_keeper import IndexKeeper
 from .locks import DirLock
-from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Loaded, Match
+from .records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, Match
 from .recovery import Recovery
 from .restore import EntryRead
 from .writers import IntentFile
 
 log = logging.getLogger("blockkv")
-_T = TypeVar("_T")
 
 DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
-
-
-def _open_only(method: Callable[..., _T]) -> Callable[..., _T]:
-    """Refuse a call on a closed handle, or on one inherited through fork (LMDB
-    and flock state do not survive fork: the child must open its own)."""
-
-    @functools.wraps(method)
-    def guarded(self: BlockStore, *args: Any, **kwargs: Any) -> _T:
-        if self._closed:
-            raise ValueError("store is closed")
-        if os.getpid() != self._pid:
-            raise RuntimeError(f"this BlockStore was opened in process {self._pid} and used in a child "
-                               f"created by fork ({os.getpid()}): open a new BlockStore in the child")
-        return method(self, *args, **kwargs)
-
-    return guarded
 
 
 class BlockStore:
@@ -119,7 +104,6 @@ class BlockStore:
         self._limit = limit
         self._fs = fs or FileLayer()
         self._clock = clock
-        self._map_size = index_map_size
         self._dir = Directory(self.directory, self.identity, self._fs)
         self._pool = self._dir.pool
         self._warned: set[str] = set()
@@ -130,26 +114,19 @@ class BlockStore:
         self._closed = False
         self._pid = os.getpid()
         self._dir.create(self.root)
-        self._lock = DirLock(self.directory / "LOCK")
+        lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
         self._commits = Commits(self._dir, self._intents, self._fs, clock, self._warn)
         self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
                                   tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
-        self._needs_recovery = False  # open could not take the lock: recover at the first mutation
         self._catalog = Catalog(self._owner, clock)
-        try:
-            self._index = Index(self._dir.index_dir, map_size=index_map_size)
-        except BROKEN_INDEX as exc:
-            with self._lock.held(self.lock_timeout):
-                self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-                self._index = self._recovery.fresh_index()
+        self._keeper = IndexKeeper(self._dir, lock, self._recovery, self._catalog, self._intents.directory,
+                                   map_size=index_map_size, lock_timeout=self.lock_timeout, warn=self._warn)
         try:
             self.scan()
         except LockTimeout:
             self._warn("lock", "directory lock busy at open: serving the index as it is, recovering later")
-            self._needs_recovery = True
-            if self._index.is_trusted():
-                self._catalog.load(self._index)
+            self._keeper.defer_recovery()
 
     @classmethod
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
@@ -172,8 +149,7 @@ class BlockStore:
             pool.shutdown(wait=True)
         self._closed = True
         self._intents.close()
-        self._index.close()
-        self._lock.close()
+        self._keeper.close()
 
     def __enter__(self) -> BlockStore:
         return self
@@ -189,70 +165,19 @@ class BlockStore:
         blocks. What had to be fixed is left in ``self.recovery``. Returns the
         number of entries indexed."""
         self._recovery.notes = []
-        with self._lock.held(self.lock_timeout):
-            if self._needs_recovery or self._index.replaced():
-                self._reopen_index()  # recovers too
-            else:
-                self._recover_locked()
+        with self._locked(recover=True):
+            pass
         return len(self)
 
     @contextmanager
-    def _locked(self, timeout: float | None = None) -> Iterator[None]:
+    def _locked(self, timeout: float | None = None, *, recover: bool = False) -> Iterator[None]:
         """The directory lock for a mutation (``LockTimeout`` after ``timeout``,
-        default ``lock_timeout``), with the index checked current first: one
-        replaced under us (deleted by an operator, moved aside by another
-        process's rebuild) is reopened and recovered before anything trusts it."""
-        with self._lock.held(self.lock_timeout if timeout is None else timeout):
-            if self._needs_recovery or self._index.replaced():
-                self._reopen_index()
+        default ``lock_timeout``), with the index checked current first and
+        recovered if it was replaced (``IndexKeeper.locked``)."""
+        with self._keeper.locked(self.lock_timeout if timeout is None else timeout, self.gc_grace,
+                                 recover=recover) as finished:
+            self._finish_dead_stores(finished)
             yield
-
-    def _reopen_index(self) -> None:
-        """Under the lock: drop our environment, open what is on disk now, recover."""
-        try:
-            self._index.close()
-        except lmdb.Error:
-            pass
-        try:
-            self._index = Index(self._dir.index_dir, map_size=self._map_size)
-        except BROKEN_INDEX as exc:
-            self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-            self._index = self._recovery.fresh_index()
-        self._recover_locked()
-        self._needs_recovery = False
-
-    def _recover_locked(self) -> None:
-        """The body of ``scan``; the caller holds the directory lock."""
-        finished: list[str] = []
-        records: list[EntryRecord] | None = None
-        listing = self._dir.listing()  # one listing serves every step below
-        live = writers.survey(self._intents.directory)
-        self._recovery.reap_tmp(listing.tmp, live)
-        files = listing.blocks
-        try:
-            if self._index.is_trusted():
-                records = self._index.entries()
-                finished = self._recovery.roll_back_pending(self._index, records)
-                if finished:
-                    records = self._index.entries()
-                if self._recovery.reconcile(self._index, records, listing.headers, files) or finished:
-                    records = None  # changed: reload below
-            else:
-                self._note("index missing, from another format or from before an OS restart: rebuilt")
-                self._recovery.rebuild(self._index)
-        except (CorruptError, *BROKEN_INDEX) as exc:
-            # a record that does not parse: the tables are garbage but the environment works;
-            # liblmdb's proof that the environment itself is broken: it is moved aside first
-            self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
-            self._note(f"index unreadable ({exc}): rebuilt")
-            records = None
-            if isinstance(exc, BROKEN_INDEX):
-                self._index.close()
-                self._index = self._recovery.fresh_index()
-            self._recovery.rebuild(self._index)
-        self._recovery.sweep_orphans(self._index, self.gc_grace, files, live)
-        self._catalog.load(self._index, records)
-        self._finish_dead_stores(finished)
 
     def _finish_dead_stores(self, finished: list[str]) -> None:
         """Stores that died after their header landed, indexed now by the
@@ -269,35 +194,29 @@ class BlockStore:
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
         with self._locked():
-            self._recovery.rebuild(self._index)
-            self._catalog.load(self._index)
+            self._keeper.rebuild()
         return len(self)
-
-    def _note(self, finding: str) -> None:
-        self._recovery.notes.append(finding)
 
     @property
     def recovery(self) -> list[str]:
         """What the last ``scan()`` (and any recovery since) had to fix."""
         return self._recovery.notes
 
-    # -- the in-memory catalog ------------------------------------------------------
+    @property
+    def _index(self) -> Index:
+        return self._keeper.index
+
     def _refresh(self) -> None:
-        """Replay what other handles changed since we last looked (cheap when
-        nothing did). An index replaced under us is reopened and recovered; if
-        that cannot happen now, serve the last known state and retry next call."""
+        """Bring the catalog up to what other handles changed. An index replaced
+        under us is reopened and recovered now if the lock is free (a query
+        never waits for it); if not, serve the last known state and retry next call."""
+        if self._keeper.refresh():
+            return
         try:
-            if self._needs_recovery or self._index.replaced():
-                raise lmdb.Error("the index was replaced on disk")
-            self._catalog.apply_changes(self._index)
-        except lmdb.Error as exc:
-            self._warn("index", f"LMDB index lost ({exc}); reopening and recovering")
-            self._needs_recovery = True
-            try:
-                with self._locked(timeout=0):  # a query never waits for the lock
-                    pass
-            except (lmdb.Error, OSError, CorruptError) as exc2:
-                self._warn("index-reopen", f"could not reopen the LMDB index ({exc2}); serving the last known state")
+            with self._locked(timeout=0):
+                pass
+        except (lmdb.Error, OSError, CorruptError) as exc:
+            self._warn("index-reopen", f"could not reopen the LMDB index ({exc}); serving the last known state")
 
     # -- queries (pure index lookups) ------------------------------------------------
     @_open_only
@@ -354,26 +273,24 @@ class BlockStore:
         for entry in self.entries(ns):
             yield entry.tokens
 
-    @_open_only
-    def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
+    def _lookup(self, tokens: Sequence[int], ns: str) -> np.ndarray:
+        """A lookup's arguments checked (the tokens as an array), and the catalog brought current for it."""
         arr = tokens_array(tokens)
         check_ns(ns)
         self._refresh()
-        return self._catalog.has_durable_prefix(arr, ns)
+        return arr
+
+    @_open_only
+    def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
+        return self._catalog.has_durable_prefix(self._lookup(tokens, ns), ns)
 
     @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
-        arr = tokens_array(prompt)
-        check_ns(ns)
-        self._refresh()
-        return self._catalog.find(arr, ns)
+        return self._catalog.find(self._lookup(prompt, ns), ns)
 
     @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
-        arr = tokens_array(tokens)
-        check_ns(ns)
-        self._refresh()
-        return self._catalog.find_exact(arr, ns)
+        return self._catalog.find_exact(self._lookup(tokens, ns), ns)
 
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
@@ -593,22 +510,7 @@ class BlockStore:
         if total <= target_bytes:  # the common case: every store checks the cap
             return []
         self._refresh()
-        last_use = self._index.last_use()
-        entries = sorted(self._catalog.every_identity(), key=lambda e: last_use.get(e.id, 0.0))
-        rows = self._index.blocks()
-        refs = {n: row.refs for n, row in rows.items()}
-        plan = []
-        for entry in entries:
-            if total <= target_bytes:
-                break
-            plan.append(entry)
-            total -= entry.header_bytes
-            for name in dict.fromkeys(entry.blocks):
-                if name in refs:
-                    refs[name] -= 1
-                    if refs[name] == 0:
-                        total -= rows[name].size
-        return plan
+        return self._catalog.eviction_plan(self._index, total, target_bytes)
 
     @_open_only
     def evict_to(self, target_bytes: int) -> list[Entry]:
@@ -632,20 +534,14 @@ class BlockStore:
 
     @_open_only
     def gc(self) -> int:
-        """Give back the references of stores whose writer died, then delete
-        blocks nothing references and no live writer may (see
-        ``Recovery.sweep_orphans``) and dead writers' temp files; returns how many blocks.
-
-        A ``pending`` record seen under the lock is a dead writer's: a live
-        store holds the lock from taking its references to making its entry
-        visible, so recovery's roll-back is safe here too."""
+        """Give back the references of stores whose writer died
+        (``IndexKeeper.roll_back_pending``), then delete blocks nothing
+        references and no live writer may (``Recovery.sweep_orphans``) and dead
+        writers' temp files; returns how many blocks."""
         try:
             with self._locked():
-                if self._index.pending():
-                    finished = self._recovery.roll_back_pending(self._index, self._index.entries())
-                    self._refresh()
-                    self._finish_dead_stores(finished)
-                n = self._recovery.sweep_orphans(self._index, self.gc_grace)
+                self._finish_dead_stores(self._keeper.roll_back_pending())
+                n = self._keeper.sweep(self.gc_grace)
                 self._index.trim_log()
         except LockTimeout as exc:
             self._warn("lock", f"gc skipped: {exc}")
@@ -654,7 +550,7 @@ class BlockStore:
 
     def _sweep_quietly(self) -> None:
         try:
-            self._recovery.sweep_orphans(self._index, self.gc_grace)
+            self._keeper.sweep(self.gc_grace)
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("gc", f"gc failed: {exc}")
 
@@ -675,9 +571,8 @@ class BlockStore:
                              tmp_cutoff=self._clock() - self.tmp_grace)
             if repair and not report.clean:
                 repair_directory(self._dir, report)
-                self._recovery.rebuild(self._index)
+                self._keeper.rebuild()
                 report.actions.append("rebuilt the index from the headers")
-                self._catalog.load(self._index)
         return report
 
     # -- helpers ---------------------------------------------------------------------------------
