@@ -324,9 +324,12 @@ class RemoteTier:
             pass
 
     # -- store ------------------------------------------------------------------------------
-    def upload(self, entry_id: str, ns: str, encoded: bytes, names: Iterable[str], new: set[str]) -> bool:
+    def upload(self, entry_id: str, ns: str, encoded: bytes, names: Iterable[str], new: set[str],
+               replaced: Iterable[Entry] = ()) -> bool:
         """A local store's bucket half: True once its header is in the bucket.
-        Otherwise the entry stays local and in the backlog, for a later sync."""
+        Otherwise the entry stays local and in the backlog, for a later sync.
+        The entries the store's rules ``replaced`` (identical, or superseded
+        prefixes) are then removed from the bucket too (in the background)."""
         self._mark(entry_id)
         if self.breaker.is_open():
             self._warn("remote", "bucket unreachable: storing locally only; uploads resume when it answers")
@@ -334,7 +337,22 @@ class RemoteTier:
         if not self._upload(entry_id, header_name(ns, entry_id), encoded, list(dict.fromkeys(names)), new):
             return False
         self._unmark(entry_id)
+        with self._mutex:
+            doomed = [n for n in (header_name(e.ns, e.id) for e in replaced) if n in self._listed]
+            self._listed.difference_update(doomed)
+        if doomed:
+            try:
+                self._io.submit(self._remove_headers, doomed)
+            except RuntimeError:  # closing: the entries stay in the bucket, harmless duplicates
+                pass
         return True
+
+    def _remove_headers(self, names: list[str]) -> None:
+        try:
+            for name in names:
+                self.bucket.headers.delete(name)
+        except Exception as exc:  # noqa: BLE001 - they stay, harmless: shadowed wherever they are found
+            self._outage("removing replaced entries failed", exc)
 
     def _upload(self, entry_id: str, name: str, encoded: bytes, names: list[str], new: set[str]) -> bool:
         pool = self._dir.pool
