@@ -232,3 +232,30 @@ def test_two_nodes_running_gc_beside_a_storing_node_lose_nothing_acknowledged(
             entry = fresh._remote.catalog.get(name.rpartition("/")[2].removesuffix(".bkv"))
             loaded = fresh.restore(entry)  # every block present and hashing to its name
             assert loaded is not None and node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+
+
+def test_a_local_eviction_reverts_an_entry_to_remote_only(tmp_path: Path, endpoint: str,  # noqa: F811
+                                                          bucket_name: str) -> None:
+    convs = [node.conversation(60 + i) for i in range(2)]
+    with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
+        assert all(a.store(*c) for c in convs)
+        one_entry = max(e.nbytes for e in a.entries())
+    with node.open_node(tmp_path / "b", endpoint, bucket_name, max_bytes=one_entry + 4096) as b:
+        for turn, (tokens, caches) in enumerate([*convs, convs[0]]):  # each restore evicts the other locally
+            loaded = b.restore(b.find_exact(tokens).entry)
+            assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+            assert len(b) == 1 and b.total_bytes <= b.max_bytes
+            assert b.sync_remote() == (1 if turn else 0)  # the evicted one is remote-only again
+
+
+def test_isolated_namespaces_fetch_and_verify_their_keyed_blocks(tmp_path: Path, endpoint: str,  # noqa: F811
+                                                                 bucket_name: str) -> None:
+    tokens, caches = node.conversation(70)
+    with node.open_node(tmp_path / "a", endpoint, bucket_name, isolate_namespaces=True) as a:
+        assert a.store(tokens, caches, ns="t1") and a.store(tokens, caches, ns="t2")
+    with node.open_node(tmp_path / "plain", endpoint, bucket_name) as plain:
+        assert plain.find_exact(tokens, ns="t1") is None  # the other mode's entries are foreign
+    with node.open_node(tmp_path / "b", endpoint, bucket_name, isolate_namespaces=True) as b:
+        for ns in ("t1", "t2"):
+            loaded = b.restore(b.find_exact(tokens, ns=ns).entry)  # blocks named with the namespace's key
+            assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
