@@ -259,3 +259,27 @@ def test_isolated_namespaces_fetch_and_verify_their_keyed_blocks(tmp_path: Path,
         for ns in ("t1", "t2"):
             loaded = b.restore(b.find_exact(tokens, ns=ns).entry)  # blocks named with the namespace's key
             assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+
+
+def test_a_restarted_node_reads_remote_headers_from_its_cache(tmp_path: Path, endpoint: str,  # noqa: F811
+                                                              bucket_name: str) -> None:
+    convs = [node.conversation(80 + i) for i in range(3)]
+    with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
+        assert all(a.store(*c) for c in convs)
+        names = [header_name("", a.find_exact(t).entry.id) for t, _ in convs]
+        with node.open_node(tmp_path / "b", endpoint, bucket_name):
+            pass
+        cache = tmp_path / "b" / FP_DIR / "remote-headers"
+        assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*.bkv")) == sorted(names)
+        good = (cache / names[0]).read_bytes()
+        flip_byte(endpoint, bucket_name, f"fleet/{FP_DIR}/entries/{names[0]}")  # only the cached copy is good now
+        damaged = bytearray((cache / names[1]).read_bytes())
+        damaged[-3] ^= 1
+        (cache / names[1]).write_bytes(bytes(damaged))  # a torn copy: fetched again
+        a.remote.headers.delete(names[2])  # evicted fleet-wide meanwhile
+        with node.open_node(tmp_path / "b", endpoint, bucket_name) as b:
+            for tokens, caches in convs[:2]:  # the first from the cache: the bucket's damaged copy is never read
+                loaded = b.restore(b.find_exact(tokens).entry)
+                assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+            assert b.find_exact(convs[2][0]) is None and not (cache / names[2]).exists()  # pruned
+            assert (cache / names[0]).read_bytes() == good
