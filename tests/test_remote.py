@@ -283,3 +283,28 @@ def test_a_restarted_node_reads_remote_headers_from_its_cache(tmp_path: Path, en
                 assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
             assert b.find_exact(convs[2][0]) is None and not (cache / names[2]).exists()  # pruned
             assert (cache / names[0]).read_bytes() == good
+
+
+def test_wrong_remote_arguments_raise_before_anything_is_written(tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    with pytest.raises(TypeError, match="remote"):
+        BlockStore(root, **node.IDENT, max_bytes=1 << 20, remote=b"s3://b/p")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="s3://"):
+        BlockStore(root, **node.IDENT, max_bytes=1 << 20, remote="https://b/p")
+    with pytest.raises(ValueError, match="without remote"):
+        BlockStore(root, **node.IDENT, max_bytes=1 << 20, remote_options={"region": "x"})
+    with pytest.raises(ValueError, match="unknown remote option 'endpoint'"):
+        BlockStore(root, **node.IDENT, max_bytes=1 << 20, remote="s3://b/p", remote_options={"endpoint": "x"})
+    with pytest.raises(ValueError, match="'timeout' must be a number"):
+        BlockStore(root, **node.IDENT, max_bytes=1 << 20, remote="s3://b/p", remote_options={"timeout": "soon"})
+    with pytest.raises(ValueError, match="grace"):
+        BlockStore(root, **node.IDENT, max_bytes=1 << 20, remote="s3://b/p", remote_options={"grace": "1"})
+    assert not root.exists()
+
+
+def test_a_bucket_directory_of_another_model_is_refused_at_open(tmp_path: Path, endpoint: str,  # noqa: F811
+                                                                bucket_name: str) -> None:
+    with node.open_node(tmp_path / "a", endpoint, bucket_name):
+        pass
+    with pytest.raises(ValueError, match="IDENTITY"):  # same fingerprint directory, another tokenizer
+        node.open_node(tmp_path / "b", endpoint, bucket_name, tokenizer_hash="another")
