@@ -191,6 +191,7 @@ class RemoteTier:
         local = {header_name(e.ns, e.id) for e in self._local_entries()}
         with self._mutex:
             self._listed = set(listed)
+            self._ignored &= self._listed  # what left the bucket needs no remembering
             for entry_id, name in list(self._remote_only.items()):
                 if name not in listed or name in local:  # evicted fleet-wide, or local now
                     self._forget(entry_id)
@@ -367,6 +368,7 @@ class RemoteTier:
     def used(self, entry: Entry) -> None:
         """Record a restore where the fleet's LRU sees it (at most once per
         ``touch_interval`` per entry; in the background)."""
+        self.poke()
         name = header_name(entry.ns, entry.id)
         if name not in self._listed or self.breaker.is_open():
             return

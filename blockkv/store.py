@@ -588,6 +588,8 @@ class BlockStore:
             for block in layout.blocks:
                 writer.submit(block)
             writer.wait()
+            if len(encoded) + sum(writer.sizes.values()) > self.max_bytes:
+                raise BlockKVError(f"the entry exceeds the {self.max_bytes}-byte local cap")
             with self._locked():
                 self._refresh()
                 if entry_id not in self._catalog:  # not adopted meanwhile by another handle
