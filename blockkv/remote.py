@@ -398,6 +398,12 @@ class RemoteTier:
         if not self._upload(entry_id, header_name(ns, entry_id), encoded, list(dict.fromkeys(names)), new):
             return False
         self._unmark(entry_id)
+        self.remove_replaced(replaced)
+        return True
+
+    def remove_replaced(self, replaced: Iterable[Entry]) -> None:
+        """Entries the store rules removed locally (identical to, or a shorter
+        prefix of, an entry now in the bucket) leave the bucket too, in the background."""
         with self._mutex:
             doomed = [n for n in (header_name(e.ns, e.id) for e in replaced) if n in self._listed]
             self._listed.difference_update(doomed)
@@ -406,7 +412,6 @@ class RemoteTier:
                 self._io.submit(self._remove_headers, doomed)
             except RuntimeError:  # closing: the entries stay in the bucket, harmless duplicates
                 pass
-        return True
 
     def _remove_headers(self, names: list[str]) -> None:
         try:

@@ -308,3 +308,29 @@ def test_a_bucket_directory_of_another_model_is_refused_at_open(tmp_path: Path, 
         pass
     with pytest.raises(ValueError, match="IDENTITY"):  # same fingerprint directory, another tokenizer
         node.open_node(tmp_path / "b", endpoint, bucket_name, tokenizer_hash="another")
+
+
+def test_a_longer_conversation_from_the_bucket_supersedes_its_prefix_everywhere(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    short, short_caches = node.conversation(90)
+    longer = short + node.random_tokens(70, seed=91)
+    longer_caches = node.conversation(90)[1]
+    node.prefill(node.model(), longer[len(short):], cache=longer_caches)
+    with node.open_node(tmp_path / "a", endpoint, bucket_name) as a, \
+            node.open_node(tmp_path / "b", endpoint, bucket_name) as b:
+        assert a.store(short, short_caches)
+        assert b.sync_remote() == 1 and b.restore(b.find(longer).entry) is not None  # b continues a's conversation
+        assert b.store(longer, longer_caches)
+        b_entry = b.find_exact(longer).entry
+        deadline = time.monotonic() + 10  # the replaced header leaves the bucket in the background
+        while len(headers(endpoint, bucket_name)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert headers(endpoint, bucket_name) == [header_name("", b_entry.id)]  # b's rules, fleet-wide
+        assert a.sync_remote() == 1
+        match = a.find(longer + [5])
+        assert match.entry.id == b_entry.id  # longer than a's own
+        loaded = a.restore(match.entry)
+        assert node.kv_bits(loaded.caches, len(longer)) == node.kv_bits(longer_caches, len(longer))
+        assert [e.id for e in a.entries()] == [b_entry.id]  # adopting it superseded a's shorter entry
+        cut = a.restore(a.find(short).entry, prefix_len=len(short) - 1)  # which it serves by trimming
+        assert node.kv_bits(cut.caches, len(short) - 1) == node.kv_bits(short_caches, len(short) - 1)
