@@ -27,6 +27,7 @@ Nothing here raises into the serving path: an outage is "not uploaded" /
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import threading
 import time
@@ -49,6 +50,7 @@ from .s3_pool import OPTION_ENV
 BUCKET_SETTINGS: dict[str, type] = {"grace": float, "sweep_window": float, "timeout": float,
                                     "connect_timeout": float, "max_retries": int, "fetch_threads": int,
                                     "touch_interval": float}
+_UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog holds
 DEFAULT_SYNC_INTERVAL = 30.0  # seconds between listings while the store is used
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 _UPLOAD_THREADS = 8
@@ -171,7 +173,12 @@ class RemoteTier:
             self._next_sync = self._last_sync + self.sync_interval
             try:
                 if not self._identity_checked:
-                    self.bucket.ensure_identity(self._identity)
+                    try:
+                        self.bucket.ensure_identity(self._identity)
+                    except ValueError as exc:  # another model's IDENTITY: nothing there is ours to serve
+                        self._warn("remote-identity", f"{exc}; remote entries are not served")
+                        self.breaker.failed()
+                        return 0
                     self._identity_checked = True
                 listed = self.bucket.list_headers()
                 learned = self._learn(listed)
@@ -179,10 +186,6 @@ class RemoteTier:
                 self._send_backlog(listed)
             except BucketError as exc:
                 self._outage("bucket listing failed", exc)
-                return 0
-            except ValueError as exc:  # IDENTITY of another model appeared: nothing here is ours to serve
-                self._warn("remote-identity", f"{exc}; remote entries are not served")
-                self.breaker.failed()
                 return 0
         self.breaker.succeeded()
         return learned
@@ -258,15 +261,20 @@ class RemoteTier:
             self._warn("remote-cache", f"could not cache headers in {self._cache} ({exc}); they are fetched again")
 
     def _drop_cached(self, names: Iterable[str]) -> None:
+        """Unlink cached copies (never through a linked directory: only what is ours)."""
         for name in names:
+            path = self._cache / name
             try:
-                os.unlink(self._cache / name)
+                refuse_linked(self._cache)
+                refuse_linked(path.parent)
+                os.unlink(path)
             except OSError:
                 pass
 
     def _prune_cache(self, listed: Mapping[str, object]) -> None:
         """Remove cached copies of headers gone from the bucket (and stray temp files)."""
         try:
+            refuse_linked(self._cache)
             shards = [d for d in os.scandir(self._cache) if d.is_dir(follow_symlinks=False)]
             stale = [f"{d.name}/{f.name}" for d in shards for f in os.scandir(d.path)
                      if f"{d.name}/{f.name}" not in listed]
@@ -468,8 +476,8 @@ class RemoteTier:
         """Put an entry in the backlog before its upload (an empty file, not
         fsynced: a power cut may lose it, and the entry then stays local-only)."""
         try:
+            refuse_linked(self._backlog)
             if not self._backlog.is_dir():
-                refuse_linked(self._backlog)
                 os.makedirs(self._backlog, DIR_MODE, exist_ok=True)
             os.close(os.open(self._backlog / entry_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                              FILE_MODE))
@@ -478,6 +486,7 @@ class RemoteTier:
 
     def _unmark(self, entry_id: str) -> None:
         try:
+            refuse_linked(self._backlog)
             os.unlink(self._backlog / entry_id)
         except FileNotFoundError:
             pass
@@ -487,8 +496,9 @@ class RemoteTier:
     def backlog(self) -> list[str]:
         """Entry ids stored locally whose upload has not been acknowledged."""
         try:
-            return sorted(n for n in os.listdir(self._backlog) if len(n) == 32 and not n.startswith("."))
-        except (FileNotFoundError, NotADirectoryError):
+            refuse_linked(self._backlog)
+            return sorted(n for n in os.listdir(self._backlog) if _UUID.fullmatch(n))
+        except OSError:
             return []
 
     def _send_backlog(self, listed: Mapping[str, object]) -> None:

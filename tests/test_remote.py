@@ -334,3 +334,26 @@ def test_a_longer_conversation_from_the_bucket_supersedes_its_prefix_everywhere(
         assert [e.id for e in a.entries()] == [b_entry.id]  # adopting it superseded a's shorter entry
         cut = a.restore(a.find(short).entry, prefix_len=len(short) - 1)  # which it serves by trimming
         assert node.kv_bits(cut.caches, len(short) - 1) == node.kv_bits(short_caches, len(short) - 1)
+
+
+def test_nothing_is_written_or_deleted_through_a_linked_cache_or_backlog_directory(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    tokens, caches = node.conversation(95)
+    with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
+        assert a.store(tokens, caches)
+    victim = tmp_path / "outside" / "0123456789abcdef" / f"{'a' * 32}.bkv"
+    victim.parent.mkdir(parents=True)
+    victim.write_bytes(b"not ours")
+    (tmp_path / "outside" / ("b" * 32)).write_bytes(b"not ours either")
+    with node.open_node(tmp_path / "b", endpoint, bucket_name):
+        pass
+    fp = tmp_path / "b" / FP_DIR
+    shutil.rmtree(fp / "remote-headers")
+    (fp / "remote-headers").symlink_to(tmp_path / "outside")
+    (fp / "backlog").symlink_to(tmp_path / "outside")
+    with node.open_node(tmp_path / "b", endpoint, bucket_name) as b:  # learns, prunes, sends the backlog
+        loaded = b.restore(b.find_exact(tokens).entry)
+        assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+        assert b.store(*node.conversation(96))
+    assert sorted(p.name for p in (tmp_path / "outside").rglob("*")) == sorted(
+        ["0123456789abcdef", victim.name, "b" * 32])
