@@ -31,6 +31,7 @@ import re
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -135,6 +136,7 @@ class RemoteTier:
         self._cache = directory.path / "remote-headers"
         self.catalog = Catalog(identity.digest(), time.time)  # remote-only entries: served, never indexed
         self._remote_only: dict[str, str] = {}  # entry id -> header name, for the catalog's entries
+        self._remote_blocks: Counter[str] = Counter()  # blocks the catalog's entries reference: in the bucket
         self._listed: set[str] = set()  # header names in the bucket at the last listing (plus our uploads)
         self._ignored: set[str] = set()  # headers not to learn: damaged, another identity, a checkpoint
         self._uploading: set[str] = set()  # entry ids this handle is uploading now
@@ -227,6 +229,7 @@ class RemoteTier:
         refs = blk.blocks_for_prefix(blk.parse_descriptor(header.descriptor), None)
         self.catalog.add(record, last_modified, {r.name: r.raw_bytes for r in refs})  # raw: stored sizes unknown
         self._remote_only[entry_id] = name
+        self._remote_blocks.update(record.blocks)
         return True
 
     def _cached(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
@@ -283,6 +286,11 @@ class RemoteTier:
         self._drop_cached(stale)
 
     def _forget(self, entry_id: str) -> None:
+        entry = self.catalog.get(entry_id)
+        for block in entry.blocks if entry is not None else ():
+            self._remote_blocks[block] -= 1
+            if self._remote_blocks[block] <= 0:
+                del self._remote_blocks[block]
         self._remote_only.pop(entry_id, None)
         self.catalog.drop(entry_id)
 
@@ -440,9 +448,12 @@ class RemoteTier:
             self._uploading.add(entry_id)
         try:
             session = self.bucket.begin_store()
-            # a block this store wrote is likely new to the bucket too: one conditional PUT;
-            # a local dedup hit is likely there already: a HEAD first, the body only if needed
-            list(self._io.map(lambda b: session.put_block(b, frame(b) if b in new else lambda: frame(b)), names))
+            # a block new to the local pool and to every entry this node knows in the bucket is likely
+            # new there too: one conditional PUT with its body; any other (a local dedup hit, a block
+            # of another node's entry) a HEAD first, the body only if the bucket lacks it or it is old
+            with self._mutex:
+                fresh = {b for b in new if b not in self._remote_blocks}
+            list(self._io.map(lambda b: session.put_block(b, frame(b) if b in fresh else lambda: frame(b)), names))
             session.commit(name, encoded, frame)
         except BucketError as exc:
             if not self._header_there(name):

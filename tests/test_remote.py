@@ -75,12 +75,15 @@ def test_node_b_restores_bit_exact_what_node_a_stored(tmp_path: Path, endpoint: 
 
 
 def test_a_system_prompt_stored_by_three_nodes_is_uploaded_once(tmp_path: Path, endpoint: str,  # noqa: F811
-                                                                 bucket_name: str) -> None:
+                                                                 bucket_name: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
     nodes = [node.open_node(tmp_path / f"n{i}", endpoint, bucket_name) for i in range(3)]
     try:
-        for i, n in enumerate(nodes):
-            tokens, caches = node.conversation(10 + i)
-            assert n.store(tokens, caches)
+        with caplog.at_level(logging.INFO, logger="werkzeug"):  # moto's server logs every request it answers
+            for i, n in enumerate(nodes):
+                tokens, caches = node.conversation(10 + i)
+                n.sync_remote()  # knows the entries stored before: their blocks are asked about, not sent
+                assert n.store(tokens, caches)
         entries = [n.entries()[0] for n in nodes]
         prompt_blocks = set.intersection(*(set(e.blocks) for e in entries))
         assert len(prompt_blocks) == len(node.PROMPT) // node.BLOCK_TOKENS  # the premise: whole prompt blocks shared
@@ -89,6 +92,9 @@ def test_a_system_prompt_stored_by_three_nodes_is_uploaded_once(tmp_path: Path, 
         assert sorted(listed) == sorted(unique)  # each block once
         assert len(listed) < sum(len(e.blocks) for e in entries)
         assert len(headers(endpoint, bucket_name)) == 3
+        block_puts = [r.getMessage() for r in caplog.records if "PUT /" in r.getMessage() and "/blobs/" in r.getMessage()]
+        for block in prompt_blocks:  # the prompt's bytes went over the wire once, not once per node
+            assert len([m for m in block_puts if block in m]) == 1
     finally:
         for n in nodes:
             n.close()
