@@ -362,6 +362,9 @@ class RemoteTier:
         except BucketError as exc:
             self._outage("bucket fetch failed", exc)
             return False
+        except Exception as exc:  # noqa: BLE001 - MemoryError, a local OSError: a miss that proves nothing
+            self._warn("remote-miss", f"remote entry {entry.id} not fetched ({exc!r}); kept, served as a miss")
+            return False
         self.breaker.succeeded()
         record = self._dir.record(entry.id, self._dir.header_path(header.ns, entry.id), header, len(data))
         if header.identity != self._identity or header.ns != entry.ns or record.blocks != entry.blocks \
