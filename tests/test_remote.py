@@ -215,6 +215,9 @@ def test_two_nodes_running_gc_beside_a_storing_node_lose_nothing_acknowledged(
     bucket GC in a loop. Every acknowledged entry still listed is then restored
     bit-exact by a fresh node."""
     seconds = "20"  # > grace (12 s): blocks of the evicted entries age into condemnation
+    with node.open_node(tmp_path / "early", endpoint, bucket_name) as early:  # garbage from the start
+        assert early.store(*node.conversation(200))
+        early.remote.headers.delete(header_name("", early.entries()[0].id))
     procs = [run_node("store", str(tmp_path / "writer"), endpoint, bucket_name, seconds, str(tmp_path / "store.json"))]
     procs += [run_node("gc", str(tmp_path / f"gc{i}"), endpoint, bucket_name, seconds, str(tmp_path / f"gc{i}.json"))
               for i in (1, 2)]
