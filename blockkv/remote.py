@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import blocks as blk
-from .bucket import Bucket, BucketError, verified_header
+from .bucket import Bucket, BucketError, StoreTooSlow, verified_header
 from .catalog import Catalog
 from .directory import Directory, block_key, fingerprint_dirname, ns_dirname
 from .errors import BlockKVError, BlockMissingError, CorruptError
@@ -449,6 +449,7 @@ class RemoteTier:
             if entry_id in self._uploading:
                 return False
             self._uploading.add(entry_id)
+        committing = False
         try:
             session = self.bucket.begin_store()
             # a block new to the local pool and to every entry this node knows in the bucket is likely
@@ -457,9 +458,14 @@ class RemoteTier:
             with self._mutex:
                 fresh = {b for b in new if b not in self._remote_blocks}
             list(self._io.map(lambda b: session.put_block(b, frame(b) if b in fresh else lambda: frame(b)), names))
+            committing = True
             session.commit(name, encoded, frame)
+        except StoreTooSlow as exc:  # the bucket answers, slowly: not an outage
+            self._warn("remote-slow", f"entry {entry_id} not uploaded: {exc}")
+            return False
         except BucketError as exc:
-            if not self._header_there(name):
+            # a header PUT that failed may still have landed, or another handle on this root sent it
+            if not (committing and self._header_there(name)):
                 self._outage("upload failed", exc)
                 return False
         except (OSError, BlockKVError) as exc:  # a local block gone meanwhile (evicted): not uploaded
