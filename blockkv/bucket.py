@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -260,12 +260,16 @@ class Bucket:
             raise
         return data
 
+    def submit_fetches(self, names: Iterable[str], key: bytes | None = None) -> dict[str, Future[bytes]]:
+        """Start fetching ``names`` concurrently: a future of each verified frame
+        (for a caller that uses each block as it arrives)."""
+        return {n: self._fetchers.submit(self.fetch_block, n, key) for n in dict.fromkeys(names)}
+
     def fetch_blocks(self, names: Iterable[str], key: bytes | None = None) -> dict[str, bytes]:
         """Verified frames of ``names``, fetched concurrently. Raises
         BlockMissingError / CorruptBlockError for the first bad one (a miss),
         BucketError on an outage."""
-        names = list(dict.fromkeys(names))
-        futures = {n: self._fetchers.submit(self.fetch_block, n, key) for n in names}
+        futures = self.submit_fetches(names, key)
         try:
             return {n: f.result() for n, f in futures.items()}
         finally:

@@ -339,20 +339,31 @@ class RemoteTier:
 
     # -- restore -----------------------------------------------------------------------------
     def materialise(self, entry: Entry) -> bool:
-        """Make a remote-only entry local: header (from the cache, else the
-        bucket) and missing blocks fetched concurrently, every block verified,
-        then written through ``adopt``.
+        """Make a remote-only entry local: the blocks the local pool lacks are
+        fetched concurrently, each verified, and written through ``adopt`` as
+        they arrive, under its header (the cached copy, else fetched).
         False is a miss; a header or block missing or damaged also forgets it."""
         name = header_name(entry.ns, entry.id)
         if self.breaker.is_open():
             self._warn("remote-miss", "bucket unreachable: entries only it holds are misses for now")
             return False
         key = block_key(self._identity, entry.ns)
-        cached = self._cached([name]).get(name)  # the copy it was learned from, usually
+        fetches = self.bucket.submit_fetches((n for n in entry.blocks if not self._dir.pool.exists(n)), key)
+
+        def frame_of(block: str) -> bytes:  # waits for its fetch; one a local gc took since we looked: fetched now
+            return fetches[block].result() if block in fetches else self.bucket.fetch_block(block, key)
+
         try:
-            header_future = None if cached else self._io.submit(self.bucket.fetch_header, name)
-            frames = self.bucket.fetch_blocks((n for n in entry.blocks if not self._dir.pool.exists(n)), key)
-            data, header = cached or header_future.result()
+            data, header = self._cached([name]).get(name) or self.bucket.fetch_header(name)
+            record = self._dir.record(entry.id, self._dir.header_path(header.ns, entry.id), header, len(data))
+            if header.identity != self._identity or header.ns != entry.ns or record.blocks != entry.blocks \
+                    or not np.array_equal(record.tokens, entry.token_array):
+                raise CorruptError(f"remote header {name} changed since it was listed")
+            adopted = self._adopt(entry.id, header, data, frame_of)
+            failure = None if adopted else next(  # what a failed fetch proves, if one made it fail
+                (f.exception() for f in fetches.values() if f.done() and not f.cancelled() and f.exception()), None)
+            if failure is not None:
+                raise failure
         except (BlockMissingError, CorruptError) as exc:
             self._warn("remote-gone", f"remote entry {entry.id} is a miss and forgotten: {exc}")
             with self._mutex:
@@ -365,21 +376,12 @@ class RemoteTier:
         except Exception as exc:  # noqa: BLE001 - MemoryError, a local OSError: a miss that proves nothing
             self._warn("remote-miss", f"remote entry {entry.id} not fetched ({exc!r}); kept, served as a miss")
             return False
+        finally:
+            for f in fetches.values():
+                f.cancel()
+        if not adopted:
+            return False
         self.breaker.succeeded()
-        record = self._dir.record(entry.id, self._dir.header_path(header.ns, entry.id), header, len(data))
-        if header.identity != self._identity or header.ns != entry.ns or record.blocks != entry.blocks \
-                or not np.array_equal(record.tokens, entry.token_array):
-            self._warn("remote-gone", f"remote header {name} changed since it was listed: forgotten")
-            with self._mutex:
-                self._forget(entry.id)
-                self._ignored.add(name)
-            return False
-
-        def frame_of(block: str) -> bytes:  # a block a local gc took since we looked: fetched now
-            return frames[block] if block in frames else self.bucket.fetch_block(block, key)
-
-        if not self._adopt(entry.id, header, data, frame_of):
-            return False
         with self._mutex:
             self._forget(entry.id)
         return True
