@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -67,6 +67,15 @@ def _outage(what: str) -> Iterator[None]:
     except Exception as exc:  # noqa: BLE001 - obstore raises many types for one meaning
         first_line = str(exc).strip().partition("\n")[0]  # obstore appends pages of debug detail
         raise BucketError(f"bucket {what} failed: {first_line}") from exc
+
+
+def verified_header(name: str, data: bytes) -> Header:
+    """What a header's bytes say, verified (checksum, bounds, descriptor); CorruptError otherwise."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
+    header = decode_header(data)
+    blk.validate_descriptor(header.descriptor)
+    return header
 
 
 @dataclass(frozen=True)
@@ -214,11 +223,7 @@ class Bucket:
         """A header's bytes and what they say, verified (checksum, bounds, descriptor)."""
         with _outage(f"fetch of header {name}"):
             data = self.headers.get(name)
-        if len(data) > MAX_HEADER_BYTES:
-            raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
-        header = decode_header(data)
-        blk.validate_descriptor(header.descriptor)
-        return data, header
+        return data, verified_header(name, data)
 
     def fetch_headers(self, names: Iterable[str]) -> tuple[dict[str, tuple[bytes, Header]], list[str]]:
         """Many headers at once, concurrently (a node's open): (verified headers,
@@ -242,25 +247,30 @@ class Bucket:
                 found[name] = result
         return found, damaged
 
-    def fetch_block(self, name: str) -> bytes:
-        """A block's frame, verified against its name. A frame that does not hash
+    def fetch_block(self, name: str, key: bytes | None = None) -> bytes:
+        """A block's frame, verified against its name (``key``: the namespace key
+        it was named with, ``directory.block_key``). A frame that does not hash
         to its name is proof of damage: it is deleted from the bucket (unless it
         changed meanwhile) so the next store of the block uploads a good copy."""
         with _outage(f"fetch of block {name}"):
             data = self.blocks.get(name)
         try:
-            blk.decode_block(name, data)
+            blk.decode_block(name, data, key=key)
         except CorruptBlockError:
             self._quarantine(name, data)
             raise
         return data
 
-    def fetch_blocks(self, names: Iterable[str]) -> dict[str, bytes]:
+    def submit_fetches(self, names: Iterable[str], key: bytes | None = None) -> dict[str, Future[bytes]]:
+        """Start fetching ``names`` concurrently: a future of each verified frame
+        (for a caller that uses each block as it arrives)."""
+        return {n: self._fetchers.submit(self.fetch_block, n, key) for n in dict.fromkeys(names)}
+
+    def fetch_blocks(self, names: Iterable[str], key: bytes | None = None) -> dict[str, bytes]:
         """Verified frames of ``names``, fetched concurrently. Raises
         BlockMissingError / CorruptBlockError for the first bad one (a miss),
         BucketError on an outage."""
-        names = list(dict.fromkeys(names))
-        futures = {n: self._fetchers.submit(self.fetch_block, n) for n in names}
+        futures = self.submit_fetches(names, key)
         try:
             return {n: f.result() for n, f in futures.items()}
         finally:
