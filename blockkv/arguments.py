@@ -125,7 +125,7 @@ def prepare_store(tokens: Sequence[int], caches: Sequence[Any], ns: str, attachm
                   checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, blk.Snapshot, GenerationCheckpoint | None]:
     """Validate arguments and capture the tensors on the caller's thread (bad
     input raises here). Capturing is cheap; the host copy and hashing happen
-    in ``BlockStore._commit``, which ``store_async`` runs on its worker thread."""
+    in ``Commits.store``, which ``store_async`` runs on its worker thread."""
     arr = tokens_array(tokens)
     check_ns(ns, reserved_ok=checkpoint is not None)
     if not len(arr):

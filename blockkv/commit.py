@@ -6,39 +6,152 @@ pending) → header (tmp → fsync → rename → fsync dir) → entry visible �
 Delete order: unlink header → fsync dir → drop references; a block whose
 count reaches zero is deleted by ``gc`` after a grace period.
 
-``BlockWriter`` writes a store's blocks outside the directory lock;
-``Commits.publish`` does the rest under it. A crash at any point leaves
+``Commits.store`` runs that order for one entry: ``BlockWriter`` writes its
+blocks outside the directory lock, ``Commits.publish`` does the rest under
+it; a store refused or failed is undone. A crash at any point leaves
 references too high (a leak recovery gives back), never a header whose
-blocks are gone. Each step is told which index to work on; the store decides
-when to write, what to refuse and what to remove.
+blocks are gone. The store decides the cap, the rules once an entry is
+visible, and what to remove.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
+
+import lmdb
+import numpy as np
 
 from . import blocks as blk
 from . import writers
-from .directory import Directory
-from .errors import CorruptError
+from .directory import Directory, block_key
+from .errors import BlockKVError, CorruptError, LockTimeout
 from .fs import FileLayer, refuse_linked
-from .header import Header
+from .header import Header, Identity, encode_header
 from .index import Index
 from .pool import LocalPool, Staged
+from .records import Entry, GenerationCheckpoint
 from .writers import IntentFile
 
 
+@dataclass
+class Stored:
+    """A store that landed: what the facade counts and uploads."""
+
+    entry_id: str
+    encoded: bytes  # its header
+    layout: blk.EntryLayout
+    new: set[str]  # the blocks it wrote (the others were deduplicated)
+    written: int  # bytes
+    replaced: list[Entry]  # what the rules removed for it
+
+    @property
+    def deduplicated(self) -> int:
+        return sum(b.ref.raw_bytes for b in self.layout.blocks if b.ref.name not in self.new)
+
+
 class Commits:
-    def __init__(self, directory: Directory, intents: IntentFile, fs: FileLayer, clock: Callable[[], float],
-                 warn: Callable[[str, str], None]) -> None:
+    def __init__(self, directory: Directory, identity: Identity, intents: IntentFile, fs: FileLayer,
+                 clock: Callable[[], float], warn: Callable[..., None], *, index: Callable[[], Index],
+                 locked: Callable[[], AbstractContextManager[object]],
+                 executor: Callable[[str], ThreadPoolExecutor], block_tokens: int, compression: str | None) -> None:
+        """``index``: the handle's index now (reopened when replaced); ``locked``: the directory lock."""
         self._dir = directory
         self._pool = directory.pool
+        self._identity = identity
         self._intents = intents
         self._fs = fs
         self._clock = clock
         self._warn = warn
+        self._index = index
+        self._locked = locked
+        self._executor = executor
+        self._block_tokens = block_tokens
+        self._compression = compression
+
+    def store(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot, checkpoint: GenerationCheckpoint | None,
+              cap: int, landed: Callable[[str], list[Entry]]) -> Stored | None:
+        """One entry in write order: blocks, then (refused past ``cap`` bytes)
+        under the lock ``publish`` and ``landed(entry_id)``, the store's rules
+        (returns the entries they removed). None, with a warning and its traces
+        undone, if it was refused or failed."""
+        entry_id = uuid.uuid4().hex
+        path = self._dir.header_path(ns, entry_id)
+        writer = BlockWriter(self._pool, self._index(), self._intents, self._executor("io"), self._compression)
+        try:
+            # each new block is written (outside the lock: the slow part) while the next is hashed
+            layout = blk.split_entry(snap, self._block_tokens, on_block=writer.submit,
+                                     key=block_key(self._identity, ns))
+            written = writer.wait()
+            header = Header(self._identity, ns, tokens, layout.descriptor,
+                            checkpoint.to_json() if checkpoint else None, layout.block_xxh3)
+            encoded = encode_header(header)
+            entry_bytes = len(encoded) + sum(writer.sizes.values())
+            if entry_bytes > cap:
+                self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {cap}-byte cap", once=False)
+                self.discard(writer)
+                return None
+            self._fs.crash_point("store:blocks-written")
+            with self._locked():
+                written += self.publish(self._index(), writer, layout, header, encoded, entry_id, path)
+                replaced = landed(entry_id)
+        except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
+            if writer.referenced:
+                self.undo(entry_id, path)
+            elif isinstance(exc, LockTimeout):
+                writer.abandon()  # what it wrote is garbage for the next gc: waiting again to delete it helps nobody
+            else:
+                self.discard(writer)
+            reason = "the directory lock is busy" if isinstance(exc, LockTimeout) else "disk full or unwritable?"
+            self._warn("store", f"store failed ({reason}); entry not stored: {exc}")
+            return None
+        finally:
+            writer.release()
+        return Stored(entry_id, encoded, layout, writer.new, written, replaced)
+
+    def adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes], cap: int,
+              landed: Callable[[str], object]) -> bool:
+        """A remote entry made local by a store's write order: the blocks the pool
+        lacks (``frame_of``: verified frames from the bucket), then its header,
+        byte for byte under its own id, and ``landed(entry_id)`` under the lock;
+        nothing if another handle adopted it meanwhile. False (with a warning) if it could not be."""
+        path = self._dir.header_path(header.ns, entry_id)
+        layout = adopted_layout(header)
+        writer = AdoptedBlocks(frame_of, self._pool, self._index(), self._intents, self._executor("io"))
+        try:
+            for block in layout.blocks:
+                writer.submit(block)
+            writer.wait()
+            if len(encoded) + sum(writer.sizes.values()) > cap:
+                raise BlockKVError(f"the entry exceeds the {cap}-byte local cap")
+            with self._locked():
+                if self._index().entry(entry_id) is None:
+                    self.publish(self._index(), writer, layout, header, encoded, entry_id, path)
+                    landed(entry_id)
+        except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
+            if writer.referenced:
+                self.undo(entry_id, path)
+            else:
+                self.discard(writer)
+            self._warn("remote-adopt", f"remote entry {entry_id} not restored: {exc!r}")
+            return False
+        finally:
+            writer.release()
+        return True
+
+    def discard(self, writer: BlockWriter) -> None:
+        """A refused or failed store: delete the blocks it wrote that nothing
+        references and no live writer (of any handle) may still reference."""
+        writer.abandon()
+        try:
+            with self._locked():
+                self.delete_unreferenced(self._index(), writer.new)
+        except (OSError, lmdb.Error, BlockKVError):
+            pass  # left as garbage: the next gc reclaims it
 
     def publish(self, index: Index, writer: BlockWriter, layout: blk.EntryLayout, header: Header, encoded: bytes,
                 entry_id: str, path: Path) -> int:
@@ -66,10 +179,15 @@ class Commits:
             if name not in live.names and index.block(name) is None:
                 self._pool.delete(name)
 
-    def undo(self, index: Index, entry_id: str, path: Path) -> None:
-        """Under the lock: give back the references of a store that failed after taking them."""
-        self._dir.unlink_quietly(path)
-        index.rollback_pending(entry_id, self._clock())
+    def undo(self, entry_id: str, path: Path) -> None:
+        """Give back the references of a store that failed after taking them.
+        Under the lock, or not at all: its ``pending`` record lets recovery do it."""
+        try:
+            with self._locked():
+                self._dir.unlink_quietly(path)
+                self._index().rollback_pending(entry_id, self._clock())
+        except (OSError, lmdb.Error, BlockKVError) as exc:
+            self._warn("undo", f"could not undo a failed store ({exc}); check(repair=True) reclaims it")
 
     def remove(self, index: Index, entry_id: str) -> None:
         """Under the lock: unlink the header first, then drop its references (a crash between leaks, never dangles)."""

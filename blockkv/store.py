@@ -1,26 +1,24 @@
 """BlockStore: the SSD cold tier for MLX prompt/KV caches, as policy.
 
-The public facade and its decisions: the seed's find/trim/supersede rules,
-the byte cap and LRU eviction, what a failure proves, when to recover, the
-stats. The mechanisms are below it, each with one job: arguments.py (caller
-mistakes), catalog.py (the in-memory lookups), index_keeper.py (the index
-kept current and recovered under the directory lock), commit.py (write and
-delete order), restore.py (reading an entry back), recovery.py (what
-``scan`` repairs), check.py (check/repair), over directory.py, pool.py, index.py.
-Every mutation holds the directory lock, so a dedup hit and a gc delete
-never interleave.
+The public facade and its decisions: what a lookup serves, what a failure
+proves, when to recover, the remote tier's place, the stats. Every decision
+to delete (the seed's supersede rules, the byte cap and LRU eviction, gc,
+check/repair) is retention.py's. The mechanisms are below, each with one
+job: arguments.py (caller mistakes), catalog.py (the in-memory lookups),
+index_keeper.py (the index kept current and recovered under the directory
+lock), commit.py (write and delete order), restore.py (reading an entry
+back), recovery.py (what ``scan`` repairs), executors.py (worker threads),
+over directory.py, pool.py, index.py. Every mutation holds the directory
+lock, so a dedup hit and a gc delete never interleave.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,20 +30,21 @@ from . import writers
 from .arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
 from .arguments import open_only as _open_only
 from .catalog import Catalog
-from .check import CheckReport, inspect, verify_blocks
-from .check import repair as repair_directory
-from .commit import AdoptedBlocks, BlockWriter, Commits, adopted_layout
-from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
+from .check import CheckReport
+from .commit import Commits
+from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, fingerprint_dirname, read_identity
 from .directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
-from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
+from .errors import BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
+from .executors import Executors
 from .fs import FileLayer
-from .header import Header, Identity, encode_header
+from .header import Header, Identity
 from .index import Index
 from .index_keeper import IndexKeeper
 from .locks import DirLock
 from .records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, Match
 from .recovery import Recovery
 from .restore import EntryRead
+from .retention import Retention
 from .writers import IntentFile
 
 if TYPE_CHECKING:
@@ -55,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("blockkv")
 
 DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
-_IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 
 
@@ -115,8 +113,7 @@ class BlockStore:
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
-        self._mutex = threading.Lock()  # the executors of this handle
-        self._executors: dict[str, ThreadPoolExecutor] = {}  # store_async, restore_async, block I/O
+        self._executor = Executors()  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
         self._remote: RemoteTier | None = None  # the bucket tier (remote.py); local invariants stay as they are
@@ -129,12 +126,17 @@ class BlockStore:
         self._dir.create(self.root)
         lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
-        self._commits = Commits(self._dir, self._intents, self._fs, clock, self._warn)
+        self._commits = Commits(self._dir, self.identity, self._intents, self._fs, clock, self._warn,
+                                index=lambda: self._index, locked=lambda: self._retention.locked(),
+                                executor=self._executor, block_tokens=block_tokens, compression=compression)
         self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
                                   tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
         self._catalog = Catalog(self._owner, clock)
         self._keeper = IndexKeeper(self._dir, lock, self._recovery, self._catalog, self._intents.directory,
                                    map_size=index_map_size, lock_timeout=self.lock_timeout, warn=self._warn)
+        self._retention = Retention(self._dir, self._keeper, self._catalog, self._commits,
+                                    cap=lambda: self.max_bytes, clock=clock, gc_grace=self.gc_grace,
+                                    tmp_grace=self.tmp_grace, lock_timeout=self.lock_timeout, warn=self._warn)
         try:
             self.scan()
         except LockTimeout:
@@ -164,8 +166,7 @@ class BlockStore:
         if os.getpid() != self._pid:  # a forked child's copy: the parent still owns the environment
             self._closed = True
             return
-        for pool in self._executors.values():  # pending writes finish before the handle closes
-            pool.shutdown(wait=True)
+        self._executor.shutdown()  # pending writes finish before the handle closes
         if self._remote is not None:
             self._remote.close()
         self._closed = True
@@ -186,36 +187,14 @@ class BlockStore:
         blocks. What had to be fixed is left in ``self.recovery``. Returns the
         number of entries indexed."""
         self._recovery.notes = []
-        with self._locked(recover=True):
+        with self._retention.locked(recover=True):
             pass
         return len(self)
-
-    @contextmanager
-    def _locked(self, timeout: float | None = None, *, recover: bool = False) -> Iterator[None]:
-        """The directory lock for a mutation (``LockTimeout`` after ``timeout``,
-        default ``lock_timeout``), with the index checked current first and
-        recovered if it was replaced (``IndexKeeper.locked``)."""
-        with self._keeper.locked(self.lock_timeout if timeout is None else timeout, self.gc_grace,
-                                 recover=recover) as finished:
-            self._finish_dead_stores(finished)
-            yield
-
-    def _finish_dead_stores(self, finished: list[str]) -> None:
-        """Stores that died after their header landed, indexed now by the
-        roll-back of their pending references: apply the rules and the cap
-        their store would have applied."""
-        for entry_id in finished:
-            entry = self._catalog.get(entry_id)
-            if entry is not None:
-                self._apply_store_rules(entry)
-        if finished:
-            self.evict_to_cap()
 
     @_open_only
     def rebuild_index(self) -> int:
         """Throw the LMDB tables away and rebuild them from the header files."""
-        with self._locked():
-            self._keeper.rebuild()
+        self._retention.rebuild()
         return len(self)
 
     @property
@@ -228,16 +207,8 @@ class BlockStore:
         return self._keeper.index
 
     def _refresh(self) -> None:
-        """Bring the catalog up to what other handles changed. An index replaced
-        under us is reopened and recovered now if the lock is free (a query
-        never waits for it); if not, serve the last known state and retry next call."""
-        if self._keeper.refresh():
-            return
-        try:
-            with self._locked(timeout=0):
-                pass
-        except (lmdb.Error, OSError, CorruptError) as exc:
-            self._warn("index-reopen", f"could not reopen the LMDB index ({exc}); serving the last known state")
+        """The catalog brought up to what other handles changed (``Retention.refresh``)."""
+        self._retention.refresh()
 
     # -- the bucket (remote=) -----------------------------------------------------------
     @property
@@ -392,18 +363,7 @@ class BlockStore:
             return
         corrupt_block = reading if isinstance(exc, CorruptBlockError) and reading != "header" else ""
         self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
-        try:
-            with self._locked(timeout=_SERVING_WAIT):
-                self._refresh()
-                doomed = {entry.id} if entry.id in self._catalog else set()
-                if corrupt_block:  # quarantine: every entry that needs it is damaged too;
-                    # the next store of this block writes a good copy
-                    self._pool.delete(corrupt_block)
-                    doomed |= {e.id for e in self._catalog.entries() if corrupt_block in e.blocks}
-                for entry_id in doomed:
-                    self._remove_locked(entry_id)
-        except (OSError, lmdb.Error, BlockKVError) as exc2:  # LockTimeout included: the next restore retries
-            self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
+        self._retention.drop_corrupt(entry, corrupt_block, _SERVING_WAIT)
 
     # -- store --------------------------------------------------------------------------
     @_open_only
@@ -432,188 +392,47 @@ class BlockStore:
 
     @_open_only
     def remove_generation_checkpoints(self, key: str) -> None:
-        try:
-            with self._locked():
-                self._refresh()
-                for entry in self._catalog.entries():
-                    if entry.checkpoint is not None and entry.checkpoint.key == key:
-                        self._remove_quietly(entry.id)
-        except LockTimeout as exc:
-            self._warn("lock", f"checkpoints of {key!r} not removed: {exc}")
-
-    def _executor(self, job: str) -> ThreadPoolExecutor:
-        """Workers per kind of job, so a restore never queues behind a store:
-        "store" and "restore" (the async calls), "io" (a store's block writes)
-        and "read" (a restore's block reads and checks), two threads each."""
-        with self._mutex:
-            pool = self._executors.get(job)
-            if pool is None:
-                workers = _IO_THREADS if job in ("io", "read") else 1
-                pool = self._executors[job] = ThreadPoolExecutor(max_workers=workers,
-                                                                 thread_name_prefix=f"blockkv-{job}")
-            return pool
+        self._retention.remove_checkpoints(key)
 
     def _commit(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
-        entry_id = uuid.uuid4().hex
-        path = self._dir.header_path(ns, entry_id)
-        writer = BlockWriter(self._pool, self._index, self._intents, self._executor("io"), self.compression)
-        try:
-            # each new block is written (outside the lock: the slow part) while the next is hashed
-            layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit,
-                                     key=block_key(self.identity, ns))
-            written = writer.wait()
-            header = Header(self.identity, ns, tokens, layout.descriptor,
-                            checkpoint.to_json() if checkpoint else None, layout.block_xxh3)
-            encoded = encode_header(header)
-            entry_bytes = len(encoded) + sum(writer.sizes.values())
-            if entry_bytes > self.max_bytes:
-                self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {self.max_bytes}-byte cap",
-                           once=False)
-                self._discard(writer)
-                return False
-            self._fs.crash_point("store:blocks-written")
-            with self._locked():
-                written += self._commits.publish(self._index, writer, layout, header, encoded, entry_id, path)
-                self._refresh()
-                replaced = self._apply_store_rules(self._catalog.get(entry_id))
-                self.evict_to_cap()
-        except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
-            if writer.referenced:
-                self._undo_store(entry_id, path)
-            elif isinstance(exc, LockTimeout):
-                writer.abandon()  # what it wrote is garbage for the next gc: waiting again to delete it helps nobody
-            else:
-                self._discard(writer)
-            reason = "the directory lock is busy" if isinstance(exc, LockTimeout) else "disk full or unwritable?"
-            self._warn("store", f"store failed ({reason}); entry not stored: {exc}")
+        """One store (``Commits.store``), the seed's rules applied once it is visible (``Retention.landed``)."""
+        stored = self._commits.store(tokens, ns, snap, checkpoint, self.max_bytes, self._retention.landed)
+        if stored is None:
             return False
-        finally:
-            writer.release()
         self.stats["spills"] += 1
-        self.stats["bytes_written"] += written
-        self.stats["bytes_deduplicated"] += sum(b.ref.raw_bytes for b in layout.blocks if b.ref.name not in writer.new)
+        self.stats["bytes_written"] += stored.written
+        self.stats["bytes_deduplicated"] += stored.deduplicated
         if self._remote is not None and checkpoint is None:  # checkpoints stay local (docs/scale-out.md)
-            return self._remote.upload(entry_id, ns, encoded, (b.ref.name for b in layout.blocks), writer.new,
-                                       replaced)
+            return self._remote.upload(stored.entry_id, ns, stored.encoded, (b.ref.name for b in stored.layout.blocks),
+                                       stored.new, stored.replaced)
         return True
 
     def _adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
-        """A remote entry made local by a store's write order: the blocks the pool
-        lacks (``frame_of``: verified frames from the bucket), then its header,
-        byte for byte under its own id. False (with a warning) if it could not be."""
-        path = self._dir.header_path(header.ns, entry_id)
-        layout = adopted_layout(header)
-        writer = AdoptedBlocks(frame_of, self._pool, self._index, self._intents, self._executor("io"))
-        try:
-            for block in layout.blocks:
-                writer.submit(block)
-            writer.wait()
-            if len(encoded) + sum(writer.sizes.values()) > self.max_bytes:
-                raise BlockKVError(f"the entry exceeds the {self.max_bytes}-byte local cap")
-            with self._locked():
-                self._refresh()
-                if entry_id not in self._catalog:  # not adopted meanwhile by another handle
-                    self._commits.publish(self._index, writer, layout, header, encoded, entry_id, path)
-                    self._refresh()
-                    self._remote.remove_replaced(self._apply_store_rules(self._catalog.get(entry_id)))
-            self.evict_to_cap()
-        except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            if writer.referenced:
-                self._undo_store(entry_id, path)
-            else:
-                self._discard(writer)
-            self._warn("remote-adopt", f"remote entry {entry_id} not restored: {exc!r}")
-            return False
-        finally:
-            writer.release()
-        return True
+        """A remote entry made local (``Commits.adopt``); what the rules remove for it goes from the bucket too."""
+        return self._commits.adopt(entry_id, header, encoded, frame_of, self.max_bytes, self._adopted)
 
-    def _discard(self, writer: BlockWriter) -> None:
-        """A refused or failed store: delete the blocks it wrote that nothing
-        references and no live writer (of any handle) may still reference."""
-        writer.abandon()
-        try:
-            with self._locked():
-                self._commits.delete_unreferenced(self._index, writer.new)
-        except (OSError, lmdb.Error, BlockKVError):
-            pass  # left as garbage: the next gc reclaims it
+    def _adopted(self, entry_id: str) -> None:
+        self._remote.remove_replaced(self._retention.landed(entry_id))
 
-    def _undo_store(self, entry_id: str, path: Path) -> None:
-        """Give back the references of a store that failed after taking them.
-        Under the lock, or not at all: its ``pending`` record lets recovery do it."""
-        try:
-            with self._locked():
-                self._commits.undo(self._index, entry_id, path)
-        except (OSError, lmdb.Error, BlockKVError) as exc:
-            self._warn("undo", f"could not undo a failed store ({exc}); check(repair=True) reclaims it")
-
-    def _apply_store_rules(self, new: Entry) -> list[Entry]:
-        """Replace an identical entry; let a trimmable entry supersede its prefixes;
-        a checkpoint supersedes older checkpoints of its key (all after it is durable).
-        Returns the entries removed."""
-        doomed = [e for e in self._catalog.prefixes_of(new.ns, new.token_array)  # same ns, tokens a prefix of the new ones
-                  if e is not new and (e.length == new.length  # identical: replaced
-                                       or (new.trimmable and e.length >= new.minimum_reusable_offset))]
-        if new.checkpoint is not None:  # its namespace holds only this key's checkpoints
-            doomed += [e for e in self._catalog.in_namespace(new.ns) if e is not new and e.checkpoint is not None
-                       and e.checkpoint.key == new.checkpoint.key]
-        for entry in dict.fromkeys(doomed):
-            self._remove_quietly(entry.id)
-        return list(dict.fromkeys(doomed))
-
-    # -- remove, evict, gc --------------------------------------------------------------------
+    # -- remove, evict, gc (retention.py) ---------------------------------------------------------
     @_open_only
     def remove(self, entry: Entry) -> None:
         if not isinstance(entry, Entry):
             raise TypeError(f"remove takes an Entry, got {type(entry).__name__}")
-        try:
-            with self._locked():
-                self._refresh()
-                self._remove_quietly(entry.id)
-        except LockTimeout as exc:
-            self._warn("lock", f"entry {entry.id} not removed: {exc}")
-
-    def _remove_quietly(self, entry_id: str) -> None:
-        try:
-            self._remove_locked(entry_id)
-        except (OSError, lmdb.Error, BlockKVError) as exc:
-            self._warn("remove", f"could not remove entry {entry_id}: {exc}")
-
-    def _remove_locked(self, entry_id: str) -> None:
-        """Remove an entry from the files and the index (``Commits.remove``), then from the catalog."""
-        self._commits.remove(self._index, entry_id)
-        self._refresh()
-        self._catalog.drop(entry_id)
+        self._retention.remove(entry.id)
 
     @_open_only
     def evict_plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first. Changes nothing."""
         check_size("target_bytes", target_bytes)
-        return self._plan(target_bytes)
-
-    def _plan(self, target_bytes: int) -> list[Entry]:
-        total = self.total_bytes
-        if total <= target_bytes:  # the common case: every store checks the cap
-            return []
-        self._refresh()
-        return self._catalog.eviction_plan(self._index, total, target_bytes)
+        return self._retention.plan(target_bytes)
 
     @_open_only
     def evict_to(self, target_bytes: int) -> list[Entry]:
         """Remove least recently used entries until ``total_bytes <= target_bytes``."""
         check_size("target_bytes", target_bytes)
-        try:
-            with self._locked():
-                plan = self._plan(target_bytes)
-                for entry in plan:
-                    self._remove_quietly(entry.id)
-                if plan:
-                    self._sweep_quietly()
-        except LockTimeout as exc:
-            self._warn("lock", f"eviction skipped: {exc}")
-            return []
-        return plan
+        return self._retention.evict_to(target_bytes)
 
     @_open_only
     def evict_to_cap(self) -> None:
@@ -621,25 +440,10 @@ class BlockStore:
 
     @_open_only
     def gc(self) -> int:
-        """Give back the references of stores whose writer died
-        (``IndexKeeper.roll_back_pending``), then delete blocks nothing
-        references and no live writer may (``Recovery.sweep_orphans``) and dead
-        writers' temp files; returns how many blocks."""
-        try:
-            with self._locked():
-                self._finish_dead_stores(self._keeper.roll_back_pending())
-                n = self._keeper.sweep(self.gc_grace)
-                self._index.trim_log()
-        except LockTimeout as exc:
-            self._warn("lock", f"gc skipped: {exc}")
-            return 0
-        return n
-
-    def _sweep_quietly(self) -> None:
-        try:
-            self._keeper.sweep(self.gc_grace)
-        except (OSError, lmdb.Error, BlockKVError) as exc:
-            self._warn("gc", f"gc failed: {exc}")
+        """Give back the references of stores whose writer died, then delete
+        blocks nothing references and no live writer may, and dead writers'
+        temp files; returns how many blocks (``Retention.gc``)."""
+        return self._retention.gc()
 
     @_open_only
     def check(self, repair: bool = False,
@@ -652,15 +456,7 @@ class BlockStore:
         are checked without the directory lock; the comparison of files and
         index runs under it, so a busy, healthy root reports clean.
         ``LockTimeout`` if the lock is not had within ``lock_timeout``."""
-        verified = verify_blocks(self._dir, progress)
-        with self._locked():
-            report = inspect(self._dir, self._index.blocks(), verified=verified,
-                             tmp_cutoff=self._clock() - self.tmp_grace)
-            if repair and not report.clean:
-                repair_directory(self._dir, report)
-                self._keeper.rebuild()
-                report.actions.append("rebuilt the index from the headers")
-        return report
+        return self._retention.check(repair, progress)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _warn(self, kind: str, message: str, *, once: bool = True) -> None:

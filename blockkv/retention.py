@@ -1,0 +1,215 @@
+"""What stays and what goes: every decision of a store handle to delete,
+each taken under the directory lock.
+
+``Retention`` applies the seed's rules once an entry is visible (an
+identical entry replaced, trimmable prefixes superseded, older checkpoints
+of a key dropped once the new one is durable), the byte cap (LRU eviction
+over every identity's entries), gc, check/repair, and drops what a failed
+restore proved corrupt. It also holds the lock discipline: the lock is
+taken with the index checked current (``IndexKeeper.locked``), and the
+stores a recovery found dead after their header landed get the rules and
+cap their store would have applied. The deleting itself is ``Commits.remove``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import lmdb
+
+from .catalog import Catalog
+from .check import CheckReport, inspect, verify_blocks
+from .check import repair as repair_directory
+from .commit import Commits
+from .directory import Directory
+from .errors import BlockKVError, CorruptError, LockTimeout
+from .index_keeper import IndexKeeper
+from .records import Entry
+
+
+class Retention:
+    def __init__(self, directory: Directory, keeper: IndexKeeper, catalog: Catalog, commits: Commits, *,
+                 cap: Callable[[], int], clock: Callable[[], float], gc_grace: float, tmp_grace: float,
+                 lock_timeout: float, warn: Callable[..., None]) -> None:
+        """``cap``: the byte cap now (it may follow a caller's ``limit``)."""
+        self._dir = directory
+        self._keeper = keeper
+        self._catalog = catalog
+        self._commits = commits
+        self._cap = cap
+        self._clock = clock
+        self._gc_grace = gc_grace
+        self._tmp_grace = tmp_grace
+        self._lock_timeout = lock_timeout
+        self._warn = warn
+
+    # -- the lock, and the index current under it --------------------------------------
+    @contextmanager
+    def locked(self, timeout: float | None = None, *, recover: bool = False) -> Iterator[None]:
+        """The directory lock for a mutation (``LockTimeout`` after ``timeout``,
+        default ``lock_timeout``), with the index checked current first and
+        recovered if it was replaced (``IndexKeeper.locked``)."""
+        with self._keeper.locked(self._lock_timeout if timeout is None else timeout, self._gc_grace,
+                                 recover=recover) as finished:
+            self._finish_dead_stores(finished)
+            yield
+
+    def _finish_dead_stores(self, finished: list[str]) -> None:
+        """Stores that died after their header landed, indexed now by the
+        roll-back of their pending references: apply the rules and the cap
+        their store would have applied."""
+        for entry_id in finished:
+            entry = self._catalog.get(entry_id)
+            if entry is not None:
+                self._apply_store_rules(entry)
+        if finished:
+            self.evict_to(self._cap())
+
+    def refresh(self) -> None:
+        """Bring the catalog up to what other handles changed. An index replaced
+        under us is reopened and recovered now if the lock is free (a query
+        never waits for it); if not, serve the last known state and retry next call."""
+        if self._keeper.refresh():
+            return
+        try:
+            with self.locked(timeout=0):
+                pass
+        except (lmdb.Error, OSError, CorruptError) as exc:
+            self._warn("index-reopen", f"could not reopen the LMDB index ({exc}); serving the last known state")
+
+    # -- the seed's rules -----------------------------------------------------------------
+    def landed(self, entry_id: str) -> list[Entry]:
+        """Under the lock, an entry just made visible: the seed's rules, then the
+        cap. Returns the entries the rules removed."""
+        self.refresh()
+        replaced = self._apply_store_rules(self._catalog.get(entry_id))
+        self.evict_to(self._cap())
+        return replaced
+
+    def _apply_store_rules(self, new: Entry) -> list[Entry]:
+        """Replace an identical entry; let a trimmable entry supersede its prefixes;
+        a checkpoint supersedes older checkpoints of its key (all after it is durable).
+        Returns the entries removed."""
+        doomed = [e for e in self._catalog.prefixes_of(new.ns, new.token_array)  # same ns, tokens a prefix of the new ones
+                  if e is not new and (e.length == new.length  # identical: replaced
+                                       or (new.trimmable and e.length >= new.minimum_reusable_offset))]
+        if new.checkpoint is not None:  # its namespace holds only this key's checkpoints
+            doomed += [e for e in self._catalog.in_namespace(new.ns) if e is not new and e.checkpoint is not None
+                       and e.checkpoint.key == new.checkpoint.key]
+        for entry in dict.fromkeys(doomed):
+            self._remove_quietly(entry.id)
+        return list(dict.fromkeys(doomed))
+
+    # -- remove ---------------------------------------------------------------------------
+    def remove(self, entry_id: str) -> None:
+        self._remove_current(lambda: [entry_id], f"entry {entry_id}")
+
+    def remove_checkpoints(self, key: str) -> None:
+        """Every generation checkpoint of ``key``."""
+        self._remove_current(lambda: [e.id for e in self._catalog.entries()
+                                      if e.checkpoint is not None and e.checkpoint.key == key],
+                             f"checkpoints of {key!r}")
+
+    def _remove_current(self, entry_ids: Callable[[], list[str]], what: str) -> None:
+        """Remove the entries ``entry_ids()`` names once the catalog is current;
+        a busy lock is a warning (``what`` not removed)."""
+        try:
+            with self.locked():
+                self.refresh()
+                for entry_id in entry_ids():
+                    self._remove_quietly(entry_id)
+        except LockTimeout as exc:
+            self._warn("lock", f"{what} not removed: {exc}")
+
+    def _remove_quietly(self, entry_id: str) -> None:
+        try:
+            self._remove_locked(entry_id)
+        except (OSError, lmdb.Error, BlockKVError) as exc:
+            self._warn("remove", f"could not remove entry {entry_id}: {exc}")
+
+    def _remove_locked(self, entry_id: str) -> None:
+        """Remove an entry from the files and the index (``Commits.remove``), then from the catalog."""
+        self._commits.remove(self._keeper.index, entry_id)
+        self.refresh()
+        self._catalog.drop(entry_id)
+
+    def drop_corrupt(self, entry: Entry, corrupt_block: str, wait: float) -> None:
+        """A restore proved ``entry`` corrupt: drop it, and with a ``corrupt_block``
+        quarantine that block and every entry that needs it too (the next store
+        of the block writes a good copy). Waits ``wait`` seconds for the lock,
+        at most; if busy, the next restore retries."""
+        try:
+            with self.locked(timeout=wait):
+                self.refresh()
+                doomed = {entry.id} if entry.id in self._catalog else set()
+                if corrupt_block:
+                    self._dir.pool.delete(corrupt_block)
+                    doomed |= {e.id for e in self._catalog.entries() if corrupt_block in e.blocks}
+                for entry_id in doomed:
+                    self._remove_locked(entry_id)
+        except (OSError, lmdb.Error, BlockKVError) as exc:  # LockTimeout included
+            self._warn("remove", f"could not drop entry {entry.id}: {exc}")
+
+    # -- the cap ----------------------------------------------------------------------------
+    def plan(self, target_bytes: int) -> list[Entry]:
+        """The entries eviction down to ``target_bytes`` would remove, LRU first."""
+        total = self._keeper.index.total_bytes()
+        if total <= target_bytes:  # the common case: every store checks the cap
+            return []
+        self.refresh()
+        return self._catalog.eviction_plan(self._keeper.index, total, target_bytes)
+
+    def evict_to(self, target_bytes: int) -> list[Entry]:
+        """Remove least recently used entries until the total is at most ``target_bytes``."""
+        try:
+            with self.locked():
+                plan = self.plan(target_bytes)
+                for entry in plan:
+                    self._remove_quietly(entry.id)
+                if plan:
+                    self._sweep_quietly()
+        except LockTimeout as exc:
+            self._warn("lock", f"eviction skipped: {exc}")
+            return []
+        return plan
+
+    # -- gc, check, rebuild ------------------------------------------------------------------
+    def gc(self) -> int:
+        """Give back the references of stores whose writer died
+        (``IndexKeeper.roll_back_pending``), then delete blocks nothing
+        references and no live writer may (``Recovery.sweep_orphans``) and dead
+        writers' temp files; returns how many blocks."""
+        try:
+            with self.locked():
+                self._finish_dead_stores(self._keeper.roll_back_pending())
+                n = self._keeper.sweep(self._gc_grace)
+                self._keeper.index.trim_log()
+        except LockTimeout as exc:
+            self._warn("lock", f"gc skipped: {exc}")
+            return 0
+        return n
+
+    def _sweep_quietly(self) -> None:
+        try:
+            self._keeper.sweep(self._gc_grace)
+        except (OSError, lmdb.Error, BlockKVError) as exc:
+            self._warn("gc", f"gc failed: {exc}")
+
+    def check(self, repair: bool, progress: Callable[[int, int], None] | None) -> CheckReport:
+        """``BlockStore.check``: block hashes verified without the lock, the
+        comparison of files and index (and any repair) under it."""
+        verified = verify_blocks(self._dir, progress)
+        with self.locked():
+            report = inspect(self._dir, self._keeper.index.blocks(), verified=verified,
+                             tmp_cutoff=self._clock() - self._tmp_grace)
+            if repair and not report.clean:
+                repair_directory(self._dir, report)
+                self._keeper.rebuild()
+                report.actions.append("rebuilt the index from the headers")
+        return report
+
+    def rebuild(self) -> None:
+        """Throw the LMDB tables away and rebuild them from the header files."""
+        with self.locked():
+            self._keeper.rebuild()
