@@ -4,11 +4,12 @@ each taken under the directory lock.
 ``Retention`` applies the seed's rules once an entry is visible (an
 identical entry replaced, trimmable prefixes superseded, older checkpoints
 of a key dropped once the new one is durable), the byte cap (LRU eviction
-over every identity's entries), gc, check/repair, and drops what a failed
-restore proved corrupt. It also holds the lock discipline: the lock is
-taken with the index checked current (``IndexKeeper.locked``), and the
-stores a recovery found dead after their header landed get the rules and
-cap their store would have applied. The deleting itself is ``Commits.remove``.
+over every identity's entries), gc, check/repair, and what a failed restore
+proves (only proof of corruption drops an entry). It also holds the lock
+discipline: the lock is taken with the index checked current
+(``IndexKeeper.locked``), and the stores a recovery found dead after their
+header landed get the rules and cap their store would have applied. The
+deleting itself is ``Commits.remove``'s.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ from contextlib import contextmanager
 
 import lmdb
 
+from .arguments import check_size
 from .catalog import Catalog
 from .check import CheckReport, inspect, verify_blocks
 from .check import repair as repair_directory
 from .commit import Commits
 from .directory import Directory
-from .errors import BlockKVError, CorruptError, LockTimeout
+from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from .index_keeper import IndexKeeper
 from .records import Entry
+
+_SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 
 
 class Retention:
@@ -64,7 +68,7 @@ class Retention:
             if entry is not None:
                 self._apply_store_rules(entry)
         if finished:
-            self.evict_to(self._cap())
+            self._evict_to_cap()
 
     def refresh(self) -> None:
         """Bring the catalog up to what other handles changed. An index replaced
@@ -84,7 +88,7 @@ class Retention:
         cap. Returns the entries the rules removed."""
         self.refresh()
         replaced = self._apply_store_rules(self._catalog.get(entry_id))
-        self.evict_to(self._cap())
+        self._evict_to_cap()
         return replaced
 
     def _apply_store_rules(self, new: Entry) -> list[Entry]:
@@ -134,22 +138,31 @@ class Retention:
         self.refresh()
         self._catalog.drop(entry_id)
 
-    def drop_corrupt(self, entry: Entry, corrupt_block: str, wait: float) -> None:
-        """A restore proved ``entry`` corrupt: drop it, and with a ``corrupt_block``
-        quarantine that block and every entry that needs it too (the next store
-        of the block writes a good copy). Waits ``wait`` seconds for the lock,
-        at most; if busy, the next restore retries."""
+    def restore_failed(self, entry: Entry, exc: BaseException, reading: str) -> None:
+        """Only proof of corruption deletes: a corrupt header or block, or the
+        entry's own header or block file gone (``reading``: what was being read,
+        ``EntryRead.culprit``). Anything else (EMFILE, EIO, MemoryError, an
+        exception from mlx or mlx-lm) is a miss that keeps the entry, its
+        header and its index row as they were."""
+        proof = (isinstance(exc, (CorruptError, BlockMissingError))
+                 or (reading == "header" and isinstance(exc, FileNotFoundError)))
+        if not proof:
+            self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc!r}); kept, served as a miss")
+            return
+        corrupt_block = reading if isinstance(exc, CorruptBlockError) and reading != "header" else ""
+        self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
         try:
-            with self.locked(timeout=wait):
+            with self.locked(timeout=_SERVING_WAIT):
                 self.refresh()
                 doomed = {entry.id} if entry.id in self._catalog else set()
-                if corrupt_block:
+                if corrupt_block:  # quarantine: every entry that needs it is damaged too;
+                    # the next store of this block writes a good copy
                     self._dir.pool.delete(corrupt_block)
                     doomed |= {e.id for e in self._catalog.entries() if corrupt_block in e.blocks}
                 for entry_id in doomed:
                     self._remove_locked(entry_id)
-        except (OSError, lmdb.Error, BlockKVError) as exc:  # LockTimeout included
-            self._warn("remove", f"could not drop entry {entry.id}: {exc}")
+        except (OSError, lmdb.Error, BlockKVError) as exc2:  # LockTimeout included: the next restore retries
+            self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
 
     # -- the cap ----------------------------------------------------------------------------
     def plan(self, target_bytes: int) -> list[Entry]:
@@ -173,6 +186,11 @@ class Retention:
             self._warn("lock", f"eviction skipped: {exc}")
             return []
         return plan
+
+    def _evict_to_cap(self) -> None:
+        cap = self._cap()
+        check_size("target_bytes", cap)  # a caller's ``limit`` may return anything
+        self.evict_to(cap)
 
     # -- gc, check, rebuild ------------------------------------------------------------------
     def gc(self) -> int:

@@ -34,7 +34,7 @@ from .check import CheckReport
 from .commit import Commits
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, fingerprint_dirname, read_identity
 from .directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
-from .errors import BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
+from .errors import LockTimeout
 from .executors import Executors
 from .fs import FileLayer
 from .header import Header, Identity
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("blockkv")
 
 DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
-_SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 
 
 class BlockStore:
@@ -334,7 +333,7 @@ class BlockStore:
         try:
             header, caches, attachments = read.run(cut)
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            self._restore_failed(entry, exc, read.culprit(exc))
+            self._retention.restore_failed(entry, exc, read.culprit(exc))
             return None
         try:
             self._index.touch(entry.id, self._clock())
@@ -350,20 +349,6 @@ class BlockStore:
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
         check_prefix_len(entry, prefix_len)
         return self._executor("restore").submit(self.restore, entry, prefix_len)
-
-    def _restore_failed(self, entry: Entry, exc: BaseException, reading: str) -> None:
-        """Only proof of corruption deletes: a corrupt header or block, or the
-        entry's own header or block file gone. Anything else (EMFILE, EIO,
-        MemoryError, an exception from mlx or mlx-lm) is a miss that keeps the
-        entry, its header and its index row as they were."""
-        proof = (isinstance(exc, (CorruptError, BlockMissingError))
-                 or (reading == "header" and isinstance(exc, FileNotFoundError)))
-        if not proof:
-            self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc!r}); kept, served as a miss")
-            return
-        corrupt_block = reading if isinstance(exc, CorruptBlockError) and reading != "header" else ""
-        self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
-        self._retention.drop_corrupt(entry, corrupt_block, _SERVING_WAIT)
 
     # -- store --------------------------------------------------------------------------
     @_open_only
