@@ -110,7 +110,7 @@ class BlockWriter:
         self.referenced = False  # its references are taken and its entry not yet added: undo, not discard
         self._declared: list[str] = []
         self._writes: list[Future[Staged]] = []
-        self._header: Future[tuple[Path, int]] | None = None  # the header's durable tmp file, being written
+        self._header: tuple[Path, int] | None = None  # the header's durable tmp file and its size
 
     def submit(self, block: blk.Block) -> None:
         name = block.ref.name
@@ -139,12 +139,12 @@ class BlockWriter:
 
     def stage_header(self, path: Path, encoded: bytes) -> None:
         """Write the entry's header to a durable tmp file beside ``path`` (named
-        with this writer's token) while the blocks are being written, so that
-        under the lock ``publish_header`` only renames it. Invisible until then:
-        a header never names a block before the block is durable."""
+        with this writer's token), on the caller's thread while the I/O threads
+        write the blocks, so that under the lock ``publish_header`` only renames
+        it. Invisible until then: no header names a block before it is durable."""
         refuse_linked(path.parent)
         self._pool.fs.makedirs(path.parent)
-        self._header = self._io.submit(self._pool.fs.write_tmp, path, [encoded], tag=self._intents.token)
+        self._header = self._pool.fs.write_tmp(path, [encoded], tag=self._intents.token)
 
     def publish_header(self, path: Path, encoded: bytes) -> int:
         """Under the lock, after the references: the header under its name,
@@ -155,7 +155,7 @@ class BlockWriter:
             refuse_linked(path.parent)
             fs.makedirs(path.parent)
             return fs.write_atomic(path, [encoded], tag=self._intents.token)
-        tmp, nbytes = self._header.result()
+        tmp, nbytes = self._header
         fs.replace(tmp, path)
         self._header = None
         fs.fsync_dir(path.parent)
@@ -165,10 +165,7 @@ class BlockWriter:
         """Remove the staged header's tmp file, if one was staged and not renamed."""
         header, self._header = self._header, None
         if header is not None:
-            try:
-                self._pool.fs.unlink_tmp(header.result()[0])
-            except BaseException:  # noqa: BLE001 - its write failed: write_tmp removed it
-                pass
+            self._pool.fs.unlink_tmp(header[0])
 
     def ensure_present(self, layout: blk.EntryLayout) -> int:
         """Under the lock, right before taking references: every block of the
