@@ -41,7 +41,7 @@ class Catalog:
             self._tries = {}
             self._exact = {}
             last_use = index.last_use()
-            sizes = {n: row.size for n, row in index.blocks().items()}
+            sizes = index.block_sizes()
             for record in index.entries() if records is None else records:
                 self._add(record, last_use.get(record.id, 0.0), sizes)
 

@@ -193,10 +193,13 @@ class Index:
                 lambda txn: {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in txn.cursor(db=self._blocks)}
             )
 
-    def block_sizes(self, names: Iterable[str]) -> dict[str, int]:
-        """Stored sizes of the named blocks that have rows (one transaction)."""
+    def block_sizes(self, names: Iterable[str] | None = None) -> dict[str, int]:
+        """Stored sizes of the named blocks that have rows, or (``names`` None)
+        of every block (one transaction)."""
 
         def read(txn: lmdb.Transaction) -> dict[str, int]:
+            if names is None:
+                return {k.decode(): _BLOCK.unpack(v)[1] for k, v in txn.cursor(db=self._blocks)}
             out = {}
             for name in names:
                 raw = txn.get(name.encode(), db=self._blocks)
