@@ -169,13 +169,18 @@ class LocalPool:
         if not self.layout.sharded:
             return
         refuse_linked(self.directory)
-        missing = [d for d in (self.directory / f"{i:02x}" for i in range(256)) if not d.is_dir()]
-        for d in missing:
-            try:
-                self._fs.mkdir(d)
-            except FileExistsError:
-                continue  # another process made it, or a stray file of that name: left as it is
-        if missing:
+        created = False
+        try:
+            for d in (self.directory / f"{i:02x}" for i in range(256)):
+                if not d.is_dir():
+                    try:
+                        self._fs.mkdir(d)
+                        created = True
+                    except FileExistsError:
+                        continue  # another process made it, or a stray file of that name: left as it is
+        except OSError:
+            pass  # a full disk must not stop an open: the rest are made on first use (``stage``)
+        if created:  # durable before any block is published into one
             self._fs.fsync_dir(self.directory)
 
     def exists(self, name: str) -> bool:
