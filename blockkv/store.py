@@ -443,12 +443,13 @@ class BlockStore:
 
     def _executor(self, job: str) -> ThreadPoolExecutor:
         """Workers per kind of job, so a restore never queues behind a store:
-        "store" and "restore" (the async calls), "io" (a store's block writes)
-        and "read" (a restore's block reads and checks), two threads each."""
+        "store" and "restore" (the async calls), "io" (a store's block writes),
+        "hash" (a store's block hashing) and "read" (a restore's block reads
+        and checks), two threads each."""
         with self._mutex:
             pool = self._executors.get(job)
             if pool is None:
-                workers = _IO_THREADS if job in ("io", "read") else 1
+                workers = _IO_THREADS if job in ("io", "hash", "read") else 1
                 pool = self._executors[job] = ThreadPoolExecutor(max_workers=workers,
                                                                  thread_name_prefix=f"blockkv-{job}")
             return pool
@@ -461,8 +462,7 @@ class BlockStore:
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
             layout = blk.split_entry(snap, self.block_tokens, on_block=writer.submit,
-                                     key=block_key(self.identity, ns))
-            written = writer.wait()
+                                     key=block_key(self.identity, ns), hashers=self._executor("hash"))
             header = Header(self.identity, ns, tokens, layout.descriptor,
                             checkpoint.to_json() if checkpoint else None, layout.block_xxh3)
             encoded = encode_header(header)
@@ -472,6 +472,8 @@ class BlockStore:
                            once=False)
                 self._discard(writer)
                 return False
+            writer.stage_header(path, encoded)  # its tmp file is written and fsync'd beside the blocks
+            written = writer.wait()
             self._fs.crash_point("store:blocks-written")
             with self._locked():
                 written += self._commits.publish(self._index, writer, layout, header, encoded, entry_id, path)
