@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -246,6 +247,28 @@ def _to_host(t: TensorRecord) -> TensorRecord:
     return replace(t, data=np.asarray(memoryview(t.data)))
 
 
+def _hashed(specs: Iterable[tuple[list[Part], list[np.ndarray], int, int]], key: bytes | None,
+            hashers: Executor | None, workers: int = 2) -> Iterator[Block]:
+    """Each spec made a named block, in order. With ``hashers``, up to ``2 x workers``
+    blocks are hashed ahead on its threads (blake3 releases the GIL), so a
+    store's hashing runs on more than one core while the caller writes."""
+    if hashers is None:
+        for layout, parts, start, stop in specs:
+            yield _make_block(layout, parts, start, stop, key)
+        return
+    window: list[Future[Block]] = []
+    try:
+        for layout, parts, start, stop in specs:
+            window.append(hashers.submit(_make_block, layout, parts, start, stop, key))
+            if len(window) >= 2 * workers:
+                yield window.pop(0).result()
+        while window:
+            yield window.pop(0).result()
+    finally:
+        for f in window:  # the consumer stopped early (a failed write): hash nothing more
+            f.cancel()
+
+
 def _add(blocks: dict[str, Block], block: Block, on_block: Callable[[Block], None] | None) -> BlockRef:
     if block.ref.name not in blocks:
         blocks[block.ref.name] = block
@@ -260,11 +283,13 @@ def split_entry(
     attachments: Mapping[str, mx.array] | None = None,
     on_block: Callable[[Block], None] | None = None,
     key: bytes | None = None,
+    hashers: Executor | None = None,
 ) -> EntryLayout:
     """Cut an entry's caches (and attachments), or a snapshot of them, into
     blocks and a descriptor. ``on_block`` sees each distinct block as soon as
     it is named, so a store can write it while the next one is hashed.
-    ``key`` (``namespace_key``) names the blocks with keyed blake3."""
+    ``key`` (``namespace_key``) names the blocks with keyed blake3;
+    ``hashers`` (two threads) hash blocks ahead of ``on_block``."""
     _check_block_tokens(block_tokens)
     if isinstance(caches, Snapshot):
         if attachments is not None:
@@ -278,14 +303,18 @@ def split_entry(
     token = [t for t in present if t.token_axis]
     state = [t for t in present if not t.token_axis] + list(extra.values())
     blocks: dict[str, Block] = {}
-    token_refs, state_refs = [], []
-    for start, stop in _token_ranges(token, block_tokens):
-        spec = _block_parts(token, start, stop)
-        parts = [token[i].data[..., a:b, :] for i, a, b in spec]  # views: hashed and written in place
-        token_refs.append(_add(blocks, _make_block([_rows_part(token[i], a, b) for i, a, b in spec], parts, start, stop, key),
-                               on_block))
-    for t in state:
-        state_refs.append(_add(blocks, _make_block([(t.dtype, t.shape)], [t.data], -1, -1, key), on_block))
+    ranges = _token_ranges(token, block_tokens)
+
+    def specs() -> Iterator[tuple[list[Part], list[np.ndarray], int, int]]:
+        for start, stop in ranges:
+            spec = _block_parts(token, start, stop)
+            parts = [token[i].data[..., a:b, :] for i, a, b in spec]  # views: hashed and written in place
+            yield [_rows_part(token[i], a, b) for i, a, b in spec], parts, start, stop
+        for t in state:
+            yield [(t.dtype, t.shape)], [t.data], -1, -1
+
+    refs = [_add(blocks, block, on_block) for block in _hashed(specs(), key, hashers)]
+    token_refs, state_refs = refs[: len(ranges)], refs[len(ranges) :]
     descriptor = {
         "format": FORMAT,
         "block_tokens": block_tokens,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from .index import Index
+from .index import Index, gc_paused
 from .prefix_index import PrefixIndex
 from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Match
 
@@ -34,14 +34,14 @@ class Catalog:
     # -- following the index ------------------------------------------------------
     def load(self, index: Index, records: list[EntryRecord] | None = None) -> None:
         """Rebuild from the tables (``records``: already read)."""
-        with self._mutex:
+        with self._mutex, gc_paused():
             self._position = index.position()  # first: a change made while we read is replayed, not lost
             self._entries = {}
             self._foreign = {}
             self._tries = {}
             self._exact = {}
             last_use = index.last_use()
-            sizes = {n: row.size for n, row in index.blocks().items()}
+            sizes = index.block_sizes()
             for record in index.entries() if records is None else records:
                 self._add(record, last_use.get(record.id, 0.0), sizes)
 

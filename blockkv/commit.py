@@ -85,8 +85,7 @@ class Commits:
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
             layout = blk.split_entry(snap, self._block_tokens, on_block=writer.submit,
-                                     key=block_key(self._identity, ns))
-            written = writer.wait()
+                                     key=block_key(self._identity, ns), hashers=self._executor("hash"))
             header = Header(self._identity, ns, tokens, layout.descriptor,
                             checkpoint.to_json() if checkpoint else None, layout.block_xxh3)
             encoded = encode_header(header)
@@ -95,6 +94,8 @@ class Commits:
                 self._warn("cap", f"entry not stored: {entry_bytes} bytes exceeds the {cap}-byte cap", once=False)
                 self.discard(writer)
                 return None
+            writer.stage_header(path, encoded)  # its tmp file is written and fsync'd beside the blocks
+            written = writer.wait()
             self._fs.crash_point("store:blocks-written")
             with self._locked():
                 written += self.publish(self._index(), writer, layout, header, encoded, entry_id, path)
@@ -162,10 +163,12 @@ class Commits:
         index.take_refs(entry_id, self._dir.rel(path), writer.sizes)
         writer.referenced = True
         writer.release()  # referenced now: the refcounts protect them
-        self._fs.crash_point("store:refs-taken")
-        refuse_linked(path.parent)
-        self._fs.makedirs(path.parent)
-        written += self._fs.write_atomic(path, [encoded], tag=self._intents.token)
+        try:
+            self._fs.crash_point("store:refs-taken")
+            written += writer.publish_header(path, encoded)
+        except BaseException:
+            writer.drop_header()
+            raise
         self._fs.crash_point("store:header-written")
         index.add_entry(self._dir.record(entry_id, path, header, len(encoded)), self._clock())
         writer.referenced = False
@@ -226,6 +229,7 @@ class BlockWriter:
         self.referenced = False  # its references are taken and its entry not yet added: undo, not discard
         self._declared: list[str] = []
         self._writes: list[Future[Staged]] = []
+        self._header: tuple[Path, int] | None = None  # the header's durable tmp file and its size
 
     def submit(self, block: blk.Block) -> None:
         name = block.ref.name
@@ -252,6 +256,36 @@ class BlockWriter:
             raise failure
         return self._pool.publish(staged)
 
+    def stage_header(self, path: Path, encoded: bytes) -> None:
+        """Write the entry's header to a durable tmp file beside ``path`` (named
+        with this writer's token), on the caller's thread while the I/O threads
+        write the blocks, so that under the lock ``publish_header`` only renames
+        it. Invisible until then: no header names a block before it is durable."""
+        refuse_linked(path.parent)
+        self._pool.fs.makedirs(path.parent)
+        self._header = self._pool.fs.write_tmp(path, [encoded], tag=self._intents.token)
+
+    def publish_header(self, path: Path, encoded: bytes) -> int:
+        """Under the lock, after the references: the header under its name,
+        durably (rename of the staged tmp, or tmp → fsync → rename without
+        one, then fsync of its directory). Returns the bytes written."""
+        fs = self._pool.fs
+        if self._header is None:
+            refuse_linked(path.parent)
+            fs.makedirs(path.parent)
+            return fs.write_atomic(path, [encoded], tag=self._intents.token)
+        tmp, nbytes = self._header
+        fs.replace(tmp, path)
+        self._header = None
+        fs.fsync_dir(path.parent)
+        return nbytes
+
+    def drop_header(self) -> None:
+        """Remove the staged header's tmp file, if one was staged and not renamed."""
+        header, self._header = self._header, None
+        if header is not None:
+            self._pool.fs.unlink_tmp(header[0])
+
     def ensure_present(self, layout: blk.EntryLayout) -> int:
         """Under the lock, right before taking references: every block of the
         entry, new or reused, is in the pool; any that a deleter took since
@@ -271,7 +305,9 @@ class BlockWriter:
         return frame
 
     def abandon(self) -> None:
-        """Stop: cancel queued writes, wait for running ones, release the names."""
+        """Stop: cancel queued writes, wait for running ones, remove their tmp
+        files (and a staged header's), release the names."""
+        self.drop_header()
         for f in self._writes:
             f.cancel()
         for f in self._writes:

@@ -138,6 +138,7 @@ class Directory:
             self.fs.write_atomic(marker, [b"blockkv cache root\n"])
         self.fs.makedirs(self.path / "entries")
         self.fs.makedirs(self.path / "blobs")
+        self.pool.create_shards()
         ident = self.path / "IDENTITY"
         if not ident.exists():
             body = {"format": 1, "model_id": self.identity.model_id,

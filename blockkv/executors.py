@@ -11,8 +11,8 @@ _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cor
 
 class Executors:
     """Made on first use: "store" and "restore" (the async calls), one thread
-    each; "io" (a store's block writes) and "read" (a restore's block reads
-    and checks), two threads each."""
+    each; "io" (a store's block writes), "hash" (a store's block hashing) and
+    "read" (a restore's block reads and checks), two threads each."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
@@ -22,7 +22,7 @@ class Executors:
         with self._mutex:
             pool = self._pools.get(job)
             if pool is None:
-                workers = _IO_THREADS if job in ("io", "read") else 1
+                workers = _IO_THREADS if job in ("io", "hash", "read") else 1
                 pool = self._pools[job] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"blockkv-{job}")
             return pool
 

@@ -153,8 +153,35 @@ class LocalPool:
         self._fs = fs
         self.layout = layout
 
+    @property
+    def fs(self) -> FileLayer:
+        """The file layer every file of the pool goes through."""
+        return self._fs
+
     def path(self, name: str) -> Path:
         return self.directory / self.layout.location(name)
+
+    def create_shards(self) -> None:
+        """Make every shard directory (``00`` … ``ff``) that is missing, with one
+        fsync of the pool directory. Otherwise a store's first block in a shard
+        pays a mkdir and that fsync on its write path: one per block in a young
+        root, where almost every block opens a shard of its own."""
+        if not self.layout.sharded:
+            return
+        refuse_linked(self.directory)
+        created = False
+        try:
+            for d in (self.directory / f"{i:02x}" for i in range(256)):
+                if not d.is_dir():
+                    try:
+                        self._fs.mkdir(d)
+                        created = True
+                    except FileExistsError:
+                        continue  # another process made it, or a stray file of that name: left as it is
+        except OSError:
+            pass  # a full disk must not stop an open: the rest are made on first use (``stage``)
+        if created:  # durable before any block is published into one
+            self._fs.fsync_dir(self.directory)
 
     def exists(self, name: str) -> bool:
         return self.path(name).is_file()

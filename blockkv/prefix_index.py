@@ -39,6 +39,8 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray, start: int = 0) -> int:
     m = min(len(a), len(b) - start)
     if m <= 0:
         return 0
+    if a.dtype == b.dtype and a[:m].tobytes() == b[start : start + m].tobytes():
+        return m  # the common case on a trie edge: the whole label matches (one memcmp)
     if m < _NUMPY_MIN:
         for i in range(m):
             if a[i] != b[start + i]:
@@ -48,7 +50,7 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray, start: int = 0) -> int:
     return int(diff[0]) if len(diff) else m
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Node(Generic[T]):
     label: np.ndarray
     children: dict[int, _Node[T]] = field(default_factory=dict)

@@ -88,3 +88,27 @@ def test_failed_batch_rename_leaves_no_tmp_and_nothing_referenced(tmp_path: Path
     assert all(is_block_name(n) for n in names)
     store.close()
     assert os.path.isdir(tmp_path)
+
+
+def test_every_shard_is_made_at_creation_and_a_full_disk_does_not_stop_an_open(tmp_path: Path) -> None:
+    """A store's first block in a shard pays no mkdir and no fsync of blobs/ on its
+    write path: all 256 shards exist, made durable by one fsync, once the directory
+    is created. A disk too full for them still opens (they are made on first use)."""
+    fs = OrderLog()
+    store = _open(tmp_path / "a", fs)
+    blobs = store.directory / "blobs"
+    assert sorted(p.name for p in blobs.iterdir()) == [f"{i:02x}" for i in range(256)]
+    assert [e for e in fs.events if e == ("fsync-dir", str(blobs))] == [("fsync-dir", str(blobs))]
+    store.close()
+
+    class NoRoomForShards(FileLayer):
+        def mkdir(self, path: Path) -> None:
+            if path.parent.name == "blobs":
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            super().mkdir(path)
+
+    with _open(tmp_path / "b", NoRoomForShards()) as full:
+        assert not any((full.directory / "blobs").iterdir())
+        tokens = tuple(range(1, 12))
+        assert full.store(tokens, make_caches("llama", tokens)) is False  # no shard for its blocks
+        assert len(full) == 0

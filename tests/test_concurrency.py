@@ -58,15 +58,14 @@ class SlowFS(FileLayer):
 
 
 class StuckAtHeaderFS(SlowFS):
-    """A slow disk on which a writer stops for good once its header's temp file
-    is durable: its blocks are published and referenced (pending), its temp
-    file is on disk, and a SIGKILL cannot come too late."""
+    """A slow disk on which a writer stops for good right before it renames its
+    header's temp file: its blocks are published and referenced (pending), its
+    temp file is durable, and a SIGKILL cannot come too late."""
 
-    def write_tmp(self, path: Path, parts: Sequence[Any], **kw: Any) -> tuple[Path, int]:
-        out = super().write_tmp(path, parts, **kw)
-        if path.name.endswith(".bkv"):
+    def replace(self, src: Path, dst: Path) -> None:
+        if dst.name.endswith(".bkv"):
             time.sleep(600)
-        return out
+        super().replace(src, dst)
 
 
 # -- child processes (top level: 'spawn' imports this module by name) -----------------------

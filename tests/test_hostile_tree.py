@@ -47,6 +47,8 @@ def test_garbage_and_symlinks_in_the_root_are_never_followed_or_served(tmp_path:
         ns_dir / ".stale.bkv.0000.tmp": outside / "precious.txt",  # a link named like our write orphan
     }
     for link, target in planted.items():
+        if link.is_dir():
+            link.rmdir()  # a shard the store made empty at open: swapped for a link
         link.symlink_to(target)
     (ns_dir / "notes.txt").write_text("garbage")  # not our name
     (ns_dir / f"{'e' * 32}.bkv").mkdir()  # a directory named like a header

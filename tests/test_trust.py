@@ -403,6 +403,8 @@ def test_linked_shard_and_namespace_directories_are_never_written_or_deleted_thr
         links.append(s._dir.header_path("ns", "0" * 32).parent)
         for link in links:
             link.parent.mkdir(parents=True, exist_ok=True)
+            if link.is_dir():
+                link.rmdir()  # the store made every shard at open: an attacker swaps them
             link.symlink_to(outside)
         assert not s.store(tokens, cache, "ns")  # refused with a warning, not raised
         assert list(outside.iterdir()) == []
