@@ -7,9 +7,11 @@ of raw bits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -366,3 +368,38 @@ def test_nothing_is_written_or_deleted_through_a_linked_cache_or_backlog_directo
         assert b.store(*node.conversation(96))
     assert sorted(p.name for p in (tmp_path / "outside").rglob("*")) == sorted(
         ["0123456789abcdef", victim.name, "b" * 32])
+
+
+def test_a_server_that_never_answers_costs_a_bounded_wait_per_backoff_not_per_call(tmp_path: Path) -> None:
+    """A listener that accepts and never replies: open, stores and finds all
+    return and never raise; while the breaker is open no request is even
+    tried (connections counted), and a try waits about one request timeout."""
+    def connections(listener: socket.socket) -> int:
+        n = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                listener.accept()[0].close()
+                n += 1
+        return n
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        silent.setblocking(False)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"  # noqa: F811
+        convs = [node.conversation(100 + i) for i in range(3)]
+        started = time.monotonic()
+        with node.open_node(tmp_path / "a", endpoint, "silent", remote_options={"timeout": "1"}) as a:
+            assert time.monotonic() - started < 10  # the IDENTITY check timed out once
+            tried = connections(silent)
+            assert tried >= 1
+            for tokens, caches in convs[:2]:  # inside the breaker's first backoff (2 s)
+                assert a.store(tokens, caches) is False  # kept locally, never raised
+                assert a.find_exact(tokens) is not None
+            assert connections(silent) == 0  # not tried: the breaker skips the bucket
+            time.sleep(2)
+            started = time.monotonic()
+            assert a.store(*convs[2]) is False  # the backoff is over: tried, timed out
+            assert time.monotonic() - started < 10  # bounded by the request timeout
+            assert connections(silent) >= 1
+            assert a._remote.backlog() == sorted(a.find_exact(t).entry.id for t, _ in convs)
