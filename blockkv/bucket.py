@@ -40,9 +40,10 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("blockkv.bucket needs obstore: pip install 'blockkv[s3]'") from exc
 
 _HEX32 = r"[0-9a-f]{32}"
-# the fingerprint directory's own objects: IDENTITY, a node's clock probe, GC
+# the fingerprint directory's own objects: IDENTITY, MANIFEST (headers packed in one
+# object: an accelerator for a node's open, remote.py), a node's clock probe, GC
 # run markers and per-entry last-use marks (``used/<header name>``)
-META_LAYOUT = Layout(re.compile(rf"IDENTITY|clock/{_HEX32}|gc/{_HEX32}(\.done)?|used/{HEADER_LAYOUT.pattern.pattern}"),
+META_LAYOUT = Layout(re.compile(rf"IDENTITY|MANIFEST|clock/{_HEX32}|gc/{_HEX32}(\.done)?|used/{HEADER_LAYOUT.pattern.pattern}"),
                      sharded=False)
 # Last-Modified has one-second resolution (an HTTP date): every comparison of
 # server times gives this much away, always in the safe direction
@@ -201,6 +202,19 @@ class Bucket:
                 same = False
         if not same:
             raise ValueError(f"{self.url}/IDENTITY names another model or tokenizer")
+
+    # -- the manifest (an accelerator, never needed for correctness) ----------
+    def get_manifest(self) -> bytes | None:
+        """The MANIFEST some node wrote last, or None. Untrusted like every object."""
+        try:
+            with _outage("manifest"):
+                return self.meta.get("MANIFEST")
+        except BlockMissingError:
+            return None
+
+    def put_manifest(self, data: bytes) -> None:
+        with _outage("manifest"):
+            self.meta.put_overwrite("MANIFEST", [data])
 
     # -- writing --------------------------------------------------------------
     def begin_store(self) -> StoreSession:
