@@ -241,25 +241,26 @@ class Bucket:
                 found[name] = result
         return found, damaged
 
-    def fetch_block(self, name: str) -> bytes:
-        """A block's frame, verified against its name. A frame that does not hash
+    def fetch_block(self, name: str, key: bytes | None = None) -> bytes:
+        """A block's frame, verified against its name (``key``: the namespace key
+        it was named with, ``directory.block_key``). A frame that does not hash
         to its name is proof of damage: it is deleted from the bucket (unless it
         changed meanwhile) so the next store of the block uploads a good copy."""
         with _outage(f"fetch of block {name}"):
             data = self.blocks.get(name)
         try:
-            blk.decode_block(name, data)
+            blk.decode_block(name, data, key=key)
         except CorruptBlockError:
             self._quarantine(name, data)
             raise
         return data
 
-    def fetch_blocks(self, names: Iterable[str]) -> dict[str, bytes]:
+    def fetch_blocks(self, names: Iterable[str], key: bytes | None = None) -> dict[str, bytes]:
         """Verified frames of ``names``, fetched concurrently. Raises
         BlockMissingError / CorruptBlockError for the first bad one (a miss),
         BucketError on an outage."""
         names = list(dict.fromkeys(names))
-        futures = {n: self._fetchers.submit(self.fetch_block, n) for n in names}
+        futures = {n: self._fetchers.submit(self.fetch_block, n, key) for n in names}
         try:
             return {n: f.result() for n, f in futures.items()}
         finally:

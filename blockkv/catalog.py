@@ -64,6 +64,11 @@ class Catalog:
                         self._add(record, self._clock(), index.block_sizes(record.blocks))
             self._position = position
 
+    def add(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
+        """Add one entry no index holds (a remote tier's catalog of bucket headers, remote.py)."""
+        with self._mutex:
+            self._add(record, last_use, sizes)
+
     def _add(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
         checkpoint = GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None
         entry = Entry(

@@ -171,3 +171,30 @@ class BlockWriter:
                 self._intents.release(names)
             except OSError:
                 pass  # stale names only delay a deletion
+
+
+class AdoptedBlocks(BlockWriter):
+    """The blocks of an entry another node stored (remote.py): each frame the
+    pool lacks comes verified from ``frame_of(name)`` (the bucket) instead of
+    being encoded, and is written byte for byte, intents and re-checks as for
+    any store. Submit ``adopted_layout(header).blocks``."""
+
+    def __init__(self, frame_of: Callable[[str], bytes], pool: LocalPool, index: Index, intents: IntentFile,
+                 io: ThreadPoolExecutor) -> None:
+        super().__init__(pool, index, intents, io, None)
+        self._frame_of = frame_of
+
+    def _frame(self, block: blk.Block) -> list[bytes | memoryview]:
+        name = block.ref.name
+        frame = self._frame_of(name)
+        self.sizes[name] = len(frame)
+        self.new.add(name)
+        return [frame]
+
+
+def adopted_layout(header: Header) -> blk.EntryLayout:
+    """An entry's layout as its header states it: the block names without their
+    bytes (``AdoptedBlocks`` fetches those), for ``Commits.publish``."""
+    refs = blk.blocks_for_prefix(blk.parse_descriptor(header.descriptor), None)
+    unique = {r.name: r for r in refs}
+    return blk.EntryLayout(header.descriptor, [blk.Block(r, [], []) for r in unique.values()])

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 import numpy as np
@@ -33,7 +33,7 @@ from .arguments import check_ns, check_options, check_prefix_len, check_size, pr
 from .catalog import Catalog
 from .check import CheckReport, inspect, verify_blocks
 from .check import repair as repair_directory
-from .commit import BlockWriter, Commits
+from .commit import AdoptedBlocks, BlockWriter, Commits, adopted_layout
 from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, block_key, fingerprint_dirname, read_identity
 from .directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
@@ -45,6 +45,10 @@ from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Lo
 from .recovery import Recovery
 from .restore import EntryRead
 from .writers import IntentFile
+
+if TYPE_CHECKING:
+    from .bucket import Bucket
+    from .remote import RemoteTier
 
 log = logging.getLogger("blockkv")
 _T = TypeVar("_T")
@@ -97,6 +101,8 @@ class BlockStore:
         index_map_size: int = 256 << 20,
         lock_timeout: float = 10.0,
         isolate_namespaces: bool = False,
+        remote: str | None = None,
+        remote_options: Mapping[str, str] | None = None,
     ) -> None:
         check_options(model_id=model_id, config_fingerprint=config_fingerprint, tokenizer_hash=tokenizer_hash,
                       max_bytes=max_bytes, limit=limit, block_tokens=block_tokens, compression=compression,
@@ -129,6 +135,13 @@ class BlockStore:
         self._executors: dict[str, ThreadPoolExecutor] = {}  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
+        self._remote: RemoteTier | None = None  # the bucket tier (remote.py); local invariants stay as they are
+        if remote is not None or remote_options is not None:
+            if remote is None:
+                raise ValueError("remote_options given without remote")
+            from .remote import RemoteTier  # needs obstore: pip install 'blockkv[s3]'
+            self._remote = RemoteTier(remote, remote_options, self.identity, self._dir, self._warn,
+                                      self._every_entry, self._adopt)
         self._dir.create(self.root)
         self._lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
@@ -150,6 +163,12 @@ class BlockStore:
             self._needs_recovery = True
             if self._index.is_trusted():
                 self._catalog.load(self._index)
+        if self._remote is not None:
+            try:
+                self._remote.open()  # learns every header in the bucket; another model's IDENTITY raises
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
@@ -170,6 +189,8 @@ class BlockStore:
             return
         for pool in self._executors.values():  # pending writes finish before the handle closes
             pool.shutdown(wait=True)
+        if self._remote is not None:
+            self._remote.close()
         self._closed = True
         self._intents.close()
         self._index.close()
@@ -299,6 +320,23 @@ class BlockStore:
             except (lmdb.Error, OSError, CorruptError) as exc2:
                 self._warn("index-reopen", f"could not reopen the LMDB index ({exc2}); serving the last known state")
 
+    # -- the bucket (remote=) -----------------------------------------------------------
+    @property
+    def remote(self) -> Bucket | None:
+        """The bucket this store shares with a fleet (``remote=``), or None."""
+        return self._remote.bucket if self._remote is not None else None
+
+    @_open_only
+    def sync_remote(self) -> int:
+        """List the bucket now: learn entries other nodes stored, forget those
+        evicted fleet-wide, upload the backlog. Returns how many entries were
+        learned; an outage is a warning and 0, never an exception."""
+        return self._remote.sync() if self._remote is not None else 0
+
+    def _every_entry(self) -> list[Entry]:
+        self._refresh()
+        return self._catalog.every_identity()
+
     # -- queries (pure index lookups) ------------------------------------------------
     @_open_only
     def __len__(self) -> int:
@@ -359,21 +397,24 @@ class BlockStore:
         arr = tokens_array(tokens)
         check_ns(ns)
         self._refresh()
-        return self._catalog.has_durable_prefix(arr, ns)
+        return self._catalog.has_durable_prefix(arr, ns) or (
+            self._remote is not None and self._remote.has_durable_prefix(arr, ns))
 
     @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
         arr = tokens_array(prompt)
         check_ns(ns)
         self._refresh()
-        return self._catalog.find(arr, ns)
+        match = self._catalog.find(arr, ns)
+        return match if self._remote is None else self._remote.find(arr, ns, match)
 
     @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
         arr = tokens_array(tokens)
         check_ns(ns)
         self._refresh()
-        return self._catalog.find_exact(arr, ns)
+        match = self._catalog.find_exact(arr, ns)
+        return match if self._remote is None else self._remote.find(arr, ns, match, exact=True)
 
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
@@ -394,6 +435,10 @@ class BlockStore:
         p = check_prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
+        if self._remote is not None and self._remote.is_remote_only(entry.id):
+            self._refresh()  # another handle may have materialised it
+            if entry.id not in self._catalog and not self._remote.materialise(entry):
+                return None
         read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
         try:
             header, caches, attachments = read.run(cut)
@@ -406,6 +451,8 @@ class BlockStore:
             pass
         self.stats["restores"] += 1
         self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
+        if self._remote is not None:
+            self._remote.used(entry)
         return Loaded(caches, tuple(header.tokens[:p].tolist()), attachments, entry.checkpoint)
 
     @_open_only
@@ -525,6 +572,36 @@ class BlockStore:
         self.stats["spills"] += 1
         self.stats["bytes_written"] += written
         self.stats["bytes_deduplicated"] += sum(b.ref.raw_bytes for b in layout.blocks if b.ref.name not in writer.new)
+        if self._remote is not None and checkpoint is None:  # checkpoints stay local (docs/scale-out.md)
+            return self._remote.upload(entry_id, ns, encoded, (b.ref.name for b in layout.blocks), writer.new)
+        return True
+
+    def _adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
+        """A remote entry made local by a store's write order: the blocks the pool
+        lacks (``frame_of``: verified frames from the bucket), then its header,
+        byte for byte under its own id. False (with a warning) if it could not be."""
+        path = self._dir.header_path(header.ns, entry_id)
+        layout = adopted_layout(header)
+        writer = AdoptedBlocks(frame_of, self._pool, self._index, self._intents, self._executor("io"))
+        try:
+            for block in layout.blocks:
+                writer.submit(block)
+            writer.wait()
+            with self._locked():
+                self._refresh()
+                if entry_id not in self._catalog:  # not adopted meanwhile by another handle
+                    self._commits.publish(self._index, writer, layout, header, encoded, entry_id, path)
+                    self._refresh()
+            self.evict_to_cap()
+        except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
+            if writer.referenced:
+                self._undo_store(entry_id, path)
+            else:
+                self._discard(writer)
+            self._warn("remote-adopt", f"remote entry {entry_id} not restored: {exc!r}")
+            return False
+        finally:
+            writer.release()
         return True
 
     def _discard(self, writer: BlockWriter) -> None:

@@ -1,0 +1,433 @@
+"""A store's remote tier: its fingerprint directory in an S3-compatible bucket,
+shared by a fleet of nodes (issue #14, docs/scale-out.md).
+
+The local directory keeps every invariant it has without a bucket: a header
+in ``entries/`` has all its blocks in the local pool, so recovery, check and
+gc never ask the network. What the bucket adds lives here:
+
+- the **remote catalog**: entries other nodes committed that this node has
+  not materialised, learned by listing headers (at open, on a timer, on a
+  miss), so that ``find`` stays a lookup in memory;
+- **materialising** one on restore: its missing blocks fetched and verified,
+  then blocks and header written locally by the write order of a store
+  (``BlockStore._adopt``), after which it is an ordinary local entry;
+- **uploads**: every store's blocks, then its header (the commit point);
+- the **backlog**: stores the bucket did not acknowledge, marked by an empty
+  file ``backlog/<entry id>`` and uploaded by a later sync;
+- a **circuit breaker**: after a failure the bucket is skipped for a backoff
+  period, so an outage costs one warning, not a timeout per request.
+
+Nothing here raises into the serving path: an outage is "not uploaded" /
+"no hit" and a warning (one per kind); only proof of damage forgets an entry.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from . import blocks as blk
+from .bucket import Bucket, BucketError
+from .catalog import Catalog
+from .directory import Directory, block_key, fingerprint_dirname, ns_dirname
+from .errors import BlockKVError, BlockMissingError, CorruptError
+from .fs import DIR_MODE, FILE_MODE, refuse_linked
+from .header import SUFFIX, Header, Identity
+from .records import CHECKPOINT_NS, Entry, Match
+from .s3_pool import OPTION_ENV
+
+# remote_options keys that tune the bucket protocol rather than name the endpoint (Bucket's arguments)
+BUCKET_SETTINGS: dict[str, type] = {"grace": float, "sweep_window": float, "timeout": float,
+                                    "connect_timeout": float, "max_retries": int, "fetch_threads": int,
+                                    "touch_interval": float}
+DEFAULT_SYNC_INTERVAL = 30.0  # seconds between listings while the store is used
+MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
+_UPLOAD_THREADS = 8
+
+
+def header_name(ns: str, entry_id: str) -> str:
+    """An entry's name in the bucket's header pool: the local path under ``entries/``."""
+    return f"{ns_dirname(ns)}/{entry_id}{SUFFIX}"
+
+
+def split_options(options: Mapping[str, object] | None) -> tuple[dict[str, str], dict[str, float | int], float]:
+    """``remote_options`` as (endpoint and credentials for S3Pool, Bucket settings, sync interval)."""
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"remote_options must be a mapping, got {type(options).__name__}")
+    s3: dict[str, str] = {}
+    settings: dict[str, float | int] = {}
+    interval = DEFAULT_SYNC_INTERVAL
+    for key, value in (options or {}).items():
+        if key in OPTION_ENV:
+            s3[key] = str(value)
+            continue
+        kind = BUCKET_SETTINGS.get(key, float if key == "sync_interval" else None)
+        if kind is None:
+            raise ValueError(f"unknown remote option {key!r}; expected some of "
+                             f"{sorted([*OPTION_ENV, *BUCKET_SETTINGS, 'sync_interval'])}")
+        try:
+            parsed = kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"remote option {key!r} must be a number, got {value!r}") from None
+        if key == "sync_interval":
+            if not parsed > 0:
+                raise ValueError(f"remote option 'sync_interval' must be positive, got {value!r}")
+            interval = float(parsed)
+        else:
+            settings[key] = parsed
+    return s3, settings, interval
+
+
+class Breaker:
+    """After a failure, skip the bucket for a backoff that doubles (up to ``cap``)
+    until a call succeeds: an unreachable bucket costs one failed request per
+    backoff period, not a timeout per store or restore."""
+
+    def __init__(self, first: float = 2.0, cap: float = 60.0) -> None:
+        self._first, self._cap = first, cap
+        self._backoff = 0.0
+        self._until = 0.0
+        self._mutex = threading.Lock()
+
+    def is_open(self) -> bool:
+        return time.monotonic() < self._until
+
+    def failed(self) -> None:
+        with self._mutex:
+            self._backoff = min(self._cap, self._backoff * 2 or self._first)
+            self._until = time.monotonic() + self._backoff
+
+    def succeeded(self) -> None:
+        with self._mutex:
+            self._backoff = 0.0
+            self._until = 0.0
+
+
+class RemoteTier:
+    """One store handle's view of the bucket. ``local_entries()`` is the store's
+    current catalog (every identity); ``adopt(entry_id, header, encoded,
+    frame_of)`` writes a fetched entry locally and says whether it could."""
+
+    def __init__(self, url: str, options: Mapping[str, object] | None, identity: Identity, directory: Directory,
+                 warn: Callable[[str, str], None], local_entries: Callable[[], list[Entry]],
+                 adopt: Callable[[str, Header, bytes, Callable[[str], bytes]], bool]) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(url).__name__}")
+        s3, settings, self.sync_interval = split_options(options)
+        self.bucket = Bucket(url, fingerprint_dirname(identity.config_fingerprint), s3, **settings)
+        self._identity = identity
+        self._dir = directory
+        self._warn = warn
+        self._local_entries = local_entries
+        self._adopt = adopt
+        self._backlog = directory.path / "backlog"
+        self.catalog = Catalog(identity.digest(), time.time)  # remote-only entries: served, never indexed
+        self._remote_only: dict[str, str] = {}  # entry id -> header name, for the catalog's entries
+        self._listed: set[str] = set()  # header names in the bucket at the last listing (plus our uploads)
+        self._ignored: set[str] = set()  # headers not to learn: damaged, another identity, a checkpoint
+        self._uploading: set[str] = set()  # entry ids this handle is uploading now
+        self._identity_checked = False
+        self.breaker = Breaker()
+        self._mutex = threading.Lock()
+        self._sync_lock = threading.Lock()  # one sync at a time
+        self._next_sync = 0.0
+        self._last_sync = -MISS_SYNC_INTERVAL
+        self._sync_queued = False
+        self._io = ThreadPoolExecutor(_UPLOAD_THREADS, thread_name_prefix="blockkv-remote")
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="blockkv-remote-sync")
+
+    def close(self) -> None:
+        self._background.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True, cancel_futures=True)
+        self.bucket.close()
+
+    # -- learning what the fleet wrote -------------------------------------------------
+    def open(self) -> None:
+        """Check the bucket's IDENTITY and learn every header. Another model's
+        IDENTITY is a ValueError; an outage is a warning (the next sync retries)."""
+        try:
+            self.bucket.ensure_identity(self._identity)
+            self._identity_checked = True
+        except BucketError as exc:
+            self._outage("bucket unreachable at open", exc)
+            return
+        self.sync()
+
+    def sync(self) -> int:
+        """List the bucket now: learn new headers, forget the ones gone, send the
+        backlog. Returns how many entries were learned (0 on an outage)."""
+        with self._sync_lock:
+            self._last_sync = time.monotonic()
+            self._next_sync = self._last_sync + self.sync_interval
+            try:
+                if not self._identity_checked:
+                    self.bucket.ensure_identity(self._identity)
+                    self._identity_checked = True
+                listed = self.bucket.list_headers()
+                learned = self._learn(listed)
+                self._send_backlog(listed)
+            except BucketError as exc:
+                self._outage("bucket listing failed", exc)
+                return 0
+            except ValueError as exc:  # IDENTITY of another model appeared: nothing here is ours to serve
+                self._warn("remote-identity", f"{exc}; remote entries are not served")
+                self.breaker.failed()
+                return 0
+        self.breaker.succeeded()
+        return learned
+
+    def _learn(self, listed: Mapping[str, object]) -> int:
+        local = {header_name(e.ns, e.id) for e in self._local_entries()}
+        with self._mutex:
+            self._listed = set(listed)
+            for entry_id, name in list(self._remote_only.items()):
+                if name not in listed or name in local:  # evicted fleet-wide, or local now
+                    self._forget(entry_id)
+            known = local | set(self._remote_only.values()) | self._ignored
+        new = [n for n in sorted(listed, key=lambda n: (listed[n].last_modified, n)) if n not in known]
+        found, damaged = self.bucket.fetch_headers(new)
+        if damaged:
+            self._warn("remote-damaged", f"{len(damaged)} header(s) in {self.bucket.url} do not verify "
+                                         f"(damaged, or a newer format): not served, e.g. {damaged[0]}")
+        learned = 0
+        with self._mutex:
+            self._ignored.update(damaged)
+            for name in new:
+                if name in found and self._add(name, *found[name], listed[name].last_modified):
+                    learned += 1
+                elif name in found:
+                    self._ignored.add(name)
+        return learned
+
+    def _add(self, name: str, data: bytes, header: Header, last_modified: float) -> bool:
+        """Add a verified header to the remote catalog if it is an entry this handle serves."""
+        entry_id = name.rpartition("/")[2].removesuffix(SUFFIX)
+        if (header.identity != self._identity or header.ns.startswith(CHECKPOINT_NS)
+                or name != header_name(header.ns, entry_id)):
+            return False
+        record = self._dir.record(entry_id, self._dir.header_path(header.ns, entry_id), header, len(data))
+        refs = blk.blocks_for_prefix(blk.parse_descriptor(header.descriptor), None)
+        self.catalog.add(record, last_modified, {r.name: r.raw_bytes for r in refs})  # raw: stored sizes unknown
+        self._remote_only[entry_id] = name
+        return True
+
+    def _forget(self, entry_id: str) -> None:
+        self._remote_only.pop(entry_id, None)
+        self.catalog.drop(entry_id)
+
+    def poke(self, miss: bool = False) -> None:
+        """A find or restore happened: list in the background if the interval has
+        passed, or (on a miss) if the last listing is older than MISS_SYNC_INTERVAL."""
+        now = time.monotonic()
+        with self._mutex:
+            due = now >= self._next_sync or (miss and now - self._last_sync >= MISS_SYNC_INTERVAL)
+            if not due or self._sync_queued or self.breaker.is_open():
+                return
+            self._sync_queued = True
+            self._last_sync = now
+        try:
+            self._background.submit(self._background_sync)
+        except RuntimeError:  # closing
+            pass
+
+    def _background_sync(self) -> None:
+        try:
+            self.sync()
+        except Exception as exc:  # noqa: BLE001 - a background job must never die silently
+            self._warn("remote-sync", f"remote sync failed: {exc!r}")
+        finally:
+            with self._mutex:
+                self._sync_queued = False
+
+    # -- lookups ---------------------------------------------------------------------------
+    def is_remote_only(self, entry_id: str) -> bool:
+        return entry_id in self._remote_only
+
+    def find(self, tokens: np.ndarray, ns: str, local: Match | None, exact: bool = False) -> Match | None:
+        """The better of the local match and the remote catalog's (a tie stays
+        local: no fetch). During an outage the remote catalog is not consulted:
+        its entries could not be restored."""
+        if self.breaker.is_open():
+            return local
+        remote = self.catalog.find_exact(tokens, ns) if exact else self.catalog.find(tokens, ns)
+        self.poke(miss=local is None and remote is None)
+        if remote is not None and (local is None or remote.prefix_len > local.prefix_len):
+            return remote
+        return local
+
+    def has_durable_prefix(self, tokens: np.ndarray, ns: str) -> bool:
+        return not self.breaker.is_open() and self.catalog.has_durable_prefix(tokens, ns)
+
+    # -- restore -----------------------------------------------------------------------------
+    def materialise(self, entry: Entry) -> bool:
+        """Make a remote-only entry local: header and missing blocks fetched
+        (concurrently, every block verified), then written through ``adopt``.
+        False is a miss; a header or block missing or damaged also forgets it."""
+        name = header_name(entry.ns, entry.id)
+        if self.breaker.is_open():
+            self._warn("remote-miss", "bucket unreachable: entries only it holds are misses for now")
+            return False
+        key = block_key(self._identity, entry.ns)
+        try:
+            header_future = self._io.submit(self.bucket.fetch_header, name)
+            frames = self.bucket.fetch_blocks((n for n in entry.blocks if not self._dir.pool.exists(n)), key)
+            data, header = header_future.result()
+        except (BlockMissingError, CorruptError) as exc:
+            self._warn("remote-gone", f"remote entry {entry.id} is a miss and forgotten: {exc}")
+            with self._mutex:
+                self._forget(entry.id)
+                self._ignored.add(name)  # if its header is still listed, do not learn it again
+            return False
+        except BucketError as exc:
+            self._outage("bucket fetch failed", exc)
+            return False
+        self.breaker.succeeded()
+        record = self._dir.record(entry.id, self._dir.header_path(header.ns, entry.id), header, len(data))
+        if header.identity != self._identity or header.ns != entry.ns or record.blocks != entry.blocks \
+                or not np.array_equal(record.tokens, entry.token_array):
+            self._warn("remote-gone", f"remote header {name} changed since it was listed: forgotten")
+            with self._mutex:
+                self._forget(entry.id)
+                self._ignored.add(name)
+            return False
+
+        def frame_of(block: str) -> bytes:  # a block a local gc took since we looked: fetched now
+            return frames[block] if block in frames else self.bucket.fetch_block(block, key)
+
+        if not self._adopt(entry.id, header, data, frame_of):
+            return False
+        with self._mutex:
+            self._forget(entry.id)
+        return True
+
+    def used(self, entry: Entry) -> None:
+        """Record a restore where the fleet's LRU sees it (at most once per
+        ``touch_interval`` per entry; in the background)."""
+        name = header_name(entry.ns, entry.id)
+        if name not in self._listed or self.breaker.is_open():
+            return
+
+        def touch() -> None:
+            try:
+                self.bucket.touch(name)
+            except BucketError as exc:
+                self._outage("bucket touch failed", exc)
+
+        try:
+            self._io.submit(touch)
+        except RuntimeError:  # closing
+            pass
+
+    # -- store ------------------------------------------------------------------------------
+    def upload(self, entry_id: str, ns: str, encoded: bytes, names: Iterable[str], new: set[str]) -> bool:
+        """A local store's bucket half: True once its header is in the bucket.
+        Otherwise the entry stays local and in the backlog, for a later sync."""
+        self._mark(entry_id)
+        if self.breaker.is_open():
+            self._warn("remote", "bucket unreachable: storing locally only; uploads resume when it answers")
+            return False
+        if not self._upload(entry_id, header_name(ns, entry_id), encoded, list(dict.fromkeys(names)), new):
+            return False
+        self._unmark(entry_id)
+        return True
+
+    def _upload(self, entry_id: str, name: str, encoded: bytes, names: list[str], new: set[str]) -> bool:
+        pool = self._dir.pool
+
+        def frame(block: str) -> list[bytes]:
+            return [pool.read(block)]
+
+        with self._mutex:
+            if entry_id in self._uploading:
+                return False
+            self._uploading.add(entry_id)
+        try:
+            session = self.bucket.begin_store()
+            # a block this store wrote is likely new to the bucket too: one conditional PUT;
+            # a local dedup hit is likely there already: a HEAD first, the body only if needed
+            list(self._io.map(lambda b: session.put_block(b, frame(b) if b in new else lambda: frame(b)), names))
+            session.commit(name, encoded, frame)
+        except BucketError as exc:
+            if not self._header_there(name):
+                self._outage("upload failed", exc)
+                return False
+        except (OSError, BlockKVError) as exc:  # a local block gone meanwhile (evicted): not uploaded
+            self._warn("remote-upload", f"entry {entry_id} not uploaded: {exc}")
+            return False
+        finally:
+            with self._mutex:
+                self._uploading.discard(entry_id)
+        self.breaker.succeeded()
+        with self._mutex:
+            self._listed.add(name)
+        return True
+
+    def _header_there(self, name: str) -> bool:
+        """After a failed header PUT: did it land anyway (or did another handle upload it)?"""
+        try:
+            return self.bucket.headers.exists(name)
+        except Exception:  # noqa: BLE001 - an outage: it is not known to be there
+            return False
+
+    def _outage(self, what: str, exc: BaseException) -> None:
+        self.breaker.failed()
+        self._warn("remote", f"{what} ({exc}): serving from the local cache only; "
+                             f"stores are kept locally and uploaded when the bucket answers")
+
+    # -- the backlog --------------------------------------------------------------------------
+    def _mark(self, entry_id: str) -> None:
+        """Put an entry in the backlog before its upload (an empty file, not
+        fsynced: a power cut may lose it, and the entry then stays local-only)."""
+        try:
+            if not self._backlog.is_dir():
+                refuse_linked(self._backlog)
+                os.makedirs(self._backlog, DIR_MODE, exist_ok=True)
+            os.close(os.open(self._backlog / entry_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             FILE_MODE))
+        except OSError as exc:
+            self._warn("remote-backlog", f"could not record entry {entry_id} in {self._backlog}: {exc}")
+
+    def _unmark(self, entry_id: str) -> None:
+        try:
+            os.unlink(self._backlog / entry_id)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._warn("remote-backlog", f"could not clear {self._backlog / entry_id}: {exc}")
+
+    def backlog(self) -> list[str]:
+        """Entry ids stored locally whose upload has not been acknowledged."""
+        try:
+            return sorted(n for n in os.listdir(self._backlog) if len(n) == 32 and not n.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def _send_backlog(self, listed: Mapping[str, object]) -> None:
+        """Upload what the bucket missed, oldest marker first; stop at the first outage."""
+        pending = self.backlog()
+        if not pending:
+            return
+        local = {e.id: e for e in self._local_entries()}
+        for entry_id in pending:
+            entry = local.get(entry_id)
+            if entry is None or entry.checkpoint is not None:  # evicted or removed locally: nothing to send
+                self._unmark(entry_id)
+                continue
+            name = header_name(entry.ns, entry_id)
+            if name in listed:
+                self._unmark(entry_id)
+                continue
+            try:
+                encoded = self._dir.fs.read(self._dir.header_path(entry.ns, entry_id))
+            except OSError:
+                self._unmark(entry_id)  # its header is gone: removed meanwhile
+                continue
+            if self._upload(entry_id, name, encoded, list(entry.blocks), set()):
+                self._unmark(entry_id)
+            elif self.breaker.is_open():
+                return
