@@ -57,12 +57,13 @@ class _Identities(S3Pool):
         return sorted(p.rstrip("/").rpartition("/")[2] for p in listing["common_prefixes"])
 
 
-def list_bucket_fingerprints(url: str, options: Mapping[str, str] | None = None) -> tuple[
+def list_bucket_fingerprints(url: str, options: Mapping[str, str] | None = None, *, timeout: float = 10.0,
+                             connect_timeout: float = 3.0, max_retries: int = 1) -> tuple[
         list[BucketFingerprint], list[str]]:
     """The fingerprint directories under ``s3://bucket/prefix``, and the names of
-    directories whose IDENTITY is missing or does not read (left alone).
-    An outage raises BucketError."""
-    identities = _Identities(url, _IDENTITY_LAYOUT, options, timeout=10.0, connect_timeout=3.0, max_retries=1)
+    directories whose IDENTITY does not read (left alone). An outage raises BucketError."""
+    identities = _Identities(url, _IDENTITY_LAYOUT, options, timeout=timeout, connect_timeout=connect_timeout,
+                             max_retries=max_retries)
     found, unreadable = [], []
     with _outage("fingerprint listing"):
         names = identities.directories()

@@ -650,15 +650,23 @@ def cmd_evict(args: argparse.Namespace) -> int:
 # -- against a bucket (--remote) ------------------------------------------------
 
 
-def remote_options(args: argparse.Namespace) -> dict[str, str]:
-    """``--remote-option KEY=VALUE`` pairs (over the AWS environment variables)."""
+def remote_options(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, float | int]]:
+    """``--remote-option KEY=VALUE`` pairs, the ``remote_options`` a node runs
+    with: (endpoint and credentials, over the AWS environment variables; the
+    bucket protocol's settings such as ``grace`` and ``timeout``)."""
     options: dict[str, str] = {}
     for pair in args.remote_option or ():
         key, eq, value = pair.partition("=")
         if not eq or not key:
             raise UsageError(f"--remote-option {pair!r} is not KEY=VALUE")
         options[key] = value
-    return options
+    from blockkv.remote import split_options
+
+    try:
+        s3, settings, _ = split_options(options)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return s3, settings
 
 
 def remote_fingerprints(
@@ -668,6 +676,9 @@ def remote_fingerprints(
     chosen as for a root; directories whose IDENTITY does not read go to ``unreadable``."""
     if args.root is not None:
         raise UsageError(f"give a cache root or --remote, not both (got {args.root!r} and {args.remote!r})")
+    if getattr(args, "grace", None) is not None:
+        raise UsageError("with --remote the grace period is the fleet's: pass the nodes' own "
+                         "--remote-option grace=SECONDS (default 3600), never a shorter one")
     if mutating and not (args.fingerprint or args.all):
         raise UsageError(
             f"{mutating} --remote changes the bucket for every node: name a fingerprint with "
@@ -677,8 +688,10 @@ def remote_fingerprints(
         from blockkv.bucket_view import list_bucket_fingerprints
     except ImportError as exc:
         raise UsageError(f"--remote needs the s3 extra: {exc}") from None
+    s3, settings = remote_options(args)
     try:
-        known, bad = list_bucket_fingerprints(args.remote, remote_options(args))
+        known, bad = list_bucket_fingerprints(args.remote, s3, **{
+            k: v for k, v in settings.items() if k in ("timeout", "connect_timeout", "max_retries")})
     except ValueError as exc:  # not an s3:// URL, an unknown option
         raise UsageError(str(exc)) from None
     if unreadable is not None:
@@ -688,32 +701,21 @@ def remote_fingerprints(
 
 @contextmanager
 def open_bucket(args: argparse.Namespace, fp: Any) -> Iterator[Any]:
-    """The fingerprint directory ``fp`` in the bucket as a ``Bucket`` handle, with
-    the command's ``--grace`` and ``--remote-timeout`` (the fleet's own settings
-    for anything that deletes: see ``gc --help``)."""
+    """The fingerprint directory ``fp`` in the bucket as a ``Bucket`` handle with
+    the command's ``--remote-option`` settings: for ``gc`` and ``evict`` they must
+    be the fleet's own (``grace``, ``sweep_window``, ``timeout``, ``max_retries``),
+    as the nodes run with them."""
     from blockkv.bucket import Bucket
 
-    timing: dict[str, float] = {}
-    if getattr(args, "grace", None) is not None:
-        timing["grace"] = args.grace
-    if args.remote_timeout is not None:
-        timing["timeout"] = args.remote_timeout
-        timing["connect_timeout"] = min(args.remote_timeout, default_bucket("connect_timeout"))
+    s3, settings = remote_options(args)
     try:
-        bucket = Bucket(args.remote, fp.name, remote_options(args), **timing)
+        bucket = Bucket(args.remote, fp.name, s3, **settings)
     except ValueError as exc:  # a grace too short for the timeout
         raise UsageError(str(exc)) from None
     try:
         yield bucket
     finally:
         bucket.close()
-
-
-def default_bucket(parameter: str) -> float:
-    """A ``Bucket`` default, so the CLI never drifts from the nodes' own."""
-    from blockkv.bucket import Bucket
-
-    return float(inspect.signature(Bucket).parameters[parameter].default)
 
 
 def gc_remote(args: argparse.Namespace) -> int:
@@ -857,10 +859,9 @@ def build_parser() -> Parser:
                            help="the bucket a fleet of nodes shares instead of a local root (endpoint and "
                            "credentials: the AWS_* environment variables or --remote-option)")
             p.add_argument("--remote-option", action="append", metavar="KEY=VALUE",
-                           help="endpoint_url, access_key_id, secret_access_key, session_token or region "
-                           "(repeatable; overrides the AWS_* variables)")
-            p.add_argument("--remote-timeout", type=parse_seconds, metavar="SECONDS",
-                           help="per-request timeout against the bucket (default: a node's, 10 s)")
+                           help="what the nodes pass as remote_options (repeatable): endpoint_url, "
+                           "access_key_id, secret_access_key, session_token, region (over the AWS_* "
+                           "variables) and the bucket settings grace, sweep_window, timeout, max_retries...")
         else:
             p.add_argument("root", help="cache root (the directory holding .blockkv)")
         which = p.add_mutually_exclusive_group()
@@ -891,8 +892,8 @@ def build_parser() -> Parser:
     gc_cmd = command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
     gc_cmd.add_argument("--grace", type=parse_seconds, metavar="SECONDS",
                         help="only blocks unreferenced for this long (default: the store's, "
-                        "which protects a writer in another process; with --remote, the nodes' bucket "
-                        "grace, 3600 s: give the fleet's own value, never a shorter one)")
+                        "which protects a writer in another process; not with --remote: there the "
+                        "fleet's --remote-option grace=SECONDS applies)")
     command("rebuild-index", cmd_rebuild_index, "rebuild the LMDB index from the files on disk",
             mutating=True, remote=False)
     evict = command("evict", cmd_evict,

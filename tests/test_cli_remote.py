@@ -20,7 +20,7 @@ from test_bucket import endpoint, make_bucket, raw_store, server  # noqa: F401 -
 from test_cli import parsed, run_all
 
 GRACE = 9.0  # the shortest a 1 s request timeout allows: the test waits it out once
-TIMING = ["--grace", str(GRACE), "--remote-timeout", "1"]
+TIMING = ["--remote-option", f"grace={GRACE}", "--remote-option", "timeout=1"]  # as the nodes would run
 
 
 def env_for(endpoint: str) -> dict[str, str]:
@@ -203,9 +203,10 @@ def test_bad_remote_arguments_are_usage_errors(endpoint: str) -> None:  # noqa: 
     node.open_bucket(endpoint, bucket_name).ensure_identity(node.IDENTITY)
     cases = [
         (["stats", "--remote", "http://not-s3/x"], "s3://"),
-        (["ls", "--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown S3 options"),
+        (["ls", "--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
         (["ls", "--remote", "s3://b/p", "--remote-option", "novalue"], "KEY=VALUE"),
-        (["gc", "--remote", f"s3://{bucket_name}/fleet", "--all", "--grace", "5"], "grace"),
+        (["gc", "--remote", f"s3://{bucket_name}/fleet", "--all", "--remote-option", "grace=5"], "grace"),
+        (["gc", "--remote", f"s3://{bucket_name}/fleet", "--all", "--grace", "5"], "the fleet's"),
         (["ls", "--remote", f"s3://{bucket_name}/fleet", "-f", "no-such-model"], "no fingerprint"),
     ]
     for (argv, message), proc in zip(cases, run_all(*(argv for argv, _ in cases), env=env_for(endpoint))):
