@@ -47,6 +47,7 @@ from blockkv.human import (
     format_ratio,
     format_size,
     format_time,
+    parse_option,
     parse_seconds,
     parse_size,
     render_table,
@@ -654,16 +655,10 @@ def remote_options(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, 
     """``--remote-option KEY=VALUE`` pairs, the ``remote_options`` a node runs
     with: (endpoint and credentials, over the AWS environment variables; the
     bucket protocol's settings such as ``grace`` and ``timeout``)."""
-    options: dict[str, str] = {}
-    for pair in args.remote_option or ():
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise UsageError(f"--remote-option {pair!r} is not KEY=VALUE")
-        options[key] = value
     from blockkv.remote import split_options
 
     try:
-        s3, settings, _ = split_options(options)
+        s3, settings, _ = split_options(dict(args.remote_option or ()))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return s3, settings
@@ -858,7 +853,7 @@ def build_parser() -> Parser:
             p.add_argument("--remote", metavar="s3://BUCKET/PREFIX",
                            help="the bucket a fleet of nodes shares instead of a local root (endpoint and "
                            "credentials: the AWS_* environment variables or --remote-option)")
-            p.add_argument("--remote-option", action="append", metavar="KEY=VALUE",
+            p.add_argument("--remote-option", action="append", type=parse_option, metavar="KEY=VALUE",
                            help="what the nodes pass as remote_options (repeatable): endpoint_url, "
                            "access_key_id, secret_access_key, session_token, region (over the AWS_* "
                            "variables) and the bucket settings grace, sweep_window, timeout, max_retries...")
