@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import mlx_lm
+import pytest
 
 import bucket_node as node
 from blockkv.bucket import Bucket
 from blockkv.bucket_view import list_bucket_fingerprints
 from blockkv.demo import Agent
+from blockkv.mlx_lm import PersistentPromptCache
 from blockkv.testing.model_dir import build_model_dir, sample_text
 from test_bucket import endpoint, make_bucket, server  # noqa: F401 - moto's server fixtures
 from test_serve import MAX_TOKENS, REQUEST_BOUND_S, Server, _cached, _spills, _token_ids
@@ -63,3 +65,16 @@ def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint
     cold = Agent(model, tokenizer, None, MAX_TOKENS).ask(conversation, None)
     assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"] == cold.prompt_tokens
     assert _token_ids(b) == _token_ids(a) == cold.generated
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [(dict(remote="http://bucket/prefix"), ValueError), (dict(remote=b"s3://b/p"), TypeError),
+     (dict(remote="s3://b/p", remote_options={"colour": "blue"}), ValueError),
+     (dict(remote_options={"region": "auto"}), ValueError)],
+)
+def test_a_wrong_remote_is_refused_when_the_cache_is_made(tmp_path: Path, kwargs: dict, error: type) -> None:
+    """A store opens on first use and only logs what goes wrong then: a wrong
+    remote must fail at construction instead of leaving every model RAM-only."""
+    with pytest.raises(error):
+        PersistentPromptCache(cache_dir=tmp_path, **kwargs)
