@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import obstore
+
 from blockkv import blocks as blk
 from blockkv.bucket import Bucket, BucketError, ObjectInfo, _outage
 from blockkv.check import CheckReport
@@ -51,8 +53,6 @@ class _Identities(S3Pool):
     delimited listing (not a walk over every block in the bucket)."""
 
     def directories(self) -> list[str]:
-        import obstore
-
         listing = obstore.list_with_delimiter(self._store)
         return sorted(p.rstrip("/").rpartition("/")[2] for p in listing["common_prefixes"])
 

@@ -23,15 +23,15 @@ GRACE = 9.0  # the shortest a 1 s request timeout allows: the test waits it out 
 TIMING = ["--remote-option", f"grace={GRACE}", "--remote-option", "timeout=1"]  # as the nodes would run
 
 
-def env_for(endpoint: str) -> dict[str, str]:
+def env_for(server_url: str) -> dict[str, str]:
     """The standard AWS variables, as a node's service file would set them."""
-    return {**os.environ, "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+    return {**os.environ, "AWS_ENDPOINT_URL": server_url, "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
 
-def snapshot(endpoint: str, bucket_name: str) -> dict[str, tuple[int, Any, Any]]:
+def snapshot(server_url: str, bucket_name: str) -> dict[str, tuple[int, Any, Any]]:
     """Every object in the bucket: size, ETag and Last-Modified (a rewrite changes the last)."""
-    raw = raw_store(endpoint, bucket_name)
+    raw = raw_store(server_url, bucket_name)
     return {m["path"]: (m["size"], m["e_tag"], m["last_modified"]) for batch in obstore.list(raw) for m in batch}
 
 
