@@ -69,6 +69,15 @@ def _outage(what: str) -> Iterator[None]:
         raise BucketError(f"bucket {what} failed: {first_line}") from exc
 
 
+def verified_header(name: str, data: bytes) -> Header:
+    """What a header's bytes say, verified (checksum, bounds, descriptor); CorruptError otherwise."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
+    header = decode_header(data)
+    blk.validate_descriptor(header.descriptor)
+    return header
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     name: str
@@ -214,11 +223,7 @@ class Bucket:
         """A header's bytes and what they say, verified (checksum, bounds, descriptor)."""
         with _outage(f"fetch of header {name}"):
             data = self.headers.get(name)
-        if len(data) > MAX_HEADER_BYTES:
-            raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
-        header = decode_header(data)
-        blk.validate_descriptor(header.descriptor)
-        return data, header
+        return data, verified_header(name, data)
 
     def fetch_headers(self, names: Iterable[str]) -> tuple[dict[str, tuple[bytes, Header]], list[str]]:
         """Many headers at once, concurrently (a node's open): (verified headers,

@@ -14,6 +14,9 @@ gc never ask the network. What the bucket adds lives here:
 - **uploads**: every store's blocks, then its header (the commit point);
 - the **backlog**: stores the bucket did not acknowledge, marked by an empty
   file ``backlog/<entry id>`` and uploaded by a later sync;
+- a **header cache**: ``remote-headers/<ns dir>/<uuid>.bkv``, copies of the
+  bucket's headers (immutable, checksummed), so a node that restarts reads
+  the remote catalog from its disk and fetches only headers new to it;
 - a **circuit breaker**: after a failure the bucket is skipped for a backoff
   period, so an outage costs one warning, not a timeout per request.
 
@@ -24,6 +27,7 @@ Nothing here raises into the serving path: an outage is "not uploaded" /
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -32,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import blocks as blk
-from .bucket import Bucket, BucketError
+from .bucket import Bucket, BucketError, verified_header
 from .catalog import Catalog
 from .directory import Directory, block_key, fingerprint_dirname, ns_dirname
 from .errors import BlockKVError, BlockMissingError, CorruptError
@@ -126,6 +130,7 @@ class RemoteTier:
         self._local_entries = local_entries
         self._adopt = adopt
         self._backlog = directory.path / "backlog"
+        self._cache = directory.path / "remote-headers"
         self.catalog = Catalog(identity.digest(), time.time)  # remote-only entries: served, never indexed
         self._remote_only: dict[str, str] = {}  # entry id -> header name, for the catalog's entries
         self._listed: set[str] = set()  # header names in the bucket at the last listing (plus our uploads)
@@ -170,6 +175,7 @@ class RemoteTier:
                     self._identity_checked = True
                 listed = self.bucket.list_headers()
                 learned = self._learn(listed)
+                self._prune_cache(listed)
                 self._send_backlog(listed)
             except BucketError as exc:
                 self._outage("bucket listing failed", exc)
@@ -190,7 +196,10 @@ class RemoteTier:
                     self._forget(entry_id)
             known = local | set(self._remote_only.values()) | self._ignored
         new = [n for n in sorted(listed, key=lambda n: (listed[n].last_modified, n)) if n not in known]
-        found, damaged = self.bucket.fetch_headers(new)
+        found = self._cached(new)
+        fetched, damaged = self.bucket.fetch_headers(n for n in new if n not in found)
+        self._keep(fetched)
+        found.update(fetched)
         if damaged:
             self._warn("remote-damaged", f"{len(damaged)} header(s) in {self.bucket.url} do not verify "
                                          f"(damaged, or a newer format): not served, e.g. {damaged[0]}")
@@ -215,6 +224,54 @@ class RemoteTier:
         self.catalog.add(record, last_modified, {r.name: r.raw_bytes for r in refs})  # raw: stored sizes unknown
         self._remote_only[entry_id] = name
         return True
+
+    def _cached(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
+        """The headers of ``names`` the cache holds, verified; a damaged copy is removed."""
+        found = {}
+        for name in names:
+            path = self._cache / name
+            try:
+                data = self._dir.fs.read(path)
+                found[name] = (data, verified_header(name, data))
+            except CorruptError:
+                self._drop_cached([name])
+            except (OSError, MemoryError):
+                continue  # not cached (or unreadable now): fetched
+        return found
+
+    def _keep(self, fetched: Mapping[str, tuple[bytes, Header]]) -> None:
+        """Cache fetched headers: tmp then rename, no fsync (a copy lost or torn
+        by a power cut fails its checksum or is missing, and is fetched again)."""
+        try:
+            refuse_linked(self._cache)
+            for name, (data, _) in fetched.items():
+                path = self._cache / name
+                refuse_linked(path.parent)
+                os.makedirs(path.parent, DIR_MODE, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+                with open(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+        except OSError as exc:
+            self._warn("remote-cache", f"could not cache headers in {self._cache} ({exc}); they are fetched again")
+
+    def _drop_cached(self, names: Iterable[str]) -> None:
+        for name in names:
+            try:
+                os.unlink(self._cache / name)
+            except OSError:
+                pass
+
+    def _prune_cache(self, listed: Mapping[str, object]) -> None:
+        """Remove cached copies of headers gone from the bucket (and stray temp files)."""
+        try:
+            shards = [d for d in os.scandir(self._cache) if d.is_dir(follow_symlinks=False)]
+            stale = [f"{d.name}/{f.name}" for d in shards for f in os.scandir(d.path)
+                     if f"{d.name}/{f.name}" not in listed]
+        except OSError:
+            return
+        self._drop_cached(stale)
 
     def _forget(self, entry_id: str) -> None:
         self._remote_only.pop(entry_id, None)
@@ -265,18 +322,20 @@ class RemoteTier:
 
     # -- restore -----------------------------------------------------------------------------
     def materialise(self, entry: Entry) -> bool:
-        """Make a remote-only entry local: header and missing blocks fetched
-        (concurrently, every block verified), then written through ``adopt``.
+        """Make a remote-only entry local: header (from the cache, else the
+        bucket) and missing blocks fetched concurrently, every block verified,
+        then written through ``adopt``.
         False is a miss; a header or block missing or damaged also forgets it."""
         name = header_name(entry.ns, entry.id)
         if self.breaker.is_open():
             self._warn("remote-miss", "bucket unreachable: entries only it holds are misses for now")
             return False
         key = block_key(self._identity, entry.ns)
+        cached = self._cached([name]).get(name)  # the copy it was learned from, usually
         try:
-            header_future = self._io.submit(self.bucket.fetch_header, name)
+            header_future = None if cached else self._io.submit(self.bucket.fetch_header, name)
             frames = self.bucket.fetch_blocks((n for n in entry.blocks if not self._dir.pool.exists(n)), key)
-            data, header = header_future.result()
+            data, header = cached or header_future.result()
         except (BlockMissingError, CorruptError) as exc:
             self._warn("remote-gone", f"remote entry {entry.id} is a miss and forgotten: {exc}")
             with self._mutex:
@@ -324,9 +383,12 @@ class RemoteTier:
             pass
 
     # -- store ------------------------------------------------------------------------------
-    def upload(self, entry_id: str, ns: str, encoded: bytes, names: Iterable[str], new: set[str]) -> bool:
+    def upload(self, entry_id: str, ns: str, encoded: bytes, names: Iterable[str], new: set[str],
+               replaced: Iterable[Entry] = ()) -> bool:
         """A local store's bucket half: True once its header is in the bucket.
-        Otherwise the entry stays local and in the backlog, for a later sync."""
+        Otherwise the entry stays local and in the backlog, for a later sync.
+        The entries the store's rules ``replaced`` (identical, or superseded
+        prefixes) are then removed from the bucket too (in the background)."""
         self._mark(entry_id)
         if self.breaker.is_open():
             self._warn("remote", "bucket unreachable: storing locally only; uploads resume when it answers")
@@ -334,7 +396,22 @@ class RemoteTier:
         if not self._upload(entry_id, header_name(ns, entry_id), encoded, list(dict.fromkeys(names)), new):
             return False
         self._unmark(entry_id)
+        with self._mutex:
+            doomed = [n for n in (header_name(e.ns, e.id) for e in replaced) if n in self._listed]
+            self._listed.difference_update(doomed)
+        if doomed:
+            try:
+                self._io.submit(self._remove_headers, doomed)
+            except RuntimeError:  # closing: the entries stay in the bucket, harmless duplicates
+                pass
         return True
+
+    def _remove_headers(self, names: list[str]) -> None:
+        try:
+            for name in names:
+                self.bucket.headers.delete(name)
+        except Exception as exc:  # noqa: BLE001 - they stay, harmless: shadowed wherever they are found
+            self._outage("removing replaced entries failed", exc)
 
     def _upload(self, entry_id: str, name: str, encoded: bytes, names: list[str], new: set[str]) -> bool:
         pool = self._dir.pool

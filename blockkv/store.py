@@ -555,7 +555,7 @@ class BlockStore:
             with self._locked():
                 written += self._commits.publish(self._index, writer, layout, header, encoded, entry_id, path)
                 self._refresh()
-                self._apply_store_rules(self._catalog.get(entry_id))
+                replaced = self._apply_store_rules(self._catalog.get(entry_id))
                 self.evict_to_cap()
         except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
             if writer.referenced:
@@ -573,7 +573,8 @@ class BlockStore:
         self.stats["bytes_written"] += written
         self.stats["bytes_deduplicated"] += sum(b.ref.raw_bytes for b in layout.blocks if b.ref.name not in writer.new)
         if self._remote is not None and checkpoint is None:  # checkpoints stay local (docs/scale-out.md)
-            return self._remote.upload(entry_id, ns, encoded, (b.ref.name for b in layout.blocks), writer.new)
+            return self._remote.upload(entry_id, ns, encoded, (b.ref.name for b in layout.blocks), writer.new,
+                                       replaced)
         return True
 
     def _adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
@@ -623,9 +624,10 @@ class BlockStore:
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("undo", f"could not undo a failed store ({exc}); check(repair=True) reclaims it")
 
-    def _apply_store_rules(self, new: Entry) -> None:
+    def _apply_store_rules(self, new: Entry) -> list[Entry]:
         """Replace an identical entry; let a trimmable entry supersede its prefixes;
-        a checkpoint supersedes older checkpoints of its key (all after it is durable)."""
+        a checkpoint supersedes older checkpoints of its key (all after it is durable).
+        Returns the entries removed."""
         doomed = [e for e in self._catalog.prefixes_of(new.ns, new.token_array)  # same ns, tokens a prefix of the new ones
                   if e is not new and (e.length == new.length  # identical: replaced
                                        or (new.trimmable and e.length >= new.minimum_reusable_offset))]
@@ -634,6 +636,7 @@ class BlockStore:
                        and e.checkpoint.key == new.checkpoint.key]
         for entry in dict.fromkeys(doomed):
             self._remove_quietly(entry.id)
+        return list(dict.fromkeys(doomed))
 
     # -- remove, evict, gc --------------------------------------------------------------------
     @_open_only

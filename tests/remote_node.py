@@ -68,9 +68,12 @@ def _store_loop(root: str, endpoint: str, bucket: str, seconds: float, out: str)
     """Store conversations; every fourth acknowledged one is evicted fleet-wide at
     once (its blocks become garbage for the GC nodes), and every other store
     repeats an earlier conversation, whose blocks may by then be garbage past
-    the grace period: a dedup hit on a block a GC run may condemn."""
+    the grace period: a dedup hit on a block a GC run may condemn. A repeat
+    replaces the conversation's previous entry, in the bucket too: the report
+    names the last acknowledged entry of each conversation still standing."""
     store = open_node(root, endpoint, bucket)
-    acknowledged, evicted, refused, attempts = {}, [], 0, 0
+    acknowledged: dict[int, str] = {}
+    evicted, refused, attempts = [], 0, 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         attempts += 1
@@ -85,13 +88,15 @@ def _store_loop(root: str, endpoint: str, bucket: str, seconds: float, out: str)
             try:
                 store.remote.headers.delete(name)
                 evicted.append(name)
+                acknowledged.pop(seed, None)
                 continue
             except BucketError:
                 pass
-        acknowledged[name] = seed
+        acknowledged[seed] = name
     store.close()
     with open(out, "w") as f:
-        json.dump({"acknowledged": acknowledged, "evicted": evicted, "refused": refused, "attempts": attempts}, f)
+        json.dump({"acknowledged": {n: s for s, n in acknowledged.items()}, "evicted": evicted, "refused": refused,
+                   "attempts": attempts}, f)
 
 
 def _gc_loop(root: str, endpoint: str, bucket: str, seconds: float, out: str) -> None:

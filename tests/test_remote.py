@@ -113,3 +113,173 @@ def test_a_node_with_a_wiped_root_rebuilds_from_the_bucket_and_serves(tmp_path: 
         assert len(a) == 3 and a.check().clean  # ordinary local entries now
     with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
         assert len(a) == 3 and a.sync_remote() == 0
+
+
+def flip_byte(endpoint: str, bucket_name: str, key: str) -> None:  # noqa: F811
+    raw = raw_store(endpoint, bucket_name)
+    damaged = bytearray(obstore.get(raw, key).bytes())
+    damaged[-5] ^= 0x10
+    obstore.put(raw, key, bytes(damaged))
+
+
+def test_a_flipped_byte_in_the_bucket_is_a_miss_on_every_node(tmp_path: Path, endpoint: str,  # noqa: F811
+                                                              bucket_name: str) -> None:
+    (tokens, caches), (other, other_caches) = node.conversation(30), node.conversation(31)
+    with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
+        assert a.store(tokens, caches) and a.store(other, other_caches)
+        entry, victim_header = a.find_exact(tokens).entry, a.find_exact(other).entry
+        victim = entry.blocks[-1]  # the conversation's own block, not the shared prompt's
+        flip_byte(endpoint, bucket_name, f"fleet/{FP_DIR}/blobs/{victim[:2]}/{victim}")
+        flip_byte(endpoint, bucket_name, f"fleet/{FP_DIR}/entries/{header_name('', victim_header.id)}")
+        for name in "bc":
+            with node.open_node(tmp_path / name, endpoint, bucket_name) as n:
+                assert n.find_exact(other) is None  # a damaged header is never learned
+                match = n.find_exact(tokens)
+                assert match is not None and n.restore(match.entry) is None  # a miss, never data
+                assert n.find_exact(tokens) is None and len(n) == 0  # forgotten, nothing written locally
+                assert victim not in local_blocks(n)
+        # the node that stored it still serves its own verified local copy
+        loaded = a.restore(a.find_exact(tokens).entry)
+        assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+        assert not any(k.endswith(victim) for k in blobs(endpoint, bucket_name))  # proof of damage: quarantined
+
+
+def start_server(port: int = 0) -> ThreadedMotoServer:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server
+
+
+def test_an_outage_degrades_to_local_only_and_the_backlog_is_uploaded_when_the_server_returns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    moto = start_server()
+    host, port = moto.get_host_and_port()
+    endpoint = f"http://{host}:{port}"  # noqa: F811
+    name = make_bucket(endpoint)
+    convs = [node.conversation(40 + i) for i in range(4)]
+    with node.open_node(tmp_path / "a", endpoint, name) as a, node.open_node(tmp_path / "b", endpoint, name) as b:
+        assert a.store(*convs[0])
+        assert b.store(*convs[1])
+        assert a.sync_remote() == 1  # b's entry: remote-only on a
+        moto.stop()
+        with caplog.at_level(logging.WARNING, logger="blockkv"):
+            started = time.monotonic()
+            results = [a.store(*c) for c in convs[2:]]  # never raises
+            assert results == [False, False]  # kept locally, not acknowledged by the bucket
+            assert a.find_exact(convs[1][0]) is None  # remote-only entries are not offered during the outage
+            for tokens, caches in [convs[0], *convs[2:]]:  # finds keep working on the local index
+                loaded = a.restore(a.find_exact(tokens).entry)
+                assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+            assert a.sync_remote() == 0
+            assert time.monotonic() - started < 10  # refused connections fail at once; the breaker skips the rest
+        outage_warnings = [r for r in caplog.records if "bucket" in r.getMessage()]
+        assert 1 <= len(outage_warnings) <= 2, [r.getMessage() for r in outage_warnings]  # one per kind, no flood
+        assert len(a._remote.backlog()) == 2
+        moto = start_server(port)  # the server returns
+        try:
+            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                         region_name="us-east-1").create_bucket(Bucket=name)  # in case its data went with the old one
+            assert a.sync_remote() == 0
+            ids = {a.find_exact(t).entry.id for t, _ in convs[2:]}
+            assert {header_name("", i) for i in ids} <= set(headers(endpoint, name))  # the backlog, caught up
+            assert a._remote.backlog() == []
+            assert a.store(*node.conversation(50))  # and stores are acknowledged again
+        finally:
+            with node.open_node(tmp_path / "c", endpoint, name) as c:  # a fresh node serves the backlog
+                for tokens, caches in convs[2:]:
+                    loaded = c.restore(c.find_exact(tokens).entry)
+                    assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+            moto.stop()
+
+
+def run_node(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, NODE, *args], stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err.decode()[-3000:]
+
+
+def test_two_nodes_running_gc_beside_a_storing_node_lose_nothing_acknowledged(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    """Three processes, one bucket: a node stores conversations for longer than
+    the grace period (evicting some fleet-wide at once and storing their content
+    again later, a dedup hit on blocks a GC run may condemn) while two nodes run
+    bucket GC in a loop. Every acknowledged entry still listed is then restored
+    bit-exact by a fresh node."""
+    seconds = "20"  # > grace (12 s): blocks of the evicted entries age into condemnation
+    procs = [run_node("store", str(tmp_path / "writer"), endpoint, bucket_name, seconds, str(tmp_path / "store.json"))]
+    procs += [run_node("gc", str(tmp_path / f"gc{i}"), endpoint, bucket_name, seconds, str(tmp_path / f"gc{i}.json"))
+              for i in (1, 2)]
+    for proc in procs:
+        finish(proc)
+    stored = json.loads((tmp_path / "store.json").read_text())
+    runs = [json.loads((tmp_path / f"gc{i}.json").read_text()) for i in (1, 2)]
+    deleted = [n for run in runs for n in run["deleted"]]
+    print("store:", {k: len(v) if isinstance(v, (list, dict)) else v for k, v in stored.items()},
+          "gc runs:", [run["runs"] for run in runs], "deleted:", len(deleted))
+    assert len(stored["acknowledged"]) >= 3 and stored["evicted"]
+    assert deleted  # the runs really swept garbage while the writer worked
+    listed = set(headers(endpoint, bucket_name))
+    assert set(stored["acknowledged"]) <= listed
+    assert not listed & set(stored["evicted"])
+    if not stored["refused"]:  # an entry a repeat replaced left the bucket with the repeat's upload
+        assert listed == set(stored["acknowledged"])
+    with node.open_node(tmp_path / "fresh", endpoint, bucket_name) as fresh:
+        for name, seed in stored["acknowledged"].items():
+            tokens, caches = node.conversation(seed)
+            entry = fresh._remote.catalog.get(name.rpartition("/")[2].removesuffix(".bkv"))
+            loaded = fresh.restore(entry)  # every block present and hashing to its name
+            assert loaded is not None and node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+
+
+def test_a_local_eviction_reverts_an_entry_to_remote_only(tmp_path: Path, endpoint: str,  # noqa: F811
+                                                          bucket_name: str) -> None:
+    convs = [node.conversation(60 + i) for i in range(2)]
+    with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
+        assert all(a.store(*c) for c in convs)
+        one_entry = max(e.nbytes for e in a.entries())
+    with node.open_node(tmp_path / "b", endpoint, bucket_name, max_bytes=one_entry + 4096) as b:
+        for turn, (tokens, caches) in enumerate([*convs, convs[0]]):  # each restore evicts the other locally
+            loaded = b.restore(b.find_exact(tokens).entry)
+            assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+            assert len(b) == 1 and b.total_bytes <= b.max_bytes
+            assert b.sync_remote() == (1 if turn else 0)  # the evicted one is remote-only again
+
+
+def test_isolated_namespaces_fetch_and_verify_their_keyed_blocks(tmp_path: Path, endpoint: str,  # noqa: F811
+                                                                 bucket_name: str) -> None:
+    tokens, caches = node.conversation(70)
+    with node.open_node(tmp_path / "a", endpoint, bucket_name, isolate_namespaces=True) as a:
+        assert a.store(tokens, caches, ns="t1") and a.store(tokens, caches, ns="t2")
+    with node.open_node(tmp_path / "plain", endpoint, bucket_name) as plain:
+        assert plain.find_exact(tokens, ns="t1") is None  # the other mode's entries are foreign
+    with node.open_node(tmp_path / "b", endpoint, bucket_name, isolate_namespaces=True) as b:
+        for ns in ("t1", "t2"):
+            loaded = b.restore(b.find_exact(tokens, ns=ns).entry)  # blocks named with the namespace's key
+            assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+
+
+def test_a_restarted_node_reads_remote_headers_from_its_cache(tmp_path: Path, endpoint: str,  # noqa: F811
+                                                              bucket_name: str) -> None:
+    convs = [node.conversation(80 + i) for i in range(3)]
+    with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
+        assert all(a.store(*c) for c in convs)
+        names = [header_name("", a.find_exact(t).entry.id) for t, _ in convs]
+        with node.open_node(tmp_path / "b", endpoint, bucket_name):
+            pass
+        cache = tmp_path / "b" / FP_DIR / "remote-headers"
+        assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*.bkv")) == sorted(names)
+        good = (cache / names[0]).read_bytes()
+        flip_byte(endpoint, bucket_name, f"fleet/{FP_DIR}/entries/{names[0]}")  # only the cached copy is good now
+        damaged = bytearray((cache / names[1]).read_bytes())
+        damaged[-3] ^= 1
+        (cache / names[1]).write_bytes(bytes(damaged))  # a torn copy: fetched again
+        a.remote.headers.delete(names[2])  # evicted fleet-wide meanwhile
+        with node.open_node(tmp_path / "b", endpoint, bucket_name) as b:
+            for tokens, caches in convs[:2]:  # the first from the cache: the bucket's damaged copy is never read
+                loaded = b.restore(b.find_exact(tokens).entry)
+                assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+            assert b.find_exact(convs[2][0]) is None and not (cache / names[2]).exists()  # pruned
+            assert (cache / names[0]).read_bytes() == good
