@@ -50,7 +50,7 @@ def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint
             assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()
             time.sleep(0.2)
         second = Server(command, model_dir, second_dir, tmp_path / "b.log")  # both serve at once
-        assert not any(second_dir.rglob("*.bkv"))  # nothing of its own: what it restores comes from the bucket
+        assert not any(second_dir.glob("*/entries/*/*.bkv"))  # nothing of its own: what it restores comes from the bucket
         b = second.chat(conversation)
     finally:
         first_log = first.stop()
@@ -60,7 +60,7 @@ def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint
     restored = [int(n) for n in re.findall(r"blockkv: restored (\d+) of \d+ prompt tokens from disk", second_log)]
     system_tokens = len(tokenizer.apply_chat_template([system]))
     assert restored == [_cached(b)] and _cached(b) >= system_tokens, second_log  # restored, not prefilled
-    assert any(second_dir.rglob("*.bkv"))  # the restored entry now lives in its local tier too
+    assert any(second_dir.glob("*/entries/*/*.bkv"))  # the restored entry now lives in its local tier too
 
     cold = Agent(model, tokenizer, None, MAX_TOKENS).ask(conversation, None)
     assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"] == cold.prompt_tokens
