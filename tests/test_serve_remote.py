@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from pathlib import Path
 
 import mlx_lm
@@ -21,7 +20,7 @@ from blockkv.demo import Agent
 from blockkv.mlx_lm import PersistentPromptCache
 from blockkv.testing.model_dir import build_model_dir, sample_text
 from test_bucket import endpoint, make_bucket, server  # noqa: F401 - moto's server fixtures
-from test_serve import MAX_TOKENS, REQUEST_BOUND_S, Server, _cached, _spills, _token_ids
+from test_serve import MAX_TOKENS, Server, _cached, _spills, _token_ids
 
 
 def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint: str, tmp_path: Path) -> None:  # noqa: F811
@@ -36,31 +35,39 @@ def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint
     model, tokenizer = loaded[0], loaded[1]
     s3 = {"endpoint_url": endpoint, **node.CREDENTIALS}
 
-    def headers_in_bucket() -> int:
+    def headers_in_bucket() -> set[str]:
         fps, _ = list_bucket_fingerprints(url, s3)
-        return sum(len(Bucket(url, fp.name, s3).list_headers()) for fp in fps)
+        return {name for fp in fps for name in Bucket(url, fp.name, s3).list_headers()}
+
+    def restored_anywhere() -> set[str]:
+        """Entries some node restored from its store: their fleet-wide last-use marks."""
+        fps, _ = list_bucket_fingerprints(url, s3)
+        return {i.name.removeprefix("used/") for fp in fps for i in Bucket(url, fp.name, s3).meta.list_info("used/")}
 
     first_dir, second_dir = tmp_path / "a", tmp_path / "b"
     first = Server(command, model_dir, first_dir, tmp_path / "a.log")
     second = None
     try:
-        a = first.chat(conversation)
-        deadline = time.monotonic() + REQUEST_BOUND_S  # the spill is write-behind: wait for its header
-        while not headers_in_bucket():
-            assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()
-            time.sleep(0.2)
-        second = Server(command, model_dir, second_dir, tmp_path / "b.log")  # both serve at once
-        assert not any(second_dir.glob("*/entries/*/*.bkv"))  # nothing of its own: what it restores comes from the bucket
+        second = Server(command, model_dir, second_dir, tmp_path / "b.log")  # two servers on one bucket
+        try:
+            a = first.chat(conversation)
+        finally:
+            first_log = first.stop()  # flushes its write-behind spills: every one is in the bucket now
+        uploaded = headers_in_bucket()
+        assert uploaded and not restored_anywhere()  # the first only stored
+        assert not any(second_dir.glob("*/entries/*/*.bkv"))  # nothing of its own: a restore comes from the bucket
         b = second.chat(conversation)
     finally:
-        first_log = first.stop()
+        if first.proc.poll() is None:
+            first.proc.kill()
         second_log = second.stop() if second is not None else ""
     assert _spills(first_log)[0] > 0
     assert _cached(a) == 0
     restored = [int(n) for n in re.findall(r"blockkv: restored (\d+) of \d+ prompt tokens from disk", second_log)]
     system_tokens = len(tokenizer.apply_chat_template([system]))
     assert restored == [_cached(b)] and _cached(b) >= system_tokens, second_log  # restored, not prefilled
-    assert any(second_dir.glob("*/entries/*/*.bkv"))  # the restored entry now lives in its local tier too
+    assert restored_anywhere() & uploaded  # the second restored the first's entry, and told the fleet
+    assert any(second_dir.glob("*/entries/*/*.bkv"))  # and keeps what it restored in its local tier
 
     cold = Agent(model, tokenizer, None, MAX_TOKENS).ask(conversation, None)
     assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"] == cold.prompt_tokens
