@@ -3,7 +3,8 @@
 What ``blockkv ls``, ``stats`` and ``check`` show with ``--remote``, as
 ``reader.py`` and ``check.inspect`` do for a local directory. Only LISTs and
 GETs: no clock probe, no last-use mark, and a damaged block is reported, not
-quarantined (``Bucket.fetch_block`` deletes it; a tool that only looks must not).
+quarantined (``Bucket.fetch_block`` deletes it; a tool that only looks must
+not) — unless ``check --remote --repair`` asks for exactly that.
 The bucket is untrusted: headers are decoded and verified like local ones, and
 ``check_bucket`` hashes every block against its name.
 """
@@ -166,12 +167,14 @@ def read_bucket(bucket: Bucket, identity: Identity) -> BucketView:
 
 
 def check_bucket(bucket: Bucket, identity: Identity,
-                 progress: Callable[[int, int], None] | None = None) -> CheckReport:
-    """Verify a fingerprint directory in a bucket without changing it: every
-    header reads, every block a header names exists and hashes to its name,
-    every other block's frame reads. Blocks no header references are listed in
-    ``in_flight`` (a store uploads its blocks before its header; garbage waits
-    for ``gc``): not findings. A transient failure on one block is ``unreadable``."""
+                 progress: Callable[[int, int], None] | None = None, *, repair: bool = False) -> CheckReport:
+    """Verify a fingerprint directory in a bucket: every header reads, every
+    block a header names exists and hashes to its name, every other block's
+    frame reads. Blocks no header references are listed in ``in_flight`` (a
+    store uploads its blocks before its header; garbage waits for ``gc``): not
+    findings. A transient failure on one block is ``unreadable``. Without
+    ``repair`` nothing is written; with it, what is proven broken goes
+    (``_repair``) and ``actions`` says what."""
     listed = _list(bucket)
     own = identity.digest()
     report = CheckReport(blocks=len(listed.blocks))
@@ -210,4 +213,37 @@ def check_bucket(bucket: Bucket, identity: Identity,
         if r.owner == own and any(b not in listed.blocks or b in bad for b in r.blocks)
     )
     report.in_flight = sorted(n for n in names if n not in keys)
+    if repair:
+        report.actions = _repair(bucket, report, listed, keys)
     return report
+
+
+def _repair(bucket: Bucket, report: CheckReport, listed: _Listed, keys: dict[str, bytes | None]) -> list[str]:
+    """Remove what is proven broken, as a node would on meeting it: a block that
+    still fails verification when fetched again (``Bucket.fetch_block`` deletes
+    it unless it changed meanwhile, so the next store uploads a good copy), then
+    the headers of this identity's entries that name a block now gone (no node
+    can serve them; their last-use marks go too, as in an eviction). A header
+    that does not read is left: it may be a newer format."""
+    actions = []
+    for name in report.corrupt_blocks:
+        try:
+            bucket.fetch_block(name, keys.get(name))  # a frame that does not parse fails under any key
+        except CorruptBlockError:
+            actions.append(f"deleted corrupt block {name}")
+        except (BlockMissingError, BucketError):
+            continue
+    dangling = set(report.dangling)
+    for name, read in sorted(listed.records.items()):
+        if read is None or read[0].id not in dangling:
+            continue
+        try:
+            with _outage("repair"):
+                if all(bucket.blocks.exists(b) for b in read[0].blocks):
+                    continue  # a good copy came back meanwhile: servable again
+                bucket.headers.delete(name)
+                bucket.meta.delete(f"used/{name}")
+        except BucketError:
+            continue
+        actions.append(f"removed entry {read[0].id} (header {name}): a block it needs is gone")
+    return actions

@@ -456,7 +456,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                                     for d in unreadable],
                 "fingerprints": [
                     {**fp_json(fp), "clean": r.clean, "report": r.to_json(), "foreign_owners": owners,
-                     "blocks_awaiting_gc": awaiting_gc(fp) if args.repair else None}
+                     "blocks_awaiting_gc": awaiting_gc(fp) if args.repair and not args.remote else None}
                     for fp, r, owners in results
                 ],
             }
@@ -486,7 +486,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.remote and report.in_flight:
             print(f"  {len(report.in_flight)} block(s) named by no header: stores in progress, or garbage "
                   "'blockkv gc --remote' deletes after the grace period (not problems)")
-        waiting = awaiting_gc(fp) if args.repair else 0
+        waiting = awaiting_gc(fp) if args.repair and not args.remote else 0
         if waiting:
             print(
                 f"  {waiting} block(s) no longer referenced: 'blockkv gc -f {fp.path.name}' deletes "
@@ -499,19 +499,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def check_remote(args: argparse.Namespace, results: list[tuple[Any, CheckReport, list[dict[str, Any]]]]) -> list[str]:
     """``check --remote``: each chosen fingerprint directory in the bucket,
-    verified without a write (``bucket_view.check_bucket``) into ``results``;
-    returns the directories whose IDENTITY does not read."""
+    verified (``bucket_view.check_bucket``; without ``--repair`` no write) into
+    ``results``; returns the directories whose IDENTITY does not read."""
     from blockkv.bucket_view import check_bucket
 
-    if args.repair:
-        raise UsageError(
-            "check --remote only looks: a node's restore already deletes a block that fails "
-            "verification, and 'blockkv evict --remote'/'gc --remote' remove entries and garbage"
-        )
     unreadable: list[str] = []
-    for fp in remote_fingerprints(args, mutating=None, unreadable=unreadable):
+    for fp in remote_fingerprints(args, mutating="check --repair" if args.repair else None, unreadable=unreadable):
         with open_bucket(args, fp) as bucket, block_progress(f"check {fp.name}", args.progress) as progress:
-            report = check_bucket(bucket, fp.identity, progress)
+            report = check_bucket(bucket, fp.identity, progress, repair=args.repair)
             identities = []
             for name in report.foreign_headers:
                 try:

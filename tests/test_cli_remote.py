@@ -130,9 +130,9 @@ def test_check_finds_damage_in_the_bucket_and_leaves_it_there(endpoint: str) -> 
     obstore.put(raw, key_of("entries", junk), b"BKVHDR\x00\x00 not a header")
     before = snapshot(endpoint, bucket_name)
     url = f"s3://{bucket_name}/fleet"
-    check, stats, human, repair = run_all(
+    check, stats, human, unnamed = run_all(
         ["check", "--remote", url, "--json"], ["stats", "--remote", url, "--json"], ["check", "--remote", url],
-        ["check", "--remote", url, "--repair", "--all"], env=env_for(endpoint))
+        ["check", "--remote", url, "--repair"], env=env_for(endpoint))
     assert snapshot(endpoint, bucket_name) == before  # the damaged block is reported, not quarantined
 
     (fp,) = parsed(check, expect=1)["fingerprints"]
@@ -145,7 +145,22 @@ def test_check_finds_damage_in_the_bucket_and_leaves_it_there(endpoint: str) -> 
     assert fp["entries"] == 2 and fp["dangling_entries"] == [entry_id(names[2])]  # missing a block
     assert fp["corrupt_headers"] == [junk]
     assert human.returncode == 1 and f"corrupt block: {flipped}" in human.stdout
-    assert repair.returncode == 2 and "only looks" in repair.stderr
+    assert unnamed.returncode == 2 and "--all" in unnamed.stderr  # a repair changes the bucket for every node
+
+    (repair,) = run_all(["check", "--remote", url, "--repair", "--all", "--json"], env=env_for(endpoint))
+    (fp,) = parsed(repair, expect=1)["fingerprints"]  # problems found, and repaired
+    assert fp["report"]["actions"] == [
+        f"deleted corrupt block {flipped}",
+        f"removed entry {entry_id(names[2])} (header {names[2]}): a block it needs is gone"]
+    after = snapshot(endpoint, bucket_name)
+    assert set(before) - set(after) == {key_of("blobs", flipped), key_of("entries", names[2])}
+    assert key_of("entries", junk) in after  # a header that does not read may be a newer format: kept
+    obstore.delete(raw, key_of("entries", junk))
+    (again,) = run_all(["check", "--remote", url, "--json"], env=env_for(endpoint))
+    (fp,) = parsed(again)["fingerprints"]  # clean: what the broken entry shared, the others still name
+    assert fp["report"]["entries"] == 2 and fp["report"]["in_flight"] == filled["garbage"]
+    for name in names[:2]:  # the entries that were sound still restore bit-exact
+        assert list(node.raw_state(node.restore(bucket, name))) == list(node.raw_state(entries[name]["caches"]))
 
 
 def test_evict_and_gc_against_the_bucket(endpoint: str) -> None:  # noqa: F811
