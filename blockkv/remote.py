@@ -27,9 +27,11 @@ Nothing here raises into the serving path: an outage is "not uploaded" /
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,6 +51,7 @@ from .s3_pool import OPTION_ENV
 BUCKET_SETTINGS: dict[str, type] = {"grace": float, "sweep_window": float, "timeout": float,
                                     "connect_timeout": float, "max_retries": int, "fetch_threads": int,
                                     "touch_interval": float}
+_UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog holds
 DEFAULT_SYNC_INTERVAL = 30.0  # seconds between listings while the store is used
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 _UPLOAD_THREADS = 8
@@ -133,6 +136,7 @@ class RemoteTier:
         self._cache = directory.path / "remote-headers"
         self.catalog = Catalog(identity.digest(), time.time)  # remote-only entries: served, never indexed
         self._remote_only: dict[str, str] = {}  # entry id -> header name, for the catalog's entries
+        self._remote_blocks: Counter[str] = Counter()  # blocks the catalog's entries reference: in the bucket
         self._listed: set[str] = set()  # header names in the bucket at the last listing (plus our uploads)
         self._ignored: set[str] = set()  # headers not to learn: damaged, another identity, a checkpoint
         self._uploading: set[str] = set()  # entry ids this handle is uploading now
@@ -171,7 +175,12 @@ class RemoteTier:
             self._next_sync = self._last_sync + self.sync_interval
             try:
                 if not self._identity_checked:
-                    self.bucket.ensure_identity(self._identity)
+                    try:
+                        self.bucket.ensure_identity(self._identity)
+                    except ValueError as exc:  # another model's IDENTITY: nothing there is ours to serve
+                        self._warn("remote-identity", f"{exc}; remote entries are not served")
+                        self.breaker.failed()
+                        return 0
                     self._identity_checked = True
                 listed = self.bucket.list_headers()
                 learned = self._learn(listed)
@@ -180,10 +189,6 @@ class RemoteTier:
             except BucketError as exc:
                 self._outage("bucket listing failed", exc)
                 return 0
-            except ValueError as exc:  # IDENTITY of another model appeared: nothing here is ours to serve
-                self._warn("remote-identity", f"{exc}; remote entries are not served")
-                self.breaker.failed()
-                return 0
         self.breaker.succeeded()
         return learned
 
@@ -191,6 +196,7 @@ class RemoteTier:
         local = {header_name(e.ns, e.id) for e in self._local_entries()}
         with self._mutex:
             self._listed = set(listed)
+            self._ignored &= self._listed  # what left the bucket needs no remembering
             for entry_id, name in list(self._remote_only.items()):
                 if name not in listed or name in local:  # evicted fleet-wide, or local now
                     self._forget(entry_id)
@@ -223,6 +229,7 @@ class RemoteTier:
         refs = blk.blocks_for_prefix(blk.parse_descriptor(header.descriptor), None)
         self.catalog.add(record, last_modified, {r.name: r.raw_bytes for r in refs})  # raw: stored sizes unknown
         self._remote_only[entry_id] = name
+        self._remote_blocks.update(record.blocks)
         return True
 
     def _cached(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
@@ -257,15 +264,20 @@ class RemoteTier:
             self._warn("remote-cache", f"could not cache headers in {self._cache} ({exc}); they are fetched again")
 
     def _drop_cached(self, names: Iterable[str]) -> None:
+        """Unlink cached copies (never through a linked directory: only what is ours)."""
         for name in names:
+            path = self._cache / name
             try:
-                os.unlink(self._cache / name)
+                refuse_linked(self._cache)
+                refuse_linked(path.parent)
+                os.unlink(path)
             except OSError:
                 pass
 
     def _prune_cache(self, listed: Mapping[str, object]) -> None:
         """Remove cached copies of headers gone from the bucket (and stray temp files)."""
         try:
+            refuse_linked(self._cache)
             shards = [d for d in os.scandir(self._cache) if d.is_dir(follow_symlinks=False)]
             stale = [f"{d.name}/{f.name}" for d in shards for f in os.scandir(d.path)
                      if f"{d.name}/{f.name}" not in listed]
@@ -274,6 +286,11 @@ class RemoteTier:
         self._drop_cached(stale)
 
     def _forget(self, entry_id: str) -> None:
+        entry = self.catalog.get(entry_id)
+        for block in entry.blocks if entry is not None else ():
+            self._remote_blocks[block] -= 1
+            if self._remote_blocks[block] <= 0:
+                del self._remote_blocks[block]
         self._remote_only.pop(entry_id, None)
         self.catalog.drop(entry_id)
 
@@ -345,6 +362,9 @@ class RemoteTier:
         except BucketError as exc:
             self._outage("bucket fetch failed", exc)
             return False
+        except Exception as exc:  # noqa: BLE001 - MemoryError, a local OSError: a miss that proves nothing
+            self._warn("remote-miss", f"remote entry {entry.id} not fetched ({exc!r}); kept, served as a miss")
+            return False
         self.breaker.succeeded()
         record = self._dir.record(entry.id, self._dir.header_path(header.ns, entry.id), header, len(data))
         if header.identity != self._identity or header.ns != entry.ns or record.blocks != entry.blocks \
@@ -367,6 +387,7 @@ class RemoteTier:
     def used(self, entry: Entry) -> None:
         """Record a restore where the fleet's LRU sees it (at most once per
         ``touch_interval`` per entry; in the background)."""
+        self.poke()
         name = header_name(entry.ns, entry.id)
         if name not in self._listed or self.breaker.is_open():
             return
@@ -396,6 +417,12 @@ class RemoteTier:
         if not self._upload(entry_id, header_name(ns, entry_id), encoded, list(dict.fromkeys(names)), new):
             return False
         self._unmark(entry_id)
+        self.remove_replaced(replaced)
+        return True
+
+    def remove_replaced(self, replaced: Iterable[Entry]) -> None:
+        """Entries the store rules removed locally (identical to, or a shorter
+        prefix of, an entry now in the bucket) leave the bucket too, in the background."""
         with self._mutex:
             doomed = [n for n in (header_name(e.ns, e.id) for e in replaced) if n in self._listed]
             self._listed.difference_update(doomed)
@@ -404,7 +431,6 @@ class RemoteTier:
                 self._io.submit(self._remove_headers, doomed)
             except RuntimeError:  # closing: the entries stay in the bucket, harmless duplicates
                 pass
-        return True
 
     def _remove_headers(self, names: list[str]) -> None:
         try:
@@ -425,9 +451,12 @@ class RemoteTier:
             self._uploading.add(entry_id)
         try:
             session = self.bucket.begin_store()
-            # a block this store wrote is likely new to the bucket too: one conditional PUT;
-            # a local dedup hit is likely there already: a HEAD first, the body only if needed
-            list(self._io.map(lambda b: session.put_block(b, frame(b) if b in new else lambda: frame(b)), names))
+            # a block new to the local pool and to every entry this node knows in the bucket is likely
+            # new there too: one conditional PUT with its body; any other (a local dedup hit, a block
+            # of another node's entry) a HEAD first, the body only if the bucket lacks it or it is old
+            with self._mutex:
+                fresh = {b for b in new if b not in self._remote_blocks}
+            list(self._io.map(lambda b: session.put_block(b, frame(b) if b in fresh else lambda: frame(b)), names))
             session.commit(name, encoded, frame)
         except BucketError as exc:
             if not self._header_there(name):
@@ -461,8 +490,8 @@ class RemoteTier:
         """Put an entry in the backlog before its upload (an empty file, not
         fsynced: a power cut may lose it, and the entry then stays local-only)."""
         try:
+            refuse_linked(self._backlog)
             if not self._backlog.is_dir():
-                refuse_linked(self._backlog)
                 os.makedirs(self._backlog, DIR_MODE, exist_ok=True)
             os.close(os.open(self._backlog / entry_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                              FILE_MODE))
@@ -471,6 +500,7 @@ class RemoteTier:
 
     def _unmark(self, entry_id: str) -> None:
         try:
+            refuse_linked(self._backlog)
             os.unlink(self._backlog / entry_id)
         except FileNotFoundError:
             pass
@@ -480,8 +510,9 @@ class RemoteTier:
     def backlog(self) -> list[str]:
         """Entry ids stored locally whose upload has not been acknowledged."""
         try:
-            return sorted(n for n in os.listdir(self._backlog) if len(n) == 32 and not n.startswith("."))
-        except (FileNotFoundError, NotADirectoryError):
+            refuse_linked(self._backlog)
+            return sorted(n for n in os.listdir(self._backlog) if _UUID.fullmatch(n))
+        except OSError:
             return []
 
     def _send_backlog(self, listed: Mapping[str, object]) -> None:

@@ -489,7 +489,8 @@ class BlockStore:
     @_open_only
     def store(self, tokens: Sequence[int], caches: Sequence[Any], ns: str = "",
               attachments: Mapping[str, Any] | None = None) -> bool:
-        """Persist a prompt cache. Returns False (with one warning) on any disk failure."""
+        """Persist a prompt cache. Returns False (with one warning) on any disk failure;
+        with ``remote=``, also while the bucket has not acknowledged it (kept locally, uploaded later)."""
         job = prepare_store(tokens, caches, ns, attachments, None)
         return self._commit(*job)
 
@@ -588,11 +589,14 @@ class BlockStore:
             for block in layout.blocks:
                 writer.submit(block)
             writer.wait()
+            if len(encoded) + sum(writer.sizes.values()) > self.max_bytes:
+                raise BlockKVError(f"the entry exceeds the {self.max_bytes}-byte local cap")
             with self._locked():
                 self._refresh()
                 if entry_id not in self._catalog:  # not adopted meanwhile by another handle
                     self._commits.publish(self._index, writer, layout, header, encoded, entry_id, path)
                     self._refresh()
+                    self._remote.remove_replaced(self._apply_store_rules(self._catalog.get(entry_id)))
             self.evict_to_cap()
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
             if writer.referenced:

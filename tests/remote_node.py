@@ -22,7 +22,7 @@ import numpy as np
 from blockkv import BlockStore
 from blockkv.bucket import BucketError
 from blockkv.remote import header_name
-from blockkv.testing.models import prefill, random_tokens, tiny_model
+from blockkv.testing.models import prefill, random_tokens, tiny_model  # noqa: F401 - for the tests too
 
 IDENT = dict(model_id="tiny-llama", config_fingerprint="tiny-llama@remote", tokenizer_hash="tok1")
 CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
