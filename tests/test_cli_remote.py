@@ -112,7 +112,7 @@ def test_ls_stats_and_check_read_the_bucket_and_write_nothing(endpoint: str) -> 
     assert f"{len(filled['garbage'])} block(s)" in human.stdout
 
 
-def test_check_finds_damage_in_the_bucket_and_leaves_it_there(endpoint: str) -> None:  # noqa: F811
+def test_check_reports_damage_in_the_bucket_and_repair_removes_only_what_is_broken(endpoint: str) -> None:  # noqa: F811
     bucket_name = make_bucket(endpoint)
     bucket = node.open_bucket(endpoint, bucket_name)
     filled = fill(bucket)
