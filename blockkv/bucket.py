@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -40,9 +40,10 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("blockkv.bucket needs obstore: pip install 'blockkv[s3]'") from exc
 
 _HEX32 = r"[0-9a-f]{32}"
-# the fingerprint directory's own objects: IDENTITY, a node's clock probe, GC
+# the fingerprint directory's own objects: IDENTITY, MANIFEST (headers packed in one
+# object: an accelerator for a node's open, remote.py), a node's clock probe, GC
 # run markers and per-entry last-use marks (``used/<header name>``)
-META_LAYOUT = Layout(re.compile(rf"IDENTITY|clock/{_HEX32}|gc/{_HEX32}(\.done)?|used/{HEADER_LAYOUT.pattern.pattern}"),
+META_LAYOUT = Layout(re.compile(rf"IDENTITY|MANIFEST|clock/{_HEX32}|gc/{_HEX32}(\.done)?|used/{HEADER_LAYOUT.pattern.pattern}"),
                      sharded=False)
 # Last-Modified has one-second resolution (an HTTP date): every comparison of
 # server times gives this much away, always in the safe direction
@@ -202,6 +203,19 @@ class Bucket:
         if not same:
             raise ValueError(f"{self.url}/IDENTITY names another model or tokenizer")
 
+    # -- the manifest (an accelerator, never needed for correctness) ----------
+    def get_manifest(self) -> bytes | None:
+        """The MANIFEST some node wrote last, or None. Untrusted like every object."""
+        try:
+            with _outage("manifest"):
+                return self.meta.get("MANIFEST")
+        except BlockMissingError:
+            return None
+
+    def put_manifest(self, data: bytes) -> None:
+        with _outage("manifest"):
+            self.meta.put_overwrite("MANIFEST", [data])
+
     # -- writing --------------------------------------------------------------
     def begin_store(self) -> StoreSession:
         """Start a store: takes the server time its freshness rules are measured from."""
@@ -260,12 +274,16 @@ class Bucket:
             raise
         return data
 
+    def submit_fetches(self, names: Iterable[str], key: bytes | None = None) -> dict[str, Future[bytes]]:
+        """Start fetching ``names`` concurrently: a future of each verified frame
+        (for a caller that uses each block as it arrives)."""
+        return {n: self._fetchers.submit(self.fetch_block, n, key) for n in dict.fromkeys(names)}
+
     def fetch_blocks(self, names: Iterable[str], key: bytes | None = None) -> dict[str, bytes]:
         """Verified frames of ``names``, fetched concurrently. Raises
         BlockMissingError / CorruptBlockError for the first bad one (a miss),
         BucketError on an outage."""
-        names = list(dict.fromkeys(names))
-        futures = {n: self._fetchers.submit(self.fetch_block, n, key) for n in names}
+        futures = self.submit_fetches(names, key)
         try:
             return {n: f.result() for n, f in futures.items()}
         finally:

@@ -17,6 +17,10 @@ gc never ask the network. What the bucket adds lives here:
 - a **header cache**: ``remote-headers/<ns dir>/<uuid>.bkv``, copies of the
   bucket's headers (immutable, checksummed), so a node that restarts reads
   the remote catalog from its disk and fetches only headers new to it;
+- the bucket's **MANIFEST**: every header packed into one object, written by a
+  node that had to fetch many headers one by one, so that the next fresh node
+  learns the fleet's entries with one GET (each header in it is verified, and
+  only names the listing shows are used);
 - a **circuit breaker**: after a failure the bucket is skipped for a backoff
   period, so an outage costs one warning, not a timeout per request.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import struct
 import threading
 import time
 from collections import Counter
@@ -38,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import blocks as blk
-from .bucket import Bucket, BucketError, verified_header
+from .bucket import Bucket, BucketError, StoreTooSlow, verified_header
 from .catalog import Catalog
 from .directory import Directory, block_key, fingerprint_dirname, ns_dirname
 from .errors import BlockKVError, BlockMissingError, CorruptError
@@ -55,6 +60,9 @@ _UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog ho
 DEFAULT_SYNC_INTERVAL = 30.0  # seconds between listings while the store is used
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 _UPLOAD_THREADS = 8
+MANIFEST_MIN = 32  # this many headers to fetch one by one: read the MANIFEST first, and write one after
+_MANIFEST_MAGIC = b"BKVMANIFEST1\n"
+_RECORD = struct.Struct("<HI")  # name length, header length; then the name (UTF-8) and the header bytes
 
 
 def header_name(ns: str, entry_id: str) -> str:
@@ -88,6 +96,36 @@ def split_options(options: Mapping[str, object] | None) -> tuple[dict[str, str],
         else:
             settings[key] = parsed
     return s3, settings, interval
+
+
+def pack_manifest(headers: Iterable[tuple[str, bytes]]) -> bytes:
+    """Header names and bytes, packed into one object."""
+    parts = [_MANIFEST_MAGIC]
+    for name, data in headers:
+        raw = name.encode()
+        parts += [_RECORD.pack(len(raw), len(data)), raw, data]
+    return b"".join(parts)
+
+
+def unpack_manifest(data: bytes) -> dict[str, bytes]:
+    """The records of a MANIFEST, up to the first that does not fit (a torn or
+    foreign object yields what precedes it). Nothing here is verified: the
+    caller checks every header and uses only names its listing shows."""
+    out: dict[str, bytes] = {}
+    if not data.startswith(_MANIFEST_MAGIC):
+        return out
+    at = len(_MANIFEST_MAGIC)
+    while at + _RECORD.size <= len(data):
+        name_len, size = _RECORD.unpack_from(data, at)
+        start = at + _RECORD.size + name_len
+        if start + size > len(data):
+            break
+        try:
+            out[data[at + _RECORD.size : start].decode()] = data[start : start + size]
+        except UnicodeDecodeError:
+            break
+        at = start + size
+    return out
 
 
 class Breaker:
@@ -203,9 +241,17 @@ class RemoteTier:
             known = local | set(self._remote_only.values()) | self._ignored
         new = [n for n in sorted(listed, key=lambda n: (listed[n].last_modified, n)) if n not in known]
         found = self._cached(new)
+        many = len(new) - len(found) >= MANIFEST_MIN
+        if many:  # one GET may hold most of them
+            found.update(self._from_manifest([n for n in new if n not in found]))
         fetched, damaged = self.bucket.fetch_headers(n for n in new if n not in found)
         self._keep(fetched)
         found.update(fetched)
+        if len(fetched) >= MANIFEST_MIN:  # the next fresh node should not have to do that
+            try:
+                self._io.submit(self._write_manifest, set(listed))
+            except RuntimeError:  # closing
+                pass
         if damaged:
             self._warn("remote-damaged", f"{len(damaged)} header(s) in {self.bucket.url} do not verify "
                                          f"(damaged, or a newer format): not served, e.g. {damaged[0]}")
@@ -231,6 +277,35 @@ class RemoteTier:
         self._remote_only[entry_id] = name
         self._remote_blocks.update(record.blocks)
         return True
+
+    def _from_manifest(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
+        """Verified headers of ``names`` found in the bucket's MANIFEST (kept in the cache)."""
+        packed = unpack_manifest(self.bucket.get_manifest() or b"")
+        found = {}
+        for name in names:
+            if name in packed:
+                try:
+                    found[name] = (packed[name], verified_header(name, packed[name]))
+                except CorruptError:
+                    continue  # fetched on its own
+        self._keep(found)
+        return found
+
+    def _write_manifest(self, listed: set[str]) -> None:
+        """Pack every listed header this node has a copy of (cached, or its own
+        local header file) into the bucket's MANIFEST."""
+        headers = []
+        for name in sorted(listed):
+            for path in (self._cache / name, self._dir.entries_dir / name):
+                try:
+                    headers.append((name, self._dir.fs.read(path)))
+                    break
+                except OSError:
+                    continue
+        try:
+            self.bucket.put_manifest(pack_manifest(headers))
+        except BucketError as exc:
+            self._warn("remote-manifest", f"could not write the bucket's MANIFEST ({exc}); nodes fetch headers one by one")
 
     def _cached(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
         """The headers of ``names`` the cache holds, verified; a damaged copy is removed."""
@@ -339,20 +414,31 @@ class RemoteTier:
 
     # -- restore -----------------------------------------------------------------------------
     def materialise(self, entry: Entry) -> bool:
-        """Make a remote-only entry local: header (from the cache, else the
-        bucket) and missing blocks fetched concurrently, every block verified,
-        then written through ``adopt``.
+        """Make a remote-only entry local: the blocks the local pool lacks are
+        fetched concurrently, each verified, and written through ``adopt`` as
+        they arrive, under its header (the cached copy, else fetched).
         False is a miss; a header or block missing or damaged also forgets it."""
         name = header_name(entry.ns, entry.id)
         if self.breaker.is_open():
             self._warn("remote-miss", "bucket unreachable: entries only it holds are misses for now")
             return False
         key = block_key(self._identity, entry.ns)
-        cached = self._cached([name]).get(name)  # the copy it was learned from, usually
+        fetches = self.bucket.submit_fetches((n for n in entry.blocks if not self._dir.pool.exists(n)), key)
+
+        def frame_of(block: str) -> bytes:  # waits for its fetch; one a local gc took since we looked: fetched now
+            return fetches[block].result() if block in fetches else self.bucket.fetch_block(block, key)
+
         try:
-            header_future = None if cached else self._io.submit(self.bucket.fetch_header, name)
-            frames = self.bucket.fetch_blocks((n for n in entry.blocks if not self._dir.pool.exists(n)), key)
-            data, header = cached or header_future.result()
+            data, header = self._cached([name]).get(name) or self.bucket.fetch_header(name)
+            record = self._dir.record(entry.id, self._dir.header_path(header.ns, entry.id), header, len(data))
+            if header.identity != self._identity or header.ns != entry.ns or record.blocks != entry.blocks \
+                    or not np.array_equal(record.tokens, entry.token_array):
+                raise CorruptError(f"remote header {name} changed since it was listed")
+            adopted = self._adopt(entry.id, header, data, frame_of)
+            failure = None if adopted else next(  # what a failed fetch proves, if one made it fail
+                (f.exception() for f in fetches.values() if f.done() and not f.cancelled() and f.exception()), None)
+            if failure is not None:
+                raise failure
         except (BlockMissingError, CorruptError) as exc:
             self._warn("remote-gone", f"remote entry {entry.id} is a miss and forgotten: {exc}")
             with self._mutex:
@@ -365,21 +451,12 @@ class RemoteTier:
         except Exception as exc:  # noqa: BLE001 - MemoryError, a local OSError: a miss that proves nothing
             self._warn("remote-miss", f"remote entry {entry.id} not fetched ({exc!r}); kept, served as a miss")
             return False
+        finally:
+            for f in fetches.values():
+                f.cancel()
+        if not adopted:
+            return False
         self.breaker.succeeded()
-        record = self._dir.record(entry.id, self._dir.header_path(header.ns, entry.id), header, len(data))
-        if header.identity != self._identity or header.ns != entry.ns or record.blocks != entry.blocks \
-                or not np.array_equal(record.tokens, entry.token_array):
-            self._warn("remote-gone", f"remote header {name} changed since it was listed: forgotten")
-            with self._mutex:
-                self._forget(entry.id)
-                self._ignored.add(name)
-            return False
-
-        def frame_of(block: str) -> bytes:  # a block a local gc took since we looked: fetched now
-            return frames[block] if block in frames else self.bucket.fetch_block(block, key)
-
-        if not self._adopt(entry.id, header, data, frame_of):
-            return False
         with self._mutex:
             self._forget(entry.id)
         return True
@@ -449,6 +526,7 @@ class RemoteTier:
             if entry_id in self._uploading:
                 return False
             self._uploading.add(entry_id)
+        committing = False
         try:
             session = self.bucket.begin_store()
             # a block new to the local pool and to every entry this node knows in the bucket is likely
@@ -457,9 +535,14 @@ class RemoteTier:
             with self._mutex:
                 fresh = {b for b in new if b not in self._remote_blocks}
             list(self._io.map(lambda b: session.put_block(b, frame(b) if b in fresh else lambda: frame(b)), names))
+            committing = True
             session.commit(name, encoded, frame)
+        except StoreTooSlow as exc:  # the bucket answers, slowly: not an outage
+            self._warn("remote-slow", f"entry {entry_id} not uploaded: {exc}")
+            return False
         except BucketError as exc:
-            if not self._header_there(name):
+            # a header PUT that failed may still have landed, or another handle on this root sent it
+            if not (committing and self._header_there(name)):
                 self._outage("upload failed", exc)
                 return False
         except (OSError, BlockKVError) as exc:  # a local block gone meanwhile (evicted): not uploaded
