@@ -40,9 +40,10 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("blockkv.bucket needs obstore: pip install 'blockkv[s3]'") from exc
 
 _HEX32 = r"[0-9a-f]{32}"
-# the fingerprint directory's own objects: IDENTITY, a node's clock probe, GC
+# the fingerprint directory's own objects: IDENTITY, MANIFEST (headers packed in one
+# object: an accelerator for a node's open, remote.py), a node's clock probe, GC
 # run markers and per-entry last-use marks (``used/<header name>``)
-META_LAYOUT = Layout(re.compile(rf"IDENTITY|clock/{_HEX32}|gc/{_HEX32}(\.done)?|used/{HEADER_LAYOUT.pattern.pattern}"),
+META_LAYOUT = Layout(re.compile(rf"IDENTITY|MANIFEST|clock/{_HEX32}|gc/{_HEX32}(\.done)?|used/{HEADER_LAYOUT.pattern.pattern}"),
                      sharded=False)
 # Last-Modified has one-second resolution (an HTTP date): every comparison of
 # server times gives this much away, always in the safe direction
@@ -201,6 +202,19 @@ class Bucket:
                 same = False
         if not same:
             raise ValueError(f"{self.url}/IDENTITY names another model or tokenizer")
+
+    # -- the manifest (an accelerator, never needed for correctness) ----------
+    def get_manifest(self) -> bytes | None:
+        """The MANIFEST some node wrote last, or None. Untrusted like every object."""
+        try:
+            with _outage("manifest"):
+                return self.meta.get("MANIFEST")
+        except BlockMissingError:
+            return None
+
+    def put_manifest(self, data: bytes) -> None:
+        with _outage("manifest"):
+            self.meta.put_overwrite("MANIFEST", [data])
 
     # -- writing --------------------------------------------------------------
     def begin_store(self) -> StoreSession:
@@ -399,11 +413,11 @@ class Bucket:
         except BucketError:
             pass
 
-    def evict_to(self, target_bytes: int) -> list[str]:
-        """Fleet-wide LRU: remove least recently used entries' headers (and their
-        last-use marks) until headers plus the blocks the rest reference fit in
-        ``target_bytes``. Blocks are freed by a later ``gc`` after the grace period."""
-        if not isinstance(target_bytes, int) or target_bytes < 0:
+    def evict_plan(self, target_bytes: int) -> list[str]:
+        """The headers ``evict_to(target_bytes)`` would remove, least recently
+        used first: headers plus the blocks the rest reference then fit in
+        ``target_bytes``. Only lists and reads headers (a dry run)."""
+        if isinstance(target_bytes, bool) or not isinstance(target_bytes, int) or target_bytes < 0:
             raise ValueError(f"target_bytes must be a non-negative int, got {target_bytes!r}")
         with _outage("eviction"):
             listed = self.list_headers()
@@ -416,19 +430,28 @@ class Bucket:
                 counts[b] = counts.get(b, 0) + 1
         total = sum(i.size for i in listed.values()) + sum(sizes.get(b, 0) for b in counts)
         order = sorted(listed, key=lambda n: (max(listed[n].last_modified, used.get(n, 0.0)), n))
-        evicted = []
+        plan = []
         for name in order:
             if total <= target_bytes:
                 break
-            with _outage("eviction"):
-                self.headers.delete(name)
-                self.meta.delete(f"used/{name}")
-            evicted.append(name)
+            plan.append(name)
             total -= listed[name].size
             for b in refs.get(name) or ():
                 counts[b] -= 1
                 if counts[b] == 0:
                     total -= sizes.get(b, 0)
+        return plan
+
+    def evict_to(self, target_bytes: int) -> list[str]:
+        """Fleet-wide LRU: remove least recently used entries' headers (and their
+        last-use marks) until headers plus the blocks the rest reference fit in
+        ``target_bytes``. Blocks are freed by a later ``gc`` after the grace period."""
+        evicted = []
+        for name in self.evict_plan(target_bytes):
+            with _outage("eviction"):
+                self.headers.delete(name)
+                self.meta.delete(f"used/{name}")
+            evicted.append(name)
         return evicted
 
 

@@ -9,6 +9,10 @@ Safety rules, because this tool deletes on other people's disks:
 * ``ls``, ``stats`` and ``check`` without ``--repair`` only look (``reader.py``,
   ``gc.inspect``): they never write, rename, delete or lock, even on a damaged
   directory; ``evict --dry-run`` deletes nothing.
+* with ``--remote s3://bucket/prefix`` the same commands work on the bucket a
+  fleet shares (``bucket_view.py``): ``ls``, ``stats``, ``check`` only list and
+  GET; ``gc`` is the bucket's mark-and-sweep run and ``evict`` its fleet-wide
+  LRU, which every node's stores are safe beside (docs/scale-out.md).
 
 Exit codes: 0 clean / done, 1 problems found (or the operation failed), 2 usage
 error (bad arguments, missing or foreign root, unknown fingerprint).
@@ -43,6 +47,7 @@ from blockkv.human import (
     format_ratio,
     format_size,
     format_time,
+    parse_option,
     parse_seconds,
     parse_size,
     render_table,
@@ -78,8 +83,10 @@ def show_ns(ns: str) -> str:
 # -- root and fingerprint selection -------------------------------------------
 
 
-def check_root(text: str) -> Path:
+def check_root(text: str | None) -> Path:
     """The root as a Path, or a UsageError if it is missing or not a blockkv root."""
+    if text is None:
+        raise UsageError("name a cache root (or --remote s3://BUCKET/PREFIX)")
     path = Path(text).expanduser()
     if not path.exists():
         raise UsageError(f"{text}: no such directory")
@@ -103,18 +110,23 @@ def select_fingerprints(
         raise UsageError(
             f"{mutating} changes the store: name a fingerprint with -f/--fingerprint or pass --all"
         )
-    known = list_fingerprints(root)
+    return choose_fingerprints(list_fingerprints(root), wanted, str(root))
+
+
+def choose_fingerprints(known: list[Any], wanted: Sequence[str] | None, where: str) -> list[Any]:
+    """Of the fingerprints ``known`` in ``where`` (local directories or a
+    bucket's), those ``wanted`` names (all if none)."""
     if not wanted:
         return known
-    chosen: list[FingerprintDir] = []
+    chosen: list[Any] = []
     for want in wanted:
-        keys = [(fp, (fp.model_id, fp.config_fingerprint, fp.path.name)) for fp in known]
+        keys = [(fp, (fp.model_id, fp.config_fingerprint, fp_place(fp)[0])) for fp in known]
         matches = [fp for fp, names in keys if want in names] or [
             fp for fp, names in keys if any(n.startswith(want) for n in names)
         ]
         if not matches:
-            have = ", ".join(fp.path.name for fp in known) or "none"
-            raise UsageError(f"no fingerprint {want!r} in {root} (have: {have})")
+            have = ", ".join(fp_place(fp)[0] for fp in known) or "none"
+            raise UsageError(f"no fingerprint {want!r} in {where} (have: {have})")
         if len(matches) > 1:
             have = ", ".join(label(fp_json(fp)) for fp in matches)
             raise UsageError(f"fingerprint {want!r} is ambiguous (matches: {have})")
@@ -140,18 +152,26 @@ def default_gc_grace() -> float:
     return float(inspect.signature(BlockStore).parameters["gc_grace"].default)
 
 
-def fp_json(fp: FingerprintDir) -> dict[str, Any]:
-    """How every JSON output names a fingerprint, so scripts can join them."""
+def fp_place(fp: Any) -> tuple[str, str]:
+    """(directory name, where it is) of a local ``FingerprintDir`` (its path) or
+    a ``BucketFingerprint`` (its s3:// URL)."""
+    url = getattr(fp, "url", None)
+    return (fp.name, url) if url is not None else (fp.path.name, str(fp.path))
+
+
+def fp_json(fp: Any) -> dict[str, Any]:
+    """How every JSON output names a fingerprint (local or in a bucket), so scripts can join them."""
     words = describe_fingerprint(fp.config_fingerprint)
+    name, where = fp_place(fp)
     return {
-        "fingerprint": fp.path.name,
+        "fingerprint": name,
         "config_fingerprint": fp.config_fingerprint,
         "model_id": fp.model_id,
         "tokenizer_hash": fp.tokenizer_hash,
         # what blockkv serve / PersistentPromptCache wrote into the fingerprint; None for other stores
         "kv_quantisation": words.kv if words else None,
         "chat_template": words.template if words else None,
-        "dir": str(fp.path),
+        "dir": where,
     }
 
 
@@ -188,10 +208,9 @@ def or_dash(value: str | None) -> str:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """Per fingerprint and namespace: what is stored, what it costs, how well it dedups."""
-    root = check_root(args.root)
+    where, views = looked_at(args)
     report: list[dict[str, Any]] = []
-    for fp in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
-        view = read_directory(fp.path)
+    for fp, view in views:
         entries, disk, logical, blocks = view.entries, view.disk_bytes, view.logical_bytes, view.blocks
         by_ns: dict[str, list[Entry]] = {}
         for e in entries:
@@ -208,17 +227,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 "cap_bytes": args.cap,
                 **unservable(view),
                 "namespaces": [{"ns": ns, **usage(group)} for ns, group in sorted(by_ns.items())],
+                # in a bucket: blocks no header names (stores in progress, or garbage for gc --remote)
+                **({"unreferenced_blocks": view.unreferenced_blocks,
+                    "unreferenced_bytes": view.unreferenced_bytes} if args.remote else {}),
             }
         )
     if args.json:
-        emit_json({"root": str(root), "fingerprints": report})
+        emit_json({where_key(args): where, "fingerprints": report})
         return EXIT_OK
     logical = sum(r["logical_bytes"] for r in report)
     disk = sum(r["disk_bytes"] for r in report)
     print(
-        f"{root}: {len(report)} fingerprint(s), {sum(r['entries'] for r in report)} "
-        f"entries, {format_size(disk)} on disk, {format_size(logical)} logical "
-        f"(dedup {format_ratio(logical, disk)})"
+        f"{where}: {len(report)} fingerprint(s), {sum(r['entries'] for r in report)} "
+        f"entries, {format_size(disk)} {'in the bucket' if args.remote else 'on disk'}, "
+        f"{format_size(logical)} logical (dedup {format_ratio(logical, disk)})"
     )
     rows: list[list[str]] = []
     for fpr in report:
@@ -245,7 +267,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(
             render_table(
                 ["FINGERPRINT", "MODEL", "KV", "TEMPLATE", "NAMESPACE", "ENTRIES", "LOGICAL",
-                 "ON DISK", "DEDUP", "BLOCKS", "OLDEST USE", "NEWEST USE", "CAP (USED)"],
+                 "IN BUCKET" if args.remote else "ON DISK", "DEDUP", "BLOCKS", "OLDEST USE", "NEWEST USE", "CAP (USED)"],
                 rows,
                 right={5, 6, 7, 8, 9},
             )
@@ -255,7 +277,33 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print()
     for fpr, note in notes:
         print(f"{fpr['fingerprint']}: {note}")
+    for fpr in report:
+        if fpr.get("unreferenced_blocks"):
+            print(f"{fpr['fingerprint']}: {fpr['unreferenced_blocks']} block(s), "
+                  f"{format_size(fpr['unreferenced_bytes'])}, named by no header (stores in progress, or "
+                  "garbage 'blockkv gc --remote' deletes after the grace period)")
     return EXIT_OK
+
+
+def looked_at(args: argparse.Namespace) -> tuple[str, list[tuple[Any, Any]]]:
+    """Where ``ls``/``stats`` look (a root's path or a bucket's URL) and, per
+    chosen fingerprint, a read-only view (``DirectoryView`` or ``BucketView``)."""
+    if not args.remote:
+        root = check_root(args.root)
+        fps = select_fingerprints(root, args.fingerprint, args.all, mutating=None)
+        return str(root), [(fp, read_directory(fp.path)) for fp in fps]
+    from blockkv.bucket_view import read_bucket
+
+    views = []
+    for fp in remote_fingerprints(args, mutating=None):
+        with open_bucket(args, fp) as bucket:
+            views.append((fp, read_bucket(bucket, fp.identity)))
+    return args.remote, views
+
+
+def where_key(args: argparse.Namespace) -> str:
+    """The JSON key naming what a command looked at."""
+    return "remote" if args.remote else "root"
 
 
 def unservable(view: DirectoryView) -> dict[str, Any]:
@@ -300,20 +348,20 @@ def usage(entries: Sequence[Entry]) -> dict[str, Any]:
 def cmd_ls(args: argparse.Namespace) -> int:
     """Entries in eviction order (least recently used first), so the top of the
     list is what ``evict`` would remove first."""
-    root = check_root(args.root)
+    where, views = looked_at(args)
     rows: list[dict[str, Any]] = []
-    for fp in select_fingerprints(root, args.fingerprint, args.all, mutating=None):
+    for fp, view in views:
         about = fp_json(fp)
         rows.extend(
-            {"fingerprint": fp.path.name, "model_id": fp.model_id,
+            {"fingerprint": about["fingerprint"], "model_id": fp.model_id,
              "kv_quantisation": about["kv_quantisation"], "chat_template": about["chat_template"],
              **entry_json(e)}
-            for e in read_directory(fp.path).entries
+            for e in view.entries
             if args.namespace is None or e.ns in args.namespace
         )
     rows.sort(key=lambda r: r["last_use"])
     if args.json:
-        emit_json({"root": str(root), "entries": rows})
+        emit_json({where_key(args): where, "entries": rows})
         return EXIT_OK
     print(
         render_table(
@@ -382,35 +430,40 @@ def check_one(
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Verify every header and block hash; with ``--repair``, fix what it finds."""
-    root = check_root(args.root)
-    fps = select_fingerprints(
-        root, args.fingerprint, args.all, mutating="check --repair" if args.repair else None
-    )
-    results: list[tuple[FingerprintDir, CheckReport]] = []
-    for fp in fps:
-        with block_progress(f"check {fp.path.name}", args.progress) as progress:
-            results.append((fp, check_one(fp, args.repair, progress)))
-    # Directories the store skips because their IDENTITY does not read: a problem
-    # to report (never to repair: whose data it is cannot be known).
-    unreadable = [] if args.fingerprint else unreadable_dirs(root, fps)
-    problems = bool(unreadable) or any(not report.clean for _, report in results)
+    results: list[tuple[Any, CheckReport, list[dict[str, Any]]]] = []
+    if args.remote:
+        where, unreadable = args.remote, check_remote(args, results)
+    else:
+        root = check_root(args.root)
+        where = str(root)
+        fps = select_fingerprints(
+            root, args.fingerprint, args.all, mutating="check --repair" if args.repair else None
+        )
+        for fp in fps:
+            with block_progress(f"check {fp.path.name}", args.progress) as progress:
+                report = check_one(fp, args.repair, progress)
+            results.append((fp, report, foreign_owners(fp, report.foreign_headers)))
+        # Directories the store skips because their IDENTITY does not read: a problem
+        # to report (never to repair: whose data it is cannot be known).
+        unreadable = [] if args.fingerprint else [d.name for d in unreadable_dirs(root, fps)]
+    problems = bool(unreadable) or any(not report.clean for _, report, _ in results)
     if args.json:
         emit_json(
             {
-                "root": str(root),
+                where_key(args): where,
                 "repair": args.repair,
                 "clean": not problems,
-                "unreadable_dirs": [str(d) for d in unreadable],
+                "unreadable_dirs": [str(Path(where) / d) if not args.remote else f"{where}/{d}"
+                                    for d in unreadable],
                 "fingerprints": [
-                    {**fp_json(fp), "clean": r.clean, "report": r.to_json(),
-                     "foreign_owners": foreign_owners(fp, r.foreign_headers),
-                     "blocks_awaiting_gc": awaiting_gc(fp) if args.repair else None}
-                    for fp, r in results
+                    {**fp_json(fp), "clean": r.clean, "report": r.to_json(), "foreign_owners": owners,
+                     "blocks_awaiting_gc": awaiting_gc(fp) if args.repair and not args.remote else None}
+                    for fp, r, owners in results
                 ],
             }
         )
         return EXIT_PROBLEMS if problems else EXIT_OK
-    for fp, report in results:
+    for fp, report, owners in results:
         found = [(what, item) for kind, what in PROBLEMS.items() for item in getattr(report, kind)]
         count = len(found) + report.index_missing
         status = "ok" if not count else f"{count} problem(s)"
@@ -422,7 +475,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             print("  index missing or unusable (rebuild-index or check --repair rebuilds it)")
         for what, item in found:
             print(f"  {what}: {item if isinstance(item, str) else ' '.join(map(str, item))}")
-        for owner in foreign_owners(fp, report.foreign_headers):
+        for owner in owners:
             print(
                 f"  {owner['entries']} foreign entries (kept, never served here) belong to model "
                 f"{owner['model_id']!r} with tokenizer {owner['tokenizer_hash'][:12]} (this directory's: "
@@ -431,27 +484,57 @@ def cmd_check(args: argparse.Namespace) -> int:
             )
         for action in report.actions:
             print(f"  repaired: {action}")
-        waiting = awaiting_gc(fp) if args.repair else 0
+        if args.remote and report.in_flight:
+            print(f"  {len(report.in_flight)} block(s) named by no header: stores in progress, or garbage "
+                  "'blockkv gc --remote' deletes after the grace period (not problems)")
+        waiting = awaiting_gc(fp) if args.repair and not args.remote else 0
         if waiting:
             print(
                 f"  {waiting} block(s) no longer referenced: 'blockkv gc -f {fp.path.name}' deletes "
                 f"them once unreferenced for {default_gc_grace():g} s (--grace 0: now)"
             )
     for d in unreadable:
-        print(f"{d.name}: unreadable IDENTITY, so not checked; left alone")
+        print(f"{d}: unreadable IDENTITY, so not checked; left alone")
     return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def check_remote(args: argparse.Namespace, results: list[tuple[Any, CheckReport, list[dict[str, Any]]]]) -> list[str]:
+    """``check --remote``: each chosen fingerprint directory in the bucket,
+    verified (``bucket_view.check_bucket``; without ``--repair`` no write) into
+    ``results``; returns the directories whose IDENTITY does not read."""
+    from blockkv.bucket_view import check_bucket
+
+    unreadable: list[str] = []
+    for fp in remote_fingerprints(args, mutating="check --repair" if args.repair else None, unreadable=unreadable):
+        with open_bucket(args, fp) as bucket, block_progress(f"check {fp.name}", args.progress) as progress:
+            report = check_bucket(bucket, fp.identity, progress, repair=args.repair)
+            identities = []
+            for name in report.foreign_headers:
+                try:
+                    identities.append(bucket.fetch_header(name)[1].identity)
+                except BlockKVError:
+                    continue  # gone or damaged since check read it
+        results.append((fp, report, owner_rows(identities)))
+    return [] if args.fingerprint else unreadable
 
 
 def foreign_owners(fp: FingerprintDir, rels: Sequence[str]) -> list[dict[str, Any]]:
     """Whose the foreign headers ``check`` found are: one row per identity."""
     directory = Directory(fp.path, read_identity(fp.path), FileLayer())
-    owners: Counter[tuple[str, str, str]] = Counter()
+    identities = []
     for rel in rels:
         try:
-            ident = directory.read_header(fp.path / rel).identity
+            identities.append(directory.read_header(fp.path / rel).identity)
         except (BlockKVError, OSError):
             continue  # gone or damaged since check read it
-        owners[(ident.model_id, ident.config_fingerprint, ident.tokenizer_hash)] += 1
+    return owner_rows(identities)
+
+
+def owner_rows(identities: Sequence[Any]) -> list[dict[str, Any]]:
+    """One row per identity of foreign headers, with how many there are."""
+    owners: Counter[tuple[str, str, str]] = Counter(
+        (i.model_id, i.config_fingerprint, i.tokenizer_hash) for i in identities
+    )
     return [
         {"model_id": m, "config_fingerprint": c, "tokenizer_hash": t, "entries": n}
         for (m, c, t), n in sorted(owners.items())
@@ -473,6 +556,8 @@ def unreadable_dirs(root: Path, readable: Sequence[FingerprintDir]) -> list[Path
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """Delete blocks no entry references once they are older than the grace period."""
+    if args.remote:
+        return gc_remote(args)
     root = check_root(args.root)
     out: list[dict[str, Any]] = []
     for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="gc"):
@@ -509,6 +594,8 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
 def cmd_evict(args: argparse.Namespace) -> int:
     """Remove least-recently-used entries until a fingerprint's bytes on disk are
     at most ``--to``; ``--dry-run`` lists them and deletes nothing."""
+    if args.remote:
+        return evict_remote(args)
     root = check_root(args.root)
     out: list[dict[str, Any]] = []
     for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="evict"):
@@ -554,6 +641,141 @@ def cmd_evict(args: argparse.Namespace) -> int:
                 f"  {fp_out['blocks_released']} block(s) no longer referenced: 'blockkv gc' "
                 f"deletes them once unreferenced for {fp_out['gc_grace']:g} s"
             )
+    return EXIT_OK
+
+
+# -- against a bucket (--remote) ------------------------------------------------
+
+
+def remote_options(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, float | int]]:
+    """``--remote-option KEY=VALUE`` pairs, the ``remote_options`` a node runs
+    with: (endpoint and credentials, over the AWS environment variables; the
+    bucket protocol's settings such as ``grace`` and ``timeout``)."""
+    from blockkv.remote import split_options
+
+    try:
+        s3, settings, _ = split_options(dict(args.remote_option or ()))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return s3, settings
+
+
+def remote_fingerprints(
+    args: argparse.Namespace, *, mutating: str | None, unreadable: list[str] | None = None
+) -> list[Any]:
+    """The bucket's fingerprint directories the command works on (``BucketFingerprint``s),
+    chosen as for a root; directories whose IDENTITY does not read go to ``unreadable``."""
+    if args.root is not None:
+        raise UsageError(f"give a cache root or --remote, not both (got {args.root!r} and {args.remote!r})")
+    if getattr(args, "grace", None) is not None:
+        raise UsageError("with --remote the grace period is the fleet's: pass the nodes' own "
+                         "--remote-option grace=SECONDS (default 3600), never a shorter one")
+    if mutating and not (args.fingerprint or args.all):
+        raise UsageError(
+            f"{mutating} --remote changes the bucket for every node: name a fingerprint with "
+            "-f/--fingerprint or pass --all"
+        )
+    try:
+        from blockkv.bucket_view import list_bucket_fingerprints
+    except ImportError as exc:
+        raise UsageError(f"--remote needs the s3 extra: {exc}") from None
+    s3, settings = remote_options(args)
+    try:
+        known, bad = list_bucket_fingerprints(args.remote, s3, **{
+            k: v for k, v in settings.items() if k in ("timeout", "connect_timeout", "max_retries")})
+    except ValueError as exc:  # not an s3:// URL, an unknown option
+        raise UsageError(str(exc)) from None
+    if unreadable is not None:
+        unreadable.extend(bad)
+    return choose_fingerprints(known, args.fingerprint, args.remote)
+
+
+@contextmanager
+def open_bucket(args: argparse.Namespace, fp: Any) -> Iterator[Any]:
+    """The fingerprint directory ``fp`` in the bucket as a ``Bucket`` handle with
+    the command's ``--remote-option`` settings: for ``gc`` and ``evict`` they must
+    be the fleet's own (``grace``, ``sweep_window``, ``timeout``, ``max_retries``),
+    as the nodes run with them."""
+    from blockkv.bucket import Bucket
+
+    s3, settings = remote_options(args)
+    try:
+        bucket = Bucket(args.remote, fp.name, s3, **settings)
+    except ValueError as exc:  # a grace too short for the timeout
+        raise UsageError(str(exc)) from None
+    try:
+        yield bucket
+    finally:
+        bucket.close()
+
+
+def gc_remote(args: argparse.Namespace) -> int:
+    """``gc --remote``: one mark-and-sweep run per fingerprint directory in the
+    bucket (``Bucket.gc``), safe beside every node storing and other runs."""
+    out: list[dict[str, Any]] = []
+    for fp in remote_fingerprints(args, mutating="gc"):
+        with open_bucket(args, fp) as bucket:
+            report = bucket.gc()
+            grace = bucket.grace
+        out.append({**fp_json(fp), "blocks_deleted": len(report.deleted), "headers": report.headers,
+                    "blocks": report.blocks, "young": report.young, "stopped_early": report.stopped_early,
+                    "unreadable_headers": report.unreadable_headers, "gc_grace": grace})
+    problems = any(o["unreadable_headers"] for o in out)
+    if args.json:
+        emit_json({"remote": args.remote, "fingerprints": out})
+        return EXIT_PROBLEMS if problems else EXIT_OK
+    for o in out:
+        print(
+            f"{label(o)}: deleted {o['blocks_deleted']} unreferenced block(s) of {o['blocks']} "
+            f"({o['headers']} entries); {o['young']} unreferenced kept for now (younger than "
+            f"{o['gc_grace']:g} s)"
+        )
+        if o["stopped_early"]:
+            print("  the sweep window closed first: the next run deletes the rest")
+        if o["unreadable_headers"]:
+            print(f"  {len(o['unreadable_headers'])} header(s) do not read, so their blocks are unknown "
+                  "and nothing was deleted ('blockkv check --remote' lists them)")
+    return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def evict_remote(args: argparse.Namespace) -> int:
+    """``evict --remote``: fleet-wide LRU (``Bucket.evict_to``) until each chosen
+    fingerprint directory's headers and referenced blocks fit in ``--to``; last
+    use is every node's (``used/`` marks). The blocks go with a later ``gc --remote``."""
+    from blockkv.bucket_view import read_bucket
+
+    out: list[dict[str, Any]] = []
+    for fp in remote_fingerprints(args, mutating="evict"):
+        with open_bucket(args, fp) as bucket:
+            view = read_bucket(bucket, fp.identity)
+            gone = bucket.evict_plan(args.to) if args.dry_run else bucket.evict_to(args.to)
+            after = view.disk_bytes if args.dry_run else read_bucket(bucket, fp.identity).disk_bytes
+            grace = bucket.grace
+        ids = {name.rpartition("/")[2].removesuffix(".bkv") for name in gone}
+        out.append(
+            {**fp_json(fp), "target_bytes": args.to, "bucket_bytes_before": view.disk_bytes,
+             "bucket_bytes_after": after, "gc_grace": grace, "headers": gone,
+             "entries": [entry_json(e) for e in view.entries if e.id in ids]}
+        )
+    if args.json:
+        emit_json({"remote": args.remote, "dry_run": args.dry_run, "fingerprints": out})
+        return EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    for o in out:
+        was = format_size(o["bucket_bytes_before"])
+        if not o["headers"]:
+            print(f"{label(o)}: nothing to remove, {was} in the bucket is within {format_size(args.to)}")
+            continue
+        now = "" if args.dry_run else f" -> {format_size(o['bucket_bytes_after'])}"
+        print(f"{label(o)}: {verb} {len(o['headers'])} entries to reach {format_size(args.to)} "
+              f"(in the bucket {was}{now})")
+        print(render_table(
+            ["  NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE"],
+            [["  " + show_ns(e["ns"]), e["id"], str(e["tokens"]), format_size(e["nbytes"]),
+              format_time(e["last_use"])] for e in o["entries"]],
+            right={2, 3},
+        ))
+        print(f"  their blocks: 'blockkv gc --remote' deletes them once unreferenced for {o['gc_grace']:g} s")
     return EXIT_OK
 
 
@@ -616,11 +838,23 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(
-        name: str, run: Callable[[argparse.Namespace], int], help: str, *, mutating: bool
+        name: str, run: Callable[[argparse.Namespace], int], help: str, *, mutating: bool,
+        remote: bool = True,
     ) -> Parser:
         p: Parser = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(run=run, parser=p, mutating=mutating)
-        p.add_argument("root", help="cache root (the directory holding .blockkv)")
+        p.set_defaults(run=run, parser=p, mutating=mutating, remote=None)
+        if remote:
+            p.add_argument("root", nargs="?", help="cache root (the directory holding .blockkv); "
+                           "or --remote instead")
+            p.add_argument("--remote", metavar="s3://BUCKET/PREFIX",
+                           help="the bucket a fleet of nodes shares instead of a local root (endpoint and "
+                           "credentials: the AWS_* environment variables or --remote-option)")
+            p.add_argument("--remote-option", action="append", type=parse_option, metavar="KEY=VALUE",
+                           help="what the nodes pass as remote_options (repeatable): endpoint_url, "
+                           "access_key_id, secret_access_key, session_token, region (over the AWS_* "
+                           "variables) and the bucket settings grace, sweep_window, timeout, max_retries...")
+        else:
+            p.add_argument("root", help="cache root (the directory holding .blockkv)")
         which = p.add_mutually_exclusive_group()
         which.add_argument(
             "-f", "--fingerprint", action="append", metavar="FP",
@@ -649,14 +883,16 @@ def build_parser() -> Parser:
     gc_cmd = command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
     gc_cmd.add_argument("--grace", type=parse_seconds, metavar="SECONDS",
                         help="only blocks unreferenced for this long (default: the store's, "
-                        "which protects a writer in another process)")
+                        "which protects a writer in another process; not with --remote: there the "
+                        "fleet's --remote-option grace=SECONDS applies)")
     command("rebuild-index", cmd_rebuild_index, "rebuild the LMDB index from the files on disk",
-            mutating=True)
+            mutating=True, remote=False)
     evict = command("evict", cmd_evict,
                     "remove least recently used entries until a fingerprint fits in --to bytes",
                     mutating=True)
     evict.add_argument("--to", type=parse_size, required=True, metavar="BYTES",
-                       help="target bytes on disk per fingerprint: 4096, 500M, 10G (binary units)")
+                       help="target bytes on disk (with --remote: in the bucket) per fingerprint: "
+                       "4096, 500M, 10G (binary units)")
     evict.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
     for name, help in _PASSTHROUGH.items():
         sub.add_parser(name, help=help, add_help=False)

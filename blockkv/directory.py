@@ -118,6 +118,21 @@ def _is_tmp(name: str) -> bool:
     return name.startswith(".") and name.endswith(TMP_SUFFIX)
 
 
+def entry_record(entry_id: str, rel: str, header: Header, header_bytes: int) -> EntryRecord:
+    """The index record a header implies (``rel``: where the header lives, a
+    path under the fingerprint directory or a key under the bucket's)."""
+    attachments = tuple(header.descriptor["attachments"])
+    parsed = blk.parse_descriptor(header.descriptor)  # validate once, not once per question
+    return EntryRecord(
+        id=entry_id, ns=header.ns, path=rel, header_bytes=header_bytes,
+        blocks=tuple(dict.fromkeys(r.name for r in blk.blocks_for_prefix(parsed, None))),
+        trimmable=not attachments and blk.descriptor_trimmable(parsed),
+        minimum_reusable_offset=blk.descriptor_min_offset(parsed),
+        checkpoint=header.checkpoint, attachments=attachments,
+        owner=header.identity.digest(), tokens=np.array(header.tokens, dtype=np.uint32),
+    )
+
+
 class Directory:
     def __init__(self, path: Path, identity: Identity, fs: FileLayer) -> None:
         self.path = path
@@ -191,16 +206,7 @@ class Directory:
 
     def record(self, entry_id: str, path: Path, header: Header, header_bytes: int) -> EntryRecord:
         """The index record a header implies."""
-        attachments = tuple(header.descriptor["attachments"])
-        parsed = blk.parse_descriptor(header.descriptor)  # validate once, not once per question
-        return EntryRecord(
-            id=entry_id, ns=header.ns, path=self.rel(path), header_bytes=header_bytes,
-            blocks=tuple(dict.fromkeys(r.name for r in blk.blocks_for_prefix(parsed, None))),
-            trimmable=not attachments and blk.descriptor_trimmable(parsed),
-            minimum_reusable_offset=blk.descriptor_min_offset(parsed),
-            checkpoint=header.checkpoint, attachments=attachments,
-            owner=header.identity.digest(), tokens=np.array(header.tokens, dtype=np.uint32),
-        )
+        return entry_record(entry_id, self.rel(path), header, header_bytes)
 
     def unlink_quietly(self, path: Path) -> None:
         try:

@@ -51,6 +51,14 @@ def parse_count(text: str) -> int:
     return value
 
 
+def parse_option(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` (a ``--remote-option``) as a pair; an argparse ``type``."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        raise argparse.ArgumentTypeError(f"not KEY=VALUE: {text!r}")
+    return key.strip(), value
+
+
 def format_size(n: int) -> str:
     """Human bytes in the same binary units ``parse_size`` reads."""
     if n < 1024:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from functools import partial
 from pathlib import Path
@@ -63,7 +63,10 @@ class PersistentPromptCache(LRUPromptCache):
     than it saves) and beats the RAM tier's answer by at least one token per
     ``RESTORE_READ_PER_SAVED`` it reads (a restore reads the whole prefix: a
     server was seen restoring 1,504 tokens to beat its RAM tier by one).
-    ``fs`` is the stores' file layer (the fault-injection seam).
+    ``fs`` is the stores' file layer (the fault-injection seam). ``remote``
+    (``s3://bucket/prefix``) and ``remote_options`` go to every store: the
+    fleet of servers on one bucket share their entries (docs/scale-out.md);
+    ``cache_dir`` stays each server's own local tier.
     """
 
     def __init__(
@@ -79,9 +82,12 @@ class PersistentPromptCache(LRUPromptCache):
         min_restore_tokens: int | None = None,
         identity: Callable[[Any], StoreIdentity] | None = None,
         fs: FileLayer | None = None,
+        remote: str | None = None,
+        remote_options: Mapping[str, str] | None = None,
     ) -> None:
         if not isinstance(cache_dir, (str, Path)):
             raise TypeError(f"cache_dir must be a str or Path, got {type(cache_dir).__name__}")
+        check_remote(remote, remote_options)
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be a positive int, got {cache_bytes!r}")
         if min_restore_tokens is None:
@@ -94,6 +100,8 @@ class PersistentPromptCache(LRUPromptCache):
         self._cache_bytes = cache_bytes
         self._block_tokens = block_tokens
         self._fs = fs
+        self._remote = remote
+        self._remote_options = dict(remote_options) if remote_options is not None else None
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
         self._stores: dict[Any, BlockStore | None] = {}
         self._pending: set[Future[bool]] = set()
@@ -137,6 +145,8 @@ class PersistentPromptCache(LRUPromptCache):
                     max_bytes=self._cache_bytes,
                     block_tokens=self._block_tokens,
                     fs=self._fs,
+                    remote=self._remote,
+                    remote_options=self._remote_options,
                 )
             except Exception as e:  # noqa: BLE001 - any failure here only costs the disk tier
                 log.warning("blockkv: cannot open cache %s for %r (%s); RAM-only for it", self.cache_dir, model, e)
@@ -298,6 +308,22 @@ class PersistentPromptCache(LRUPromptCache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_remote(remote: str | None, remote_options: Mapping[str, str] | None) -> None:
+    """Refuse a wrong ``remote``/``remote_options`` when the cache is made: a
+    store opened later would only log it and leave the model RAM-only."""
+    if remote is None:
+        if remote_options is not None:
+            raise ValueError("remote_options given without remote")
+        return
+    if not isinstance(remote, str):
+        raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(remote).__name__}")
+    from blockkv.remote import split_options  # needs obstore: pip install 'blockkv[s3]'
+    from blockkv.s3_pool import parse_url
+
+    parse_url(remote)
+    split_options(remote_options)
 
 
 def _classes_without_codec(prompt_cache: list[Any]) -> list[str]:

@@ -17,6 +17,10 @@ gc never ask the network. What the bucket adds lives here:
 - a **header cache**: ``remote-headers/<ns dir>/<uuid>.bkv``, copies of the
   bucket's headers (immutable, checksummed), so a node that restarts reads
   the remote catalog from its disk and fetches only headers new to it;
+- the bucket's **MANIFEST**: every header packed into one object, written by a
+  node that had to fetch many headers one by one, so that the next fresh node
+  learns the fleet's entries with one GET (each header in it is verified, and
+  only names the listing shows are used);
 - a **circuit breaker**: after a failure the bucket is skipped for a backoff
   period, so an outage costs one warning, not a timeout per request.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import struct
 import threading
 import time
 from collections import Counter
@@ -55,6 +60,9 @@ _UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog ho
 DEFAULT_SYNC_INTERVAL = 30.0  # seconds between listings while the store is used
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 _UPLOAD_THREADS = 8
+MANIFEST_MIN = 32  # this many headers to fetch one by one: read the MANIFEST first, and write one after
+_MANIFEST_MAGIC = b"BKVMANIFEST1\n"
+_RECORD = struct.Struct("<HI")  # name length, header length; then the name (UTF-8) and the header bytes
 
 
 def header_name(ns: str, entry_id: str) -> str:
@@ -88,6 +96,36 @@ def split_options(options: Mapping[str, object] | None) -> tuple[dict[str, str],
         else:
             settings[key] = parsed
     return s3, settings, interval
+
+
+def pack_manifest(headers: Iterable[tuple[str, bytes]]) -> bytes:
+    """Header names and bytes, packed into one object."""
+    parts = [_MANIFEST_MAGIC]
+    for name, data in headers:
+        raw = name.encode()
+        parts += [_RECORD.pack(len(raw), len(data)), raw, data]
+    return b"".join(parts)
+
+
+def unpack_manifest(data: bytes) -> dict[str, bytes]:
+    """The records of a MANIFEST, up to the first that does not fit (a torn or
+    foreign object yields what precedes it). Nothing here is verified: the
+    caller checks every header and uses only names its listing shows."""
+    out: dict[str, bytes] = {}
+    if not data.startswith(_MANIFEST_MAGIC):
+        return out
+    at = len(_MANIFEST_MAGIC)
+    while at + _RECORD.size <= len(data):
+        name_len, size = _RECORD.unpack_from(data, at)
+        start = at + _RECORD.size + name_len
+        if start + size > len(data):
+            break
+        try:
+            out[data[at + _RECORD.size : start].decode()] = data[start : start + size]
+        except UnicodeDecodeError:
+            break
+        at = start + size
+    return out
 
 
 class Breaker:
@@ -203,9 +241,17 @@ class RemoteTier:
             known = local | set(self._remote_only.values()) | self._ignored
         new = [n for n in sorted(listed, key=lambda n: (listed[n].last_modified, n)) if n not in known]
         found = self._cached(new)
+        many = len(new) - len(found) >= MANIFEST_MIN
+        if many:  # one GET may hold most of them
+            found.update(self._from_manifest([n for n in new if n not in found]))
         fetched, damaged = self.bucket.fetch_headers(n for n in new if n not in found)
         self._keep(fetched)
         found.update(fetched)
+        if len(fetched) >= MANIFEST_MIN:  # the next fresh node should not have to do that
+            try:
+                self._io.submit(self._write_manifest, set(listed))
+            except RuntimeError:  # closing
+                pass
         if damaged:
             self._warn("remote-damaged", f"{len(damaged)} header(s) in {self.bucket.url} do not verify "
                                          f"(damaged, or a newer format): not served, e.g. {damaged[0]}")
@@ -231,6 +277,35 @@ class RemoteTier:
         self._remote_only[entry_id] = name
         self._remote_blocks.update(record.blocks)
         return True
+
+    def _from_manifest(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
+        """Verified headers of ``names`` found in the bucket's MANIFEST (kept in the cache)."""
+        packed = unpack_manifest(self.bucket.get_manifest() or b"")
+        found = {}
+        for name in names:
+            if name in packed:
+                try:
+                    found[name] = (packed[name], verified_header(name, packed[name]))
+                except CorruptError:
+                    continue  # fetched on its own
+        self._keep(found)
+        return found
+
+    def _write_manifest(self, listed: set[str]) -> None:
+        """Pack every listed header this node has a copy of (cached, or its own
+        local header file) into the bucket's MANIFEST."""
+        headers = []
+        for name in sorted(listed):
+            for path in (self._cache / name, self._dir.entries_dir / name):
+                try:
+                    headers.append((name, self._dir.fs.read(path)))
+                    break
+                except OSError:
+                    continue
+        try:
+            self.bucket.put_manifest(pack_manifest(headers))
+        except BucketError as exc:
+            self._warn("remote-manifest", f"could not write the bucket's MANIFEST ({exc}); nodes fetch headers one by one")
 
     def _cached(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
         """The headers of ``names`` the cache holds, verified; a damaged copy is removed."""

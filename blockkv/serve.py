@@ -2,7 +2,7 @@
 
 Nothing of mlx-lm's server is copied. Its ``main`` parses every one of its
 flags as usual; blockkv only takes its own flags (``--cache-dir``,
-``--cache-bytes``, ``--min-restore-tokens``) off the command line first and, for the duration of the call, replaces the two names
+``--cache-bytes``, ``--min-restore-tokens``, ``--remote``, ``--remote-option``) off the command line first and, for the duration of the call, replaces the two names
 the server looks up when it starts (``run`` and ``LRUPromptCache``) so the
 prompt cache it builds is a ``PersistentPromptCache`` configured with the
 server's own KV-quantisation and chat-template flags.
@@ -21,9 +21,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blockkv.human import format_size, parse_count, parse_size
+from blockkv.human import format_size, parse_count, parse_option, parse_size
 from blockkv.identity import KVQuant
-from blockkv.mlx_lm import DEFAULT_CACHE_BYTES, PersistentPromptCache
+from blockkv.mlx_lm import DEFAULT_CACHE_BYTES, PersistentPromptCache, check_remote
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,20 @@ def _own_parser() -> argparse.ArgumentParser:
         help="restore from disk only a match that saves at least N tokens of prefill "
         "(default: one block, 256)",
     )
+    parser.add_argument(
+        "--remote",
+        metavar="s3://BUCKET/PREFIX",
+        help="share the cache with every server on this bucket (--cache-dir stays the local tier); "
+        "endpoint and credentials from the AWS_* environment variables or --remote-option",
+    )
+    parser.add_argument(
+        "--remote-option",
+        action="append",
+        type=parse_option,
+        metavar="KEY=VALUE",
+        help="remote_options (repeatable): endpoint_url, access_key_id, secret_access_key, session_token, "
+        "region, and the bucket settings grace, timeout, sync_interval... (docs/scale-out.md)",
+    )
     return parser
 
 
@@ -76,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:
         own.print_help()
         print("\nmlx_lm.server options:\n")
+    try:
+        options = dict(args.remote_option) if args.remote_option else None
+        check_remote(args.remote, options)
+    except (ValueError, TypeError, ImportError) as e:
+        own.exit(2, f"blockkv serve: error: {e}\n")
 
     caches: list[PersistentPromptCache] = []
     original_run: Callable[..., Any] = server.run
@@ -99,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 min_restore_tokens=args.min_restore_tokens,
                 kv=kv,
                 chat_template=cli.chat_template or None,
+                remote=args.remote,
+                remote_options=options,
             )
             caches.append(cache)
             return cache

@@ -21,12 +21,12 @@ from mlx_lm.models.cache import KVCache
 
 from blockkv import blocks as blk
 from blockkv.bucket import Bucket, BucketError, StoreSession, StoreTooSlow
-from blockkv.directory import CODEC_ID, ns_dirname
+from blockkv.directory import CODEC_ID, fingerprint_dirname, ns_dirname
 from blockkv.header import Header, Identity, encode_header
 
 CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 IDENTITY = Identity("tiny", "fp-test", "tok", CODEC_ID)
-FP_DIR = "fp-test"
+FP_DIR = fingerprint_dirname(IDENTITY.config_fingerprint)  # where a store with this identity keeps it
 BLOCK_TOKENS = 16
 # short enough that a test sees blocks age past it; every bound scales from `timeout`
 TEST_TIMING = dict(grace=12.0, sweep_window=5.0, timeout=2.0, connect_timeout=1.0, max_retries=0)

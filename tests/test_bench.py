@@ -30,8 +30,10 @@ def test_quick_bench_writes_its_report(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "benchmarks.json").read_text())
     assert report["mode"] == "quick"
-    for section in ("limits", "writes", "mlx", "restore", "sizes", "large", "agent", "index"):
+    for section in ("limits", "writes", "mlx", "restore", "sizes", "large", "agent", "index", "remote"):
         assert section in report
+    assert report["remote"] is not None  # the test extra installs obstore and moto: the section ran
+    assert "## Scale-out over a bucket" in (out / "benchmarks.md").read_text()
     assert report["targets"] and all("met" in t for t in report["targets"])
     md = (out / "benchmarks.md").read_text()
     assert "## Targets" in md and "## Machine" in md

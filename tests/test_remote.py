@@ -7,12 +7,15 @@ of raw bits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from moto.server import ThreadedMotoServer
 import remote_node as node
 from blockkv import BlockStore, GenerationCheckpoint
 from blockkv.directory import fingerprint_dirname
-from blockkv.remote import header_name
+from blockkv.remote import MANIFEST_MIN, header_name, unpack_manifest
 from test_bucket import endpoint, keys, make_bucket, raw_store, server  # noqa: F401 - the server fixtures
 
 NODE = str(Path(__file__).with_name("remote_node.py"))
@@ -366,3 +369,71 @@ def test_nothing_is_written_or_deleted_through_a_linked_cache_or_backlog_directo
         assert b.store(*node.conversation(96))
     assert sorted(p.name for p in (tmp_path / "outside").rglob("*")) == sorted(
         ["0123456789abcdef", victim.name, "b" * 32])
+
+
+def test_a_server_that_never_answers_costs_a_bounded_wait_per_backoff_not_per_call(tmp_path: Path) -> None:
+    """A listener that accepts and never replies: open, stores and finds all
+    return and never raise; while the breaker is open no request is even
+    tried (connections counted), and a try waits about one request timeout."""
+    def connections(listener: socket.socket) -> int:
+        n = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                listener.accept()[0].close()
+                n += 1
+        return n
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        silent.setblocking(False)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"  # noqa: F811
+        convs = [node.conversation(100 + i) for i in range(3)]
+        started = time.monotonic()
+        with node.open_node(tmp_path / "a", endpoint, "silent", remote_options={"timeout": "1"}) as a:
+            assert time.monotonic() - started < 10  # the IDENTITY check timed out once
+            tried = connections(silent)
+            assert tried >= 1
+            for tokens, caches in convs[:2]:  # inside the breaker's first backoff (2 s)
+                assert a.store(tokens, caches) is False  # kept locally, never raised
+                assert a.find_exact(tokens) is not None
+            assert connections(silent) == 0  # not tried: the breaker skips the bucket
+            time.sleep(2)
+            started = time.monotonic()
+            assert a.store(*convs[2]) is False  # the backoff is over: tried, timed out
+            assert time.monotonic() - started < 10  # bounded by the request timeout
+            assert connections(silent) >= 1
+            assert a._remote.backlog() == sorted(a.find_exact(t).entry.id for t, _ in convs)
+
+
+def test_a_fresh_node_learns_the_fleet_from_the_manifest_and_verifies_every_header_in_it(
+        tmp_path: Path, endpoint: str, bucket_name: str, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    tokens, caches = node.conversation(110)
+    with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
+        assert a.store(tokens, caches)
+        data = a.remote.headers.get(header_name("", a.entries()[0].id))
+        copies = [header_name("", uuid.uuid4().hex) for _ in range(MANIFEST_MIN + 8)]
+        for name in copies:  # more entries of the same content, as other nodes would have stored
+            a.remote.headers.put_if_absent(name, [data])
+        with node.open_node(tmp_path / "b", endpoint, bucket_name):  # fetches them one by one, then packs them
+            pass
+        packed = unpack_manifest(a.remote.get_manifest() or b"")
+        assert sorted(packed) == sorted([header_name("", a.entries()[0].id), *copies])
+        damaged, evicted = copies[0], copies[1]
+        key = f"fleet/{FP_DIR}/MANIFEST"
+        raw = raw_store(endpoint, bucket_name)
+        manifest = bytearray(obstore.get(raw, key).bytes())
+        at = manifest.index(damaged.encode()) + len(damaged) + 10
+        manifest[at] ^= 1  # one record damaged inside the manifest
+        obstore.put(raw, key, bytes(manifest))
+        a.remote.headers.delete(evicted)  # and one entry evicted since the manifest was written
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="werkzeug"):
+        with node.open_node(tmp_path / "c", endpoint, bucket_name) as c:
+            assert len(c._remote.catalog) == len(copies)  # every listed entry, the evicted one not
+            assert evicted.removesuffix(".bkv").rpartition("/")[2] not in c._remote.catalog
+            loaded = c.restore(c.find_exact(tokens).entry)
+            assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
+    gets = [m for m in (r.getMessage() for r in caplog.records) if "GET /" in m and "/entries/" in m
+            and "list-type" not in m]
+    assert len(gets) == 1 and damaged in gets[0]  # only the damaged record was fetched on its own

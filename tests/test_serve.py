@@ -204,7 +204,10 @@ def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--cache-bytes", "lots"], "not a size"), (["--min-restore-tokens", "0"], "must be at least 1")],
+    [(["--cache-bytes", "lots"], "not a size"), (["--min-restore-tokens", "0"], "must be at least 1"),
+     (["--remote", "http://bucket/prefix"], "s3://"), (["--remote", "s3://b/p", "--remote-option", "grace"], "KEY=VALUE"),
+     (["--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
+     (["--remote-option", "region=auto"], "without remote")],
 )
 def test_bad_blockkv_flags_are_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
     out = subprocess.run(

@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
+import inspect
 import json
 import math
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -86,6 +90,9 @@ class Config:
     size_tokens: tuple[int, ...]  # entry sizes of the per-size store/restore table
     large_shape: Shape  # the large-entry run (child process)
     large_tokens: tuple[int, int]  # (reference entry, large entry) tokens of large_shape
+    remote_tokens: int  # the entry restored from a bucket (moto's server on loopback)
+    remote_nodes: int  # nodes sharing a bucket in the agent upload comparison
+    remote_entries: int  # entries in the bucket a fresh node opens against
     block_tokens: int = 256
 
 
@@ -107,6 +114,9 @@ FULL = Config(
     size_tokens=(1024, 4096, 8192, 32768),
     large_shape=Shape(layers=32, kv_heads=8, head_dim=128),  # 128 KiB per token
     large_tokens=(2048, 16384),  # 256 MiB and 2 GiB
+    remote_tokens=4096,
+    remote_nodes=3,
+    remote_entries=1_000,
 )
 
 QUICK = Config(
@@ -127,6 +137,9 @@ QUICK = Config(
     size_tokens=(256, 1024),
     large_shape=Shape(layers=2, kv_heads=2, head_dim=64),
     large_tokens=(256, 2048),
+    remote_tokens=256,
+    remote_nodes=3,
+    remote_entries=10,
 )
 
 STORE_IDENTITY = {
@@ -900,6 +913,261 @@ def time_finds(
 
 
 # --------------------------------------------------------------------------
+# scale-out: a fleet of nodes on one S3-compatible bucket (issue #14)
+
+
+def remote_available() -> bool:
+    """The bucket section needs obstore (the s3 extra) and moto's server (the test extra)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("obstore", "moto", "boto3"))
+
+
+def moto_child(port: int) -> int:
+    """moto's S3 server, built as its ThreadedMotoServer builds it, behind a
+    middleware that counts requests and their bodies (``GET /_bench/received``):
+    what the nodes uploaded, refused creates included (their bodies are sent)."""
+    import threading
+
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    app = DomainDispatcherApplication(create_backend_app)
+    counts = {"bytes": 0, "requests": 0}
+    lock = threading.Lock()
+
+    def counting(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if environ.get("PATH_INFO") == "/_bench/received":
+            with lock:
+                body = json.dumps(counts).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        with lock:
+            counts["bytes"] += int(environ.get("CONTENT_LENGTH") or 0)
+            counts["requests"] += 1
+        return app(environ, start_response)
+
+    make_server("127.0.0.1", port, counting, True, request_handler=MotoRequestHandler).serve_forever()
+    return 0
+
+
+@contextmanager
+def moto_bucket() -> Iterator[tuple[str, dict[str, str], Callable[[], dict[str, int]]]]:
+    """(s3:// URL, remote_options, what the server received so far) of a fresh
+    bucket on moto's S3 server, run as its own process on loopback so its
+    Python does not share this process's GIL."""
+    import urllib.request
+
+    import boto3
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--moto-child", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    options = {"endpoint_url": endpoint, "access_key_id": "bench", "secret_access_key": "bench",
+               "region": "us-east-1"}
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench",
+                              aws_secret_access_key="bench", region_name="us-east-1")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.create_bucket(Bucket="bench")
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.2)
+
+        def received() -> dict[str, int]:
+            with urllib.request.urlopen(f"{endpoint}/_bench/received", timeout=30) as response:
+                out: dict[str, int] = json.loads(response.read())
+            return out
+
+        yield "s3://bench/fleet", options, received
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def bench_remote(cfg: Config, work: Path) -> dict[str, Any] | None:
+    """Restore from the bucket on a node whose local pool is cold vs a warm local
+    restore vs mlx-lm's load; bytes uploaded by the agent workload on
+    ``remote_nodes`` nodes sharing a bucket vs as many independent local stores;
+    a fresh node's open against ``remote_entries`` entries. None (skipped)
+    without obstore and moto."""
+    if not remote_available():
+        return None
+    return {
+        "restore": remote_restore(cfg, work),
+        "agent": remote_agent(cfg, work),
+        "open": remote_open(cfg, work),
+        "loadavg": os.getloadavg(),
+    }
+
+
+def remote_store(root: Path, url: str, options: dict[str, str], block_tokens: int, **identity: str) -> BlockStore:
+    """A node: its own local root, the shared bucket."""
+    return BlockStore(root, max_bytes=1 << 50, block_tokens=block_tokens, remote=url, remote_options=options,
+                      **(identity or STORE_IDENTITY))
+
+
+def remote_restore(cfg: Config, work: Path) -> dict[str, Any]:
+    """Node A stores one entry; node B, each rep with a wiped local root, opens,
+    finds it and restores it from the bucket (timed: the restore); then, in the
+    same rep, the limit (plain concurrent GETs of the same block objects, as
+    many threads as the bucket fetches with), B's warm local restore and mlx-lm's
+    warm load of the same cache."""
+    from blockkv.bucket import Bucket
+
+    n = cfg.remote_tokens
+    src = KVSource.random(cfg.shape, n, seed=11)
+    path = work / "remote-mlx.safetensors"
+    save_prompt_cache(str(path), src.caches())
+    runs: dict[str, list[float]] = {"bucket_cold": [], "raw_get": [], "local_warm": [], "mlx": []}
+    with moto_bucket() as (url, options, _):
+        with remote_store(work / "node-a", url, options, cfg.block_tokens) as a:
+            assert a.store(src.tokens, src.caches()), "node A's store was not acknowledged"
+            nbytes = a.total_bytes
+        for _ in range(max(cfg.reps, 3)):
+            shutil.rmtree(work / "node-b", ignore_errors=True)
+            with remote_store(work / "node-b", url, options, cfg.block_tokens) as b:
+                match = b.find_exact(src.tokens)
+                assert match is not None, "node B did not learn node A's entry"
+                t0 = time.perf_counter()
+                loaded = b.restore(match.entry)
+                assert loaded is not None, "restore from the bucket failed"
+                eval_caches(loaded.caches)
+                runs["bucket_cold"].append(time.perf_counter() - t0)
+                check_restored(loaded.caches, src, n)
+                bucket = b.remote
+                assert bucket is not None
+                with ThreadPoolExecutor(int(inspect.signature(Bucket).parameters["fetch_threads"].default)) as pool:
+                    t0 = time.perf_counter()
+                    list(pool.map(bucket.blocks.get, match.entry.blocks))
+                    runs["raw_get"].append(time.perf_counter() - t0)
+                local = b.find_exact(src.tokens)
+                assert local is not None
+                for key, fn in (("local_warm", lambda: eval_caches(b.restore(local.entry).caches)),
+                                ("mlx", lambda: eval_caches(load_prompt_cache(str(path))))):
+                    fn()  # warm
+                    t0 = time.perf_counter()
+                    fn()
+                    runs[key].append(time.perf_counter() - t0)
+    shutil.rmtree(work / "node-a")
+    shutil.rmtree(work / "node-b")
+    path.unlink()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"tokens": n, "entry_bytes": nbytes, "runs_s": runs, "bucket_cold_s": med["bucket_cold"],
+            "local_warm_s": med["local_warm"], "mlx_load_s": med["mlx"], "raw_get_s": med["raw_get"]}
+
+
+def remote_agent(cfg: Config, work: Path) -> dict[str, Any]:
+    """The agent workload (one system prompt, sessions of growing history) spread
+    round-robin over ``remote_nodes`` nodes on one bucket (each joining when its
+    first session arrives), against the same
+    sessions on as many independent local stores: request bodies the S3 server
+    received (refused creates included) and the bytes it holds, against the
+    bytes the independent stores wrote."""
+    shape, nodes = cfg.shape, cfg.remote_nodes
+    rng = np.random.default_rng(5)
+    system = KVSource.random(shape, cfg.agent_system_tokens, seed=1000)
+    sessions = []
+    for s in range(cfg.agent_sessions):
+        turns = rng.integers(cfg.agent_turn_tokens[0], cfg.agent_turn_tokens[1] + 1, cfg.agent_turns)
+        sessions.append((s % nodes, 2000 + s, (cfg.agent_system_tokens + np.cumsum(turns)).tolist()))
+
+    def run(open_node: Callable[[Path], BlockStore]) -> tuple[int, list[BlockStore]]:
+        """Each turn as a server handles it: look the prompt up, restore a match,
+        store the turn. A node opens when its first session arrives (a node
+        joining the fleet lists the bucket then). Returns bytes the nodes wrote
+        and the open stores."""
+        stores: dict[int, BlockStore] = {}
+        written = 0
+        try:
+            for node, seed, lengths in sessions:
+                store = stores.get(node) or stores.setdefault(node, open_node(work / f"agent-node-{node}"))
+                session = system.extended(KVSource.random(shape, lengths[-1] - cfg.agent_system_tokens, seed=seed))
+                for n in lengths:
+                    before = store.stats["bytes_written"]
+                    match = store.find(session.tokens[:n])
+                    if match is not None:
+                        store.restore(match.entry, prefix_len=match.prefix_len)
+                    assert store.store(session.tokens[:n], session.caches(n)), "agent store refused"
+                    written += int(store.stats["bytes_written"] - before)
+        except BaseException:
+            for st in stores.values():
+                st.close()
+            raise
+        return written, list(stores.values())
+
+    def close(stores: list[BlockStore]) -> None:
+        for st in stores:
+            st.close()
+        for i in range(nodes):
+            shutil.rmtree(work / f"agent-node-{i}", ignore_errors=True)
+
+    independent, stores = run(lambda root: open_store(root, cfg.block_tokens))
+    close(stores)
+    with moto_bucket() as (url, options, received_so_far):
+        before = received_so_far()
+        fleet_local, stores = run(lambda root: remote_store(root, url, options, cfg.block_tokens))
+        try:
+            after = received_so_far()
+            received, requests = after["bytes"] - before["bytes"], after["requests"] - before["requests"]
+            bucket = stores[0].remote
+            assert bucket is not None
+            held = sum(i.size for i in bucket.blocks.list_info()) + sum(
+                i.size for i in bucket.list_headers().values())
+        finally:
+            close(stores)
+    return {"nodes": nodes, "sessions": cfg.agent_sessions, "independent_bytes_written": independent,
+            "fleet_local_bytes_written": fleet_local, "bucket_bytes_received": received, "requests": requests,
+            "bucket_bytes_held": held, "system_prompt_bytes": cfg.agent_system_tokens * shape.bytes_per_token}
+
+
+def remote_open(cfg: Config, work: Path) -> dict[str, Any]:
+    """``remote_entries`` small entries stored through one node; then a fresh node
+    (empty local root) opens against the bucket and learns them all (timed:
+    the open), against the storing node's own reopen (a valid local index)."""
+    rng = np.random.default_rng(7)
+    lo, hi = cfg.index_tokens
+    pool = KVSource.random(cfg.index_shape, cfg.remote_entries * hi, seed=3)
+    out: dict[str, Any] = {"entries": cfg.remote_entries}
+    with moto_bucket() as (url, options, _):
+        stored = []
+        t0 = time.perf_counter()
+        with remote_store(work / "open-a", url, options, cfg.block_tokens, **INDEX_IDENTITY) as a:
+            for i in range(cfg.remote_entries):
+                n = int(rng.integers(lo, hi + 1))
+                tokens = rng.integers(0, VOCAB, n).tolist()
+                caches = [kv_cache(k[:, :, i * hi : i * hi + n], v[:, :, i * hi : i * hi + n])
+                          for k, v in zip(pool.keys, pool.values)]
+                assert a.store(tokens, caches), "store refused"
+                stored.append(tokens)
+        out["store_mean_s"] = (time.perf_counter() - t0) / cfg.remote_entries
+
+        opens = []
+        for _ in range(max(cfg.reps, 3)):  # the first fetches headers one by one (and leaves a MANIFEST)
+            shutil.rmtree(work / "open-b", ignore_errors=True)
+            t0 = time.perf_counter()
+            with remote_store(work / "open-b", url, options, cfg.block_tokens, **INDEX_IDENTITY) as b:
+                assert b.find_exact(stored[-1]) is not None and b.find_exact(stored[0]) is not None
+            opens.append(time.perf_counter() - t0)
+        out["fresh_open_runs_s"] = opens
+        out["fresh_open_first_s"], out["fresh_open_s"] = opens[0], statistics.median(opens[1:])
+
+        def local_open() -> None:
+            with open_store(work / "open-a", cfg.block_tokens, **INDEX_IDENTITY) as a:
+                assert len(a) == cfg.remote_entries
+
+        out["local_open_s"] = median_time(local_open, cfg.reps)
+    shutil.rmtree(work / "open-a")
+    shutil.rmtree(work / "open-b")
+    return out
+
+
+# --------------------------------------------------------------------------
 # targets, report, plot
 
 
@@ -1022,6 +1290,11 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
             Target(f"large entry ({big_tokens} tokens): {step} throughput / {ref_tokens}-token entry's",
                    speed(lg[str(big_tokens)], step) / speed(lg[str(ref_tokens)], step), ">=", 0.8, "x")
             for step in ("store", "restore")
+        ),
+        *(
+            [Target("restore from the bucket, cold local pool (moto on loopback) vs warm local restore",
+                    r["remote"]["restore"]["local_warm_s"] / r["remote"]["restore"]["bucket_cold_s"], ">=", 0.5, "x")]
+            if r.get("remote") else []
         ),
     ]
 
@@ -1245,6 +1518,7 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             for t, g in r["large"].items()
         ),
         "",
+        *remote_markdown(cfg, r.get("remote")),
         "## Agent workload by number of sessions",
         "",
         "![footprint and bytes written vs sessions](benchmarks.png)",
@@ -1282,6 +1556,61 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
         else "\n## Analysis\n\n(none yet)\n"
     )
     return "\n".join(lines) + "\n" + ANALYSIS_MARKER + kept
+
+
+def remote_markdown(cfg: Config, rm: dict[str, Any] | None) -> list[str]:
+    """The scale-out section: ratios against baselines of the same run, and the load."""
+    if rm is None:
+        return ["## Scale-out over a bucket", "", "Skipped: needs obstore and moto (`pip install 'blockkv[test]'`).", ""]
+    rs, ag, op = rm["restore"], rm["agent"], rm["open"]
+    load = ", ".join(f"{x:.2f}" for x in rm["loadavg"])
+    return [
+        "## Scale-out over a bucket",
+        "",
+        (
+            f"Nodes are `BlockStore(root, remote=...)` handles with their own local roots on one bucket of moto's S3 "
+            f"server, run as its own process on loopback. **moto is slow Python** (every request parsed and "
+            f"answered by werkzeug; PUT bodies land in its memory): these figures bound what the protocol costs "
+            f"from below, a real S3-compatible server is faster per request but further away. Load average "
+            f"after the section: {load} (1, 5, 15 min). Median of {max(cfg.reps, 3)} reps where timed."
+        ),
+        "",
+        "| figure | value | same-run baseline | ratio |",
+        "|---|---|---|---|",
+        (
+            f"| restore from the bucket, {rs['tokens']} tokens ({rs['entry_bytes'] / MIB:.0f} MiB), fresh node "
+            f"(cold local pool: every block fetched, verified, kept) | {rs['bucket_cold_s'] * 1e3:.0f} ms "
+            f"({gbps(rs['entry_bytes'], rs['bucket_cold_s'])}) | warm local restore {rs['local_warm_s'] * 1e3:.0f} ms; "
+            f"mlx-lm load {rs['mlx_load_s'] * 1e3:.0f} ms | {rs['local_warm_s'] / rs['bucket_cold_s']:.2f}x local; "
+            f"{rs['mlx_load_s'] / rs['bucket_cold_s']:.2f}x mlx-lm |"
+        ),
+        (
+            f"| the limit: plain concurrent GETs of the same blocks from the server (no verify, nothing kept) | "
+            f"{rs['raw_get_s'] * 1e3:.0f} ms ({gbps(rs['entry_bytes'], rs['raw_get_s'])}) | restore from the bucket "
+            f"{rs['bucket_cold_s'] * 1e3:.0f} ms | {rs['raw_get_s'] / rs['bucket_cold_s']:.2f}x of the limit |"
+        ),
+        (
+            f"| agent workload ({ag['sessions']} sessions round-robin over {ag['nodes']} nodes joining as their first "
+            f"session arrives, one {ag['system_prompt_bytes'] / MIB:.0f} MiB system prompt): request bodies the "
+            f"server received | "
+            f"{ag['bucket_bytes_received'] / MIB:.0f} MiB (holds {ag['bucket_bytes_held'] / MIB:.0f} MiB) | "
+            f"{ag['nodes']} independent local stores wrote {ag['independent_bytes_written'] / MIB:.0f} MiB | "
+            f"{ag['bucket_bytes_received'] / ag['independent_bytes_written']:.2f}x uploaded; "
+            f"{ag['bucket_bytes_held'] / ag['independent_bytes_written']:.2f}x held |"
+        ),
+        (
+            f"| fresh node's open against {op['entries']} entries, the first (lists the headers, GETs each) | "
+            f"{op['fresh_open_first_s'] * 1e3:.0f} ms | the storing node's reopen (valid local index) "
+            f"{op['local_open_s'] * 1e3:.0f} ms | {op['fresh_open_first_s'] / op['local_open_s']:.1f}x slower |"
+        ),
+        (
+            f"| fresh node's open against {op['entries']} entries, later ones (lists the headers, reads the "
+            f"MANIFEST the first leaves from 32 headers up) | {op['fresh_open_s'] * 1e3:.0f} ms | the storing node's reopen "
+            f"{op['local_open_s'] * 1e3:.0f} ms | {op['fresh_open_s'] / op['local_open_s']:.1f}x slower |"
+        ),
+        f"| store of a tiny entry through the bucket (mean, into {op['entries']}) | {op['store_mean_s'] * 1e3:.1f} ms | | |",
+        "",
+    ]
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
@@ -1349,6 +1678,7 @@ def run(cfg: Config, out: Path, workdir: Path | None) -> dict[str, Any]:
             ("large", lambda: bench_large(cfg, work)),
             ("agent", lambda: bench_agent(cfg, work)),
             ("index", lambda: bench_index(cfg, work)),
+            ("remote", lambda: bench_remote(cfg, work)),
         ]
         for name, fn in sections:
             t0 = time.perf_counter()
@@ -1367,6 +1697,24 @@ def run(cfg: Config, out: Path, workdir: Path | None) -> dict[str, Any]:
     return r
 
 
+def run_remote_only(cfg: Config, out: Path, workdir: Path | None) -> int:
+    """The scale-out section alone (it needs none of the others): its JSON, and
+    its markdown on stdout to place in benchmarks.md where a full run puts it."""
+    if not remote_available():
+        print("needs obstore and moto: pip install 'blockkv[test]'", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="blockkv-bench-", dir=workdir))
+    try:
+        rm = bench_remote(cfg, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"mode": cfg.mode, "machine": machine(), "remote": rm}
+    (out / "benchmarks-remote.json").write_text(json.dumps(report, indent=2) + "\n")
+    print("\n".join(remote_markdown(cfg, rm)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python tools/bench.py [--quick] [--out DIR] [--workdir DIR]``; also ``blockkv bench``."""
     parser = argparse.ArgumentParser(
@@ -1383,10 +1731,21 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="where the scratch stores live (default: system temp)",
     )
+    parser.add_argument(
+        "--only-remote",
+        action="store_true",
+        help="run only the scale-out section: writes benchmarks-remote.json to --out and prints its "
+        "markdown section (benchmarks.md is left alone)",
+    )
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    parser.add_argument("--moto-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child:
         return rss_child(json.loads(args.rss_child))
+    if args.moto_child:
+        return moto_child(args.moto_child)
+    if args.only_remote:
+        return run_remote_only(QUICK if args.quick else FULL, args.out or REPO / "docs", args.workdir)
     if args.quick and args.out is None:
         parser.error("--quick writes only to --out DIR")
     cfg = QUICK if args.quick else FULL
