@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import lmdb
 
@@ -32,20 +33,27 @@ from .records import Entry
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 
 
+class Settings(Protocol):
+    """The handle's options as they are now: the cap may follow a caller's
+    ``limit``, and a tool may set ``gc_grace`` on an open handle."""
+
+    gc_grace: float
+    tmp_grace: float
+    lock_timeout: float
+
+    @property
+    def max_bytes(self) -> int: ...
+
+
 class Retention:
-    def __init__(self, directory: Directory, keeper: IndexKeeper, catalog: Catalog, commits: Commits, *,
-                 cap: Callable[[], int], clock: Callable[[], float], gc_grace: float, tmp_grace: float,
-                 lock_timeout: float, warn: Callable[..., None]) -> None:
-        """``cap``: the byte cap now (it may follow a caller's ``limit``)."""
+    def __init__(self, directory: Directory, keeper: IndexKeeper, catalog: Catalog, commits: Commits,
+                 settings: Settings, clock: Callable[[], float], warn: Callable[..., None]) -> None:
         self._dir = directory
         self._keeper = keeper
         self._catalog = catalog
         self._commits = commits
-        self._cap = cap
+        self._settings = settings
         self._clock = clock
-        self._gc_grace = gc_grace
-        self._tmp_grace = tmp_grace
-        self._lock_timeout = lock_timeout
         self._warn = warn
 
     # -- the lock, and the index current under it --------------------------------------
@@ -54,7 +62,8 @@ class Retention:
         """The directory lock for a mutation (``LockTimeout`` after ``timeout``,
         default ``lock_timeout``), with the index checked current first and
         recovered if it was replaced (``IndexKeeper.locked``)."""
-        with self._keeper.locked(self._lock_timeout if timeout is None else timeout, self._gc_grace,
+        settings = self._settings
+        with self._keeper.locked(settings.lock_timeout if timeout is None else timeout, settings.gc_grace,
                                  recover=recover) as finished:
             self._finish_dead_stores(finished)
             yield
@@ -188,7 +197,7 @@ class Retention:
         return plan
 
     def _evict_to_cap(self) -> None:
-        cap = self._cap()
+        cap = self._settings.max_bytes
         check_size("target_bytes", cap)  # a caller's ``limit`` may return anything
         self.evict_to(cap)
 
@@ -201,7 +210,7 @@ class Retention:
         try:
             with self.locked():
                 self._finish_dead_stores(self._keeper.roll_back_pending())
-                n = self._keeper.sweep(self._gc_grace)
+                n = self._keeper.sweep(self._settings.gc_grace)
                 self._keeper.index.trim_log()
         except LockTimeout as exc:
             self._warn("lock", f"gc skipped: {exc}")
@@ -210,7 +219,7 @@ class Retention:
 
     def _sweep_quietly(self) -> None:
         try:
-            self._keeper.sweep(self._gc_grace)
+            self._keeper.sweep(self._settings.gc_grace)
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("gc", f"gc failed: {exc}")
 
@@ -220,7 +229,7 @@ class Retention:
         verified = verify_blocks(self._dir, progress)
         with self.locked():
             report = inspect(self._dir, self._keeper.index.blocks(), verified=verified,
-                             tmp_cutoff=self._clock() - self._tmp_grace)
+                             tmp_cutoff=self._clock() - self._settings.tmp_grace)
             if repair and not report.clean:
                 repair_directory(self._dir, report)
                 self._keeper.rebuild()

@@ -133,9 +133,7 @@ class BlockStore:
         self._catalog = Catalog(self._owner, clock)
         self._keeper = IndexKeeper(self._dir, lock, self._recovery, self._catalog, self._intents.directory,
                                    map_size=index_map_size, lock_timeout=self.lock_timeout, warn=self._warn)
-        self._retention = Retention(self._dir, self._keeper, self._catalog, self._commits,
-                                    cap=lambda: self.max_bytes, clock=clock, gc_grace=self.gc_grace,
-                                    tmp_grace=self.tmp_grace, lock_timeout=self.lock_timeout, warn=self._warn)
+        self._retention = Retention(self._dir, self._keeper, self._catalog, self._commits, self, clock, self._warn)
         try:
             self.scan()
         except LockTimeout:
