@@ -13,10 +13,12 @@ gc never ask the network. What the bucket adds lives here:
   (``BlockStore._adopt``), after which it is an ordinary local entry;
 - **uploads**: every store's blocks, then its header (the commit point);
 - the **backlog**: stores the bucket did not acknowledge, marked by an empty
-  file ``backlog/<entry id>`` and uploaded by a later sync;
+  file ``backlog/<entry id>`` and uploaded by a later sync (the files:
+  remote_files.py ``Backlog``);
 - a **header cache**: ``remote-headers/<ns dir>/<uuid>.bkv``, copies of the
   bucket's headers (immutable, checksummed), so a node that restarts reads
-  the remote catalog from its disk and fetches only headers new to it;
+  the remote catalog from its disk and fetches only headers new to it
+  (remote_files.py ``HeaderCache``);
 - the bucket's **MANIFEST**: every header packed into one object, written by a
   node that had to fetch many headers one by one, so that the next fresh node
   learns the fleet's entries with one GET (each header in it is verified, and
@@ -30,9 +32,6 @@ Nothing here raises into the serving path: an outage is "not uploaded" /
 
 from __future__ import annotations
 
-import os
-import re
-import secrets
 import struct
 import threading
 import time
@@ -47,16 +46,15 @@ from .bucket import Bucket, BucketError, StoreTooSlow, verified_header
 from .catalog import Catalog
 from .directory import Directory, block_key, fingerprint_dirname, ns_dirname
 from .errors import BlockKVError, BlockMissingError, CorruptError
-from .fs import DIR_MODE, FILE_MODE, refuse_linked
 from .header import SUFFIX, Header, Identity
 from .records import CHECKPOINT_NS, Entry, Match
+from .remote_files import Backlog, HeaderCache
 from .s3_pool import OPTION_ENV
 
 # remote_options keys that tune the bucket protocol rather than name the endpoint (Bucket's arguments)
 BUCKET_SETTINGS: dict[str, type] = {"grace": float, "sweep_window": float, "timeout": float,
                                     "connect_timeout": float, "max_retries": int, "fetch_threads": int,
                                     "touch_interval": float}
-_UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog holds
 DEFAULT_SYNC_INTERVAL = 30.0  # seconds between listings while the store is used
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 _UPLOAD_THREADS = 8
@@ -170,8 +168,8 @@ class RemoteTier:
         self._warn = warn
         self._local_entries = local_entries
         self._adopt = adopt
-        self._backlog = directory.path / "backlog"
-        self._cache = directory.path / "remote-headers"
+        self._backlog = Backlog(directory.path / "backlog", warn)
+        self._cache = HeaderCache(directory.path / "remote-headers", directory.fs, warn)
         self.catalog = Catalog(identity.digest(), time.time)  # remote-only entries: served, never indexed
         self._remote_only: dict[str, str] = {}  # entry id -> header name, for the catalog's entries
         self._remote_blocks: Counter[str] = Counter()  # blocks the catalog's entries reference: in the bucket
@@ -222,7 +220,7 @@ class RemoteTier:
                     self._identity_checked = True
                 listed = self.bucket.list_headers()
                 learned = self._learn(listed)
-                self._prune_cache(listed)
+                self._cache.prune(listed)
                 self._send_backlog(listed)
             except BucketError as exc:
                 self._outage("bucket listing failed", exc)
@@ -240,12 +238,12 @@ class RemoteTier:
                     self._forget(entry_id)
             known = local | set(self._remote_only.values()) | self._ignored
         new = [n for n in sorted(listed, key=lambda n: (listed[n].last_modified, n)) if n not in known]
-        found = self._cached(new)
+        found = self._cache.get(new)
         many = len(new) - len(found) >= MANIFEST_MIN
         if many:  # one GET may hold most of them
             found.update(self._from_manifest([n for n in new if n not in found]))
         fetched, damaged = self.bucket.fetch_headers(n for n in new if n not in found)
-        self._keep(fetched)
+        self._cache.keep(fetched)
         found.update(fetched)
         if len(fetched) >= MANIFEST_MIN:  # the next fresh node should not have to do that
             try:
@@ -288,7 +286,7 @@ class RemoteTier:
                     found[name] = (packed[name], verified_header(name, packed[name]))
                 except CorruptError:
                     continue  # fetched on its own
-        self._keep(found)
+        self._cache.keep(found)
         return found
 
     def _write_manifest(self, listed: set[str]) -> None:
@@ -296,7 +294,7 @@ class RemoteTier:
         local header file) into the bucket's MANIFEST."""
         headers = []
         for name in sorted(listed):
-            for path in (self._cache / name, self._dir.entries_dir / name):
+            for path in (self._cache.directory / name, self._dir.entries_dir / name):
                 try:
                     headers.append((name, self._dir.fs.read(path)))
                     break
@@ -306,59 +304,6 @@ class RemoteTier:
             self.bucket.put_manifest(pack_manifest(headers))
         except BucketError as exc:
             self._warn("remote-manifest", f"could not write the bucket's MANIFEST ({exc}); nodes fetch headers one by one")
-
-    def _cached(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
-        """The headers of ``names`` the cache holds, verified; a damaged copy is removed."""
-        found = {}
-        for name in names:
-            path = self._cache / name
-            try:
-                data = self._dir.fs.read(path)
-                found[name] = (data, verified_header(name, data))
-            except CorruptError:
-                self._drop_cached([name])
-            except (OSError, MemoryError):
-                continue  # not cached (or unreadable now): fetched
-        return found
-
-    def _keep(self, fetched: Mapping[str, tuple[bytes, Header]]) -> None:
-        """Cache fetched headers: tmp then rename, no fsync (a copy lost or torn
-        by a power cut fails its checksum or is missing, and is fetched again)."""
-        try:
-            refuse_linked(self._cache)
-            for name, (data, _) in fetched.items():
-                path = self._cache / name
-                refuse_linked(path.parent)
-                os.makedirs(path.parent, DIR_MODE, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-                with open(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-        except OSError as exc:
-            self._warn("remote-cache", f"could not cache headers in {self._cache} ({exc}); they are fetched again")
-
-    def _drop_cached(self, names: Iterable[str]) -> None:
-        """Unlink cached copies (never through a linked directory: only what is ours)."""
-        for name in names:
-            path = self._cache / name
-            try:
-                refuse_linked(self._cache)
-                refuse_linked(path.parent)
-                os.unlink(path)
-            except OSError:
-                pass
-
-    def _prune_cache(self, listed: Mapping[str, object]) -> None:
-        """Remove cached copies of headers gone from the bucket (and stray temp files)."""
-        try:
-            refuse_linked(self._cache)
-            shards = [d for d in os.scandir(self._cache) if d.is_dir(follow_symlinks=False)]
-            stale = [f"{d.name}/{f.name}" for d in shards for f in os.scandir(d.path)
-                     if f"{d.name}/{f.name}" not in listed]
-        except OSError:
-            return
-        self._drop_cached(stale)
 
     def _forget(self, entry_id: str) -> None:
         entry = self.catalog.get(entry_id)
@@ -429,7 +374,7 @@ class RemoteTier:
             return fetches[block].result() if block in fetches else self.bucket.fetch_block(block, key)
 
         try:
-            data, header = self._cached([name]).get(name) or self.bucket.fetch_header(name)
+            data, header = self._cache.get([name]).get(name) or self.bucket.fetch_header(name)
             record = self._dir.record(entry.id, self._dir.header_path(header.ns, entry.id), header, len(data))
             if header.identity != self._identity or header.ns != entry.ns or record.blocks != entry.blocks \
                     or not np.array_equal(record.tokens, entry.token_array):
@@ -487,13 +432,13 @@ class RemoteTier:
         Otherwise the entry stays local and in the backlog, for a later sync.
         The entries the store's rules ``replaced`` (identical, or superseded
         prefixes) are then removed from the bucket too (in the background)."""
-        self._mark(entry_id)
+        self._backlog.mark(entry_id)
         if self.breaker.is_open():
             self._warn("remote", "bucket unreachable: storing locally only; uploads resume when it answers")
             return False
         if not self._upload(entry_id, header_name(ns, entry_id), encoded, list(dict.fromkeys(names)), new):
             return False
-        self._unmark(entry_id)
+        self._backlog.unmark(entry_id)
         self.remove_replaced(replaced)
         return True
 
@@ -569,56 +514,31 @@ class RemoteTier:
                              f"stores are kept locally and uploaded when the bucket answers")
 
     # -- the backlog --------------------------------------------------------------------------
-    def _mark(self, entry_id: str) -> None:
-        """Put an entry in the backlog before its upload (an empty file, not
-        fsynced: a power cut may lose it, and the entry then stays local-only)."""
-        try:
-            refuse_linked(self._backlog)
-            if not self._backlog.is_dir():
-                os.makedirs(self._backlog, DIR_MODE, exist_ok=True)
-            os.close(os.open(self._backlog / entry_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             FILE_MODE))
-        except OSError as exc:
-            self._warn("remote-backlog", f"could not record entry {entry_id} in {self._backlog}: {exc}")
-
-    def _unmark(self, entry_id: str) -> None:
-        try:
-            refuse_linked(self._backlog)
-            os.unlink(self._backlog / entry_id)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            self._warn("remote-backlog", f"could not clear {self._backlog / entry_id}: {exc}")
-
     def backlog(self) -> list[str]:
         """Entry ids stored locally whose upload has not been acknowledged."""
-        try:
-            refuse_linked(self._backlog)
-            return sorted(n for n in os.listdir(self._backlog) if _UUID.fullmatch(n))
-        except OSError:
-            return []
+        return self._backlog.pending()
 
     def _send_backlog(self, listed: Mapping[str, object]) -> None:
         """Upload what the bucket missed, oldest marker first; stop at the first outage."""
-        pending = self.backlog()
+        pending = self._backlog.pending()
         if not pending:
             return
         local = {e.id: e for e in self._local_entries()}
         for entry_id in pending:
             entry = local.get(entry_id)
             if entry is None or entry.checkpoint is not None:  # evicted or removed locally: nothing to send
-                self._unmark(entry_id)
+                self._backlog.unmark(entry_id)
                 continue
             name = header_name(entry.ns, entry_id)
             if name in listed:
-                self._unmark(entry_id)
+                self._backlog.unmark(entry_id)
                 continue
             try:
                 encoded = self._dir.fs.read(self._dir.header_path(entry.ns, entry_id))
             except OSError:
-                self._unmark(entry_id)  # its header is gone: removed meanwhile
+                self._backlog.unmark(entry_id)  # its header is gone: removed meanwhile
                 continue
             if self._upload(entry_id, name, encoded, list(entry.blocks), set()):
-                self._unmark(entry_id)
+                self._backlog.unmark(entry_id)
             elif self.breaker.is_open():
                 return

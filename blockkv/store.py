@@ -1,9 +1,9 @@
 """BlockStore: the SSD cold tier for MLX prompt/KV caches, as policy.
 
-The public facade and its decisions: what a lookup serves, what a failure
-proves, when to recover, the remote tier's place, the stats. Every decision
-to delete (the seed's supersede rules, the byte cap and LRU eviction, gc,
-check/repair) is retention.py's. The mechanisms are below, each with one
+The public facade and its decisions: what a lookup serves, when to
+recover, the remote tier's place, the stats. Every decision to delete (the
+seed's supersede rules, the byte cap and LRU eviction, gc, check/repair,
+what a failed restore proves) is retention.py's. The mechanisms are below, each with one
 job: arguments.py (caller mistakes), catalog.py (the in-memory lookups),
 index_keeper.py (the index kept current and recovered under the directory
 lock), commit.py (write and delete order), restore.py (reading an entry
