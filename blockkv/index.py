@@ -56,14 +56,26 @@ def gc_paused() -> Iterator[None]:
     makes some 100k objects and no garbage cycles, yet triggers collections
     that walk the whole heap; in a big process (a server, the benchmark)
     those cost more than the load (an open at 10k entries: 360-390 ms
-    without them, 475-775 ms with). Leaves it off if it was off."""
-    was = gc.isenabled()
-    gc.disable()
+    without them, 475-775 ms with). Loads on several threads overlap: the
+    last one out restores what the first one found (off stays off)."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_mutex:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _gc_mutex:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+_gc_mutex = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = True
 
 
 def boot_id() -> str:
