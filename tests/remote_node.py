@@ -73,7 +73,7 @@ def _store_loop(root: str, endpoint: str, bucket: str, seconds: float, out: str)
     names the last acknowledged entry of each conversation still standing."""
     store = open_node(root, endpoint, bucket)
     acknowledged: dict[int, str] = {}
-    evicted, refused, attempts = [], 0, 0
+    evicted, superseded, refused, attempts = [], [], 0, 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         attempts += 1
@@ -84,18 +84,20 @@ def _store_loop(root: str, endpoint: str, bucket: str, seconds: float, out: str)
             continue
         match = store.find_exact(tokens)
         name = header_name("", match.entry.id)
+        if acknowledged.get(seed, name) != name:  # this store replaced the conversation's entry
+            superseded.append(acknowledged.pop(seed))
         if attempts % 4 == 1:
             try:
                 store.remote.headers.delete(name)
                 evicted.append(name)
-                acknowledged.pop(seed, None)
                 continue
             except BucketError:
                 pass
         acknowledged[seed] = name
     store.close()
     with open(out, "w") as f:
-        json.dump({"acknowledged": {n: s for s, n in acknowledged.items()}, "evicted": evicted, "refused": refused,
+        json.dump({"acknowledged": {n: s for s, n in acknowledged.items()}, "evicted": evicted,
+                   "superseded": superseded, "refused": refused,
                    "attempts": attempts}, f)
 
 

@@ -178,7 +178,9 @@ def test_identity_is_created_once_and_checked(bucket: Bucket) -> None:
 
 
 def test_a_store_past_its_deadline_rechecks_and_then_refuses(endpoint: str, bucket_name: str) -> None:
-    bucket = node.open_bucket(endpoint, bucket_name, grace=7.0, timeout=1.0, sweep_window=3.0)
+    # a re-check gets grace/2 - request_bound - 2 s of server time (2.5 s here, counted in the
+    # whole seconds of Last-Modified): room for a loaded machine, and less than the stall below
+    bucket = node.open_bucket(endpoint, bucket_name, grace=11.0, timeout=1.0, sweep_window=3.0)
     name, header, layout, _ = node.entry(32, seed=7)
     frames = {b.ref.name: blk.encode_block(b) for b in layout.blocks}
     session = bucket.begin_store()

@@ -236,8 +236,9 @@ def test_two_nodes_running_gc_beside_a_storing_node_lose_nothing_acknowledged(
     listed = set(headers(endpoint, bucket_name))
     assert set(stored["acknowledged"]) <= listed
     assert not listed & set(stored["evicted"])
-    if not stored["refused"]:  # an entry a repeat replaced left the bucket with the repeat's upload
-        assert listed == set(stored["acknowledged"])
+    # an entry a repeat replaced leaves the bucket after the repeat's upload, best effort (a
+    # leftover is a harmless duplicate, shadowed wherever it is found): nothing else is listed
+    assert listed - set(stored["acknowledged"]) <= set(stored["superseded"])
     with node.open_node(tmp_path / "fresh", endpoint, bucket_name) as fresh:
         for name, seed in stored["acknowledged"].items():
             tokens, caches = node.conversation(seed)
