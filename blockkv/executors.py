@@ -7,13 +7,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 _IO_THREADS = 2  # fsyncs of different files overlap; more did not help on 2 cores
-_READ_THREADS = 4  # a cold restore keeps more reads in flight; a warm one is CPU-bound either way
 
 
 class Executors:
     """Made on first use: "store" and "restore" (the async calls), one thread
-    each; "io" (a store's block writes), "hash" (a store's block hashing), two threads each, and
-    "read" (a restore's block reads and checks), four."""
+    each; "io" (a store's block writes), "hash" (a store's block hashing) and
+    "read" (a restore's block reads and checks), two threads each."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
@@ -23,7 +22,7 @@ class Executors:
         with self._mutex:
             pool = self._pools.get(job)
             if pool is None:
-                workers = {"io": _IO_THREADS, "hash": _IO_THREADS, "read": _READ_THREADS}.get(job, 1)
+                workers = _IO_THREADS if job in ("io", "hash", "read") else 1
                 pool = self._pools[job] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"blockkv-{job}")
             return pool
 

@@ -138,23 +138,6 @@ class FileLayer:
                 _advance(pending, n)
             return True
 
-    def will_read(self, path: Path) -> None:
-        """Ask the kernel to start reading ``path`` into the page cache now
-        (POSIX_FADV_WILLNEED). Only a hint, so any error is left for the read
-        itself to meet; where there is no posix_fadvise (macOS) it does nothing."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            fd = self.open_regular(path)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
     def crash_point(self, name: str) -> None:
         """A named point inside store/remove/gc (e.g. ``"store:refs-taken"``).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -230,11 +230,6 @@ class LocalPool:
             return self._fs.read_exact(self.path(name), buffers)
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
-
-    def will_read(self, names: Iterable[str]) -> None:
-        """Blocks a restore is about to read (FileLayer.will_read)."""
-        for name in names:
-            self._fs.will_read(self.path(name))
 
     def read_into(self, name: str, buffer: bytearray) -> memoryview:
         """The protocol's whole-object read, into ``buffer`` when it fits (never resized)."""

@@ -54,9 +54,7 @@ class EntryRead:
         descriptor = blk.with_xxh3(header.descriptor, header.block_xxh3)
         # every array rebuild allocates is bounded by the bytes actually on disk, never by a
         # size the header declares: a planted header cannot force a huge allocation
-        sizes = self._stored_sizes(blk.blocks_for_prefix(blk.parse_descriptor(descriptor), cut))
-        # a cold restore: the disk reads every block while the destination is allocated
-        self._pool.will_read(sizes)
+        self._stored_sizes(blk.blocks_for_prefix(blk.parse_descriptor(descriptor), cut))
         caches, attachments = blk.rebuild(descriptor, None, cut, self._fill_all)
         # materialise here: a lazy array built on a worker thread cannot be
         # evaluated from the caller's thread (restore_async)
@@ -85,7 +83,7 @@ class EntryRead:
             raise
 
     def _fill_all(self, targets: Iterator[blk.Target]) -> None:
-        # the "read" threads: blocks read (several in flight for a cold disk) while others are hashed
+        # two threads: one block's read overlaps another's hash (both release the GIL)
         for _ in self._io.map(self._fill, targets):
             pass
 
