@@ -8,6 +8,7 @@ Decoding goes back through each class's own ``from_state``/state protocol."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -25,6 +26,7 @@ from mlx_lm.models.cache import (
 )
 
 from blockkv.errors import CorruptHeaderError
+from blockkv.unfilled import unfilled_arrays
 
 # mlx dtype name -> (mlx dtype, numpy dtype holding the same raw bits).
 DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
@@ -93,20 +95,23 @@ def to_device(data: np.ndarray, dtype: str) -> mx.array:
     return out.view(mx_dtype) if dtype in _BITS_VIEW else out
 
 
-def device_buffer(dtype: str, shape: tuple[int, ...]) -> tuple[mx.array, np.ndarray]:
-    """A fresh mlx array of ``dtype`` and a writable numpy view of its raw bits.
+def device_buffers(specs: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[mx.array, np.ndarray]]:
+    """Fresh mlx arrays of these ``(dtype, shape)`` and writable numpy views of their raw bits.
 
-    Filling the view fills the array: a restore reads block bytes straight
-    into the memory mlx will use, with no second copy. (mlx has no ``empty``;
-    ``mx.load`` of an unfilled .npy stream gave one, but its reader thread
-    aborted 4 in 30 processes at exit, so the array is zeroed first.)"""
-    mx_dtype, host = DTYPES[dtype]
-    bits = mx.zeros(shape, dtype=_BITS_VIEW.get(dtype, mx_dtype))
-    mx.eval(bits)
-    view = np.asarray(memoryview(bits)).view(host)
-    if not (view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(shape)):
-        raise RuntimeError("mlx did not expose a writable contiguous buffer")
-    return (bits.view(mx_dtype) if dtype in _BITS_VIEW else bits), view
+    Filling a view fills its array: a restore reads block bytes straight into
+    the memory mlx will use, with no second copy. The memory is not zeroed
+    first (``unfilled.py``): the caller writes every byte or drops the arrays."""
+    kinds = [(_BITS_VIEW.get(dtype, DTYPES[dtype][0]), DTYPES[dtype][1], tuple(shape)) for dtype, shape in specs]
+    fresh = iter(unfilled_arrays([k for k in kinds if math.prod(k[2])]))
+    out = []
+    for (dtype, _), (bits_dtype, host, shape) in zip(specs, kinds):
+        bits = next(fresh) if math.prod(shape) else mx.zeros(shape, dtype=bits_dtype)
+        mx.eval(bits)
+        view = np.asarray(memoryview(bits)).view(host)
+        if not (view.flags.writeable and view.flags.c_contiguous and view.shape == shape):
+            raise RuntimeError("mlx did not expose a writable contiguous buffer")
+        out.append((bits.view(DTYPES[dtype][0]) if dtype in _BITS_VIEW else bits, view))
+    return out
 
 
 @dataclass(frozen=True)

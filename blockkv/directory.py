@@ -25,6 +25,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 import numpy as np
@@ -197,12 +198,21 @@ class Directory:
 
     def read_header(self, path: Path) -> Header:
         """Read and verify a header (checksum, bounds, descriptor); CorruptError otherwise."""
+        header = self._decode_header(path)
+        blk.validate_descriptor(header.descriptor)
+        return header
+
+    def read_for_restore(self, path: Path) -> tuple[Header, Any]:
+        """``read_header``, and its descriptor parsed with each block's xxh3: what a
+        restore needs, parsed once (a 34-block descriptor took 7 ms a parse)."""
+        header = self._decode_header(path)
+        return header, blk.with_xxh3(header.descriptor, header.block_xxh3)
+
+    def _decode_header(self, path: Path) -> Header:
         size = path.stat().st_size
         if size > MAX_HEADER_BYTES:
             raise CorruptError(f"{path.name}: {size} bytes is not a plausible header")
-        header = decode_header(self.fs.read(path))
-        blk.validate_descriptor(header.descriptor)
-        return header
+        return decode_header(self.fs.read(path))
 
     def record(self, entry_id: str, path: Path, header: Header, header_bytes: int) -> EntryRecord:
         """The index record a header implies."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -224,10 +224,11 @@ class LocalPool:
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 
-    def read_exact(self, name: str, buffers: Sequence[memoryview]) -> bool:
+    def read_exact(self, name: str, buffers: Sequence[memoryview],
+                   on_read: Callable[[Sequence[memoryview]], None] | None = None) -> bool:
         """The restore's fast path (FileLayer.read_exact)."""
         try:
-            return self._fs.read_exact(self.path(name), buffers)
+            return self._fs.read_exact(self.path(name), buffers, on_read)
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 

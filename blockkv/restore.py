@@ -47,14 +47,13 @@ class EntryRead:
     def run(self, cut: int | None) -> tuple[Header, list[Any], dict[str, Any]]:
         """The header and the caches (cut to ``cut`` tokens when given), materialised."""
         self._reading = "header"
-        header = self._dir.read_header(self._dir.header_path(self._entry.ns, self._entry.id))
+        header, descriptor = self._dir.read_for_restore(self._dir.header_path(self._entry.ns, self._entry.id))
         self._reading = ""
         if header.identity != self._identity or header.ns != self._entry.ns:
             raise IndexDisagrees("the header on disk is not the one indexed")
-        descriptor = blk.with_xxh3(header.descriptor, header.block_xxh3)
         # every array rebuild allocates is bounded by the bytes actually on disk, never by a
         # size the header declares: a planted header cannot force a huge allocation
-        self._stored_sizes(blk.blocks_for_prefix(blk.parse_descriptor(descriptor), cut))
+        self._stored_sizes(blk.blocks_for_prefix(descriptor, cut))
         caches, attachments = blk.rebuild(descriptor, None, cut, self._fill_all)
         # materialise here: a lazy array built on a worker thread cannot be
         # evaluated from the caller's thread (restore_async)
@@ -66,26 +65,34 @@ class EntryRead:
         """What ``exc`` was raised reading: "header", a block's name, or ""."""
         return self._reading or next((name for e, name in self._corrupt if e is exc), "")
 
-    def _fill(self, target: blk.Target) -> None:
+    def _fill(self, target: blk.Target) -> blk.Target:
         """Read a block straight into its destination and verify it there; a
         frame that is not the expected uncompressed one (zstd, or damage)
         is read whole and decoded, which names what is wrong."""
         name = target.ref.name
         try:
             prefix = bytearray(len(target.frame_prefix))
-            if self._pool.read_exact(name, [memoryview(prefix), *target.pieces]) and prefix == target.frame_prefix:
-                if self._verify:
-                    target.verify(full=self._verify == "full", key=self._key)
+            head = memoryview(prefix)
+            check = target.check(full=self._verify == "full", key=self._key) if self._verify else None
+
+            def feed(run: Sequence[memoryview]) -> None:  # each run of pieces, while still in the CPU cache
+                for piece in run:
+                    if piece is not head and check is not None:
+                        check.update(piece)
+
+            if self._pool.read_exact(name, [head, *target.pieces], feed) and prefix == target.frame_prefix:
+                if check is not None:
+                    check.finish()
             else:
                 target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self._verify), key=self._key))
         except CorruptBlockError as exc:
             self._corrupt.append((exc, name))
             raise
+        return target
 
-    def _fill_all(self, targets: Iterator[blk.Target]) -> None:
-        # two threads: one block's read overlaps another's hash (both release the GIL)
-        for _ in self._io.map(self._fill, targets):
-            pass
+    def _fill_all(self, targets: Iterator[blk.Target]) -> Iterator[blk.Target]:
+        # two threads: one block's read overlaps another's hash
+        return self._io.map(self._fill, targets)
 
     def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
         """Bytes on disk of each block a restore needs. A block whose file could not

@@ -9,6 +9,7 @@ a header whose xxh3 is wrong convicts the header, never the shared block."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +42,15 @@ def test_every_payload_byte_flip_fails_the_check(verify: bool | str) -> None:
     payloads = {b.ref.name: b"".join(bytes(c) for p in b.parts for c in blk._chunks(p)) for b in layout.blocks}
     entry = blk.with_xxh3(layout.descriptor, layout.block_xxh3)
     targets: list[blk.Target] = []
-    blk.rebuild(entry, None, None, lambda ts: targets.extend(ts))
+
+    def fill(made: Iterator[blk.Target]) -> Iterator[blk.Target]:
+        for target in made:
+            target.scatter(payloads[target.ref.name])
+            targets.append(target)
+            yield target
+
+    blk.rebuild(entry, None, None, fill)
     for target in targets:
-        target.scatter(payloads[target.ref.name])
         target.verify(full=verify == "full")  # intact: passes
         for piece in target.pieces:
             for i in range(piece.nbytes):

@@ -410,9 +410,9 @@ class CountingFileLayer(FileLayer):
         self._count(path)
         return super().read(path)
 
-    def read_exact(self, path: Path, buffers: Sequence[memoryview]) -> bool:
+    def read_exact(self, path: Path, buffers: Sequence[memoryview], on_read: Any = None) -> bool:
         self._count(path)
-        return super().read_exact(path, buffers)
+        return super().read_exact(path, buffers, on_read)
 
 
 def open_store(

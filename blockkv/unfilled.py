@@ -1,0 +1,86 @@
+"""Destination arrays for a restore: mlx arrays whose memory nothing writes
+before the restore fills it.
+
+mlx 0.32 has no uninitialised allocation (``mx.zeros`` writes every byte, a
+third of a warm restore). Its ``mx.load`` of a Python stream allocates the
+array and hands its memory to the stream's ``readinto``; a ``.npy`` stream
+whose payload reads write nothing yields exactly that allocation, from the
+same buffer cache and heap as any mlx array.
+
+Two things make that safe:
+
+- **Every byte is written before an array is used.** ``blocks.rebuild``
+  counts the bytes its targets cover per destination and refuses an entry
+  whose blocks do not cover every byte; a restore that fails part-way drops
+  its arrays. Memory reused from another array is never served.
+- **The stream is released before we return.** mlx drops its reference to the
+  stream on one of its I/O threads, after the load; if the interpreter is
+  finalising by then, that thread cannot take the GIL and the process aborts
+  at exit (2 in 40 processes that allocated and exited at once). Waiting
+  here until every stream has been collected (a weakref callback) closes
+  that window: 0 in 150.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_RELEASE_WAIT = 10.0  # seconds: mlx releases a stream microseconds after the load
+
+
+class _Unfilled(io.RawIOBase):
+    """A ``.npy`` stream of ``host`` values in ``shape`` whose payload is never written."""
+
+    def __init__(self, host: np.dtype, shape: tuple[int, ...]) -> None:
+        meta = f"{{'descr': '{host.str}', 'fortran_order': False, 'shape': {tuple(shape)!r}, }}"
+        meta += " " * (63 - (10 + len(meta)) % 64) + "\n"  # the header ends 64-aligned, as numpy writes it
+        self._head = b"\x93NUMPY\x01\x00" + len(meta).to_bytes(2, "little") + meta.encode()
+        self._size = len(self._head) + int(np.prod(shape, dtype=np.int64)) * host.itemsize
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        n = memoryview(buffer).nbytes
+        if self._pos < len(self._head):  # the header is read; the payload is left as it is
+            n = min(n, len(self._head) - self._pos)
+            memoryview(buffer).cast("B")[:n] = self._head[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+def unfilled_arrays(specs: Sequence[tuple[mx.Dtype, np.dtype, tuple[int, ...]]]) -> list[mx.array]:
+    """One evaluated, row-contiguous mlx array per ``(bits dtype, host dtype, shape)``,
+    its contents whatever the memory held: the caller writes every byte."""
+    sources = [_Unfilled(host, shape) for _, host, shape in specs]
+    released = threading.Semaphore(0)
+    watches = [weakref.ref(s, lambda _: released.release()) for s in sources]
+    arrays = [mx.load(source, format="npy", stream=mx.cpu) for source in sources]
+    for a, (bits, _, shape) in zip(arrays, specs):
+        if a.dtype != bits or tuple(a.shape) != tuple(shape):
+            raise RuntimeError(f"mlx loaded {a.dtype}{tuple(a.shape)} for {bits}{tuple(shape)}")
+    mx.eval(arrays)
+    del sources
+    for _ in watches:
+        if not released.acquire(timeout=_RELEASE_WAIT):
+            log.warning("blockkv: mlx has not released a load stream after %.0f s", _RELEASE_WAIT)
+            break
+    return arrays
