@@ -521,13 +521,6 @@ class Target:
             piece[:] = view[offset : offset + piece.nbytes]
             offset += piece.nbytes
 
-    def verify(self, full: bool = False, key: bytes | None = None) -> None:
-        """Check the filled pieces (see ``Check``)."""
-        check = self.check(full, key)
-        for piece in self.pieces:
-            check.update(piece)
-        check.finish()
-
     def check(self, full: bool = False, key: bytes | None = None) -> Check:
         """A check of this block's bytes fed piece by piece as they arrive, so a
         reader can hash each run of pieces while it is still in the CPU cache."""

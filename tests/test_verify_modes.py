@@ -30,13 +30,21 @@ def _open(root: Path, verify: bool | str) -> BlockStore:
                       max_bytes=1 << 40, block_tokens=4, verify=verify)
 
 
+def _verify(target: blk.Target, verify: bool | str) -> None:
+    """The check a restore runs, over the target's pieces as they are now."""
+    check = target.check(full=verify == "full")
+    for piece in target.pieces:
+        check.update(piece)
+    check.finish()
+
+
 def _bits(caches: list) -> tuple:
     return tuple(live_bits(c) for c in caches)
 
 
 @pytest.mark.parametrize("verify", MODES)
 def test_every_payload_byte_flip_fails_the_check(verify: bool | str) -> None:
-    """Target.verify over every byte of every block of an entry."""
+    """A target's check over every byte of every block of an entry."""
     caches = make_caches("llama", list(range(1, 10)))
     layout = blk.split_entry(caches, block_tokens=4)
     payloads = {b.ref.name: b"".join(bytes(c) for p in b.parts for c in blk._chunks(p)) for b in layout.blocks}
@@ -51,12 +59,12 @@ def test_every_payload_byte_flip_fails_the_check(verify: bool | str) -> None:
 
     blk.rebuild(entry, None, None, fill)
     for target in targets:
-        target.verify(full=verify == "full")  # intact: passes
+        _verify(target, verify)  # intact: passes
         for piece in target.pieces:
             for i in range(piece.nbytes):
                 piece[i] ^= 0x10
                 with pytest.raises(CorruptBlockError):
-                    target.verify(full=verify == "full")
+                    _verify(target, verify)
                 piece[i] ^= 0x10
 
 
