@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,12 +74,7 @@ class EntryRead:
             prefix = bytearray(len(target.frame_prefix))
             head = memoryview(prefix)
             check = target.check(full=self._verify == "full", key=self._key) if self._verify else None
-
-            def feed(run: Sequence[memoryview]) -> None:  # each run of pieces, while still in the CPU cache
-                for piece in run:
-                    if piece is not head and check is not None:
-                        check.update(piece)
-
+            feed = None if check is None else _feeder(check, head)
             if self._pool.read_exact(name, [head, *target.pieces], feed) and prefix == target.frame_prefix:
                 if check is not None:
                     check.finish()
@@ -111,3 +106,16 @@ class EntryRead:
                                    f"whose {st.st_size}-byte file cannot hold them")
             sizes[ref.name] = st.st_size
         return sizes
+
+
+def _feeder(check: blk.Check, skip: memoryview) -> Callable[[Sequence[memoryview]], None]:
+    """What ``read_exact`` hands each run of filled buffers to: the block's
+    check, fed every buffer but ``skip`` (the frame's header) while the
+    bytes are still in the CPU cache."""
+
+    def feed(run: Sequence[memoryview]) -> None:
+        for piece in run:
+            if piece is not skip:
+                check.update(piece)
+
+    return feed
