@@ -19,6 +19,9 @@ Two things make that safe:
   at exit (2 in 40 processes that allocated and exited at once). Waiting
   here until every stream has been collected (a weakref callback) closes
   that window: 0 in 150.
+
+An mlx that loads such a stream differently (this rests on how 0.32 reads
+one) gets zeroed arrays instead, with one warning: slower, never a miss.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _RELEASE_WAIT = 10.0  # seconds: mlx releases a stream microseconds after the load
+_refused = False  # mlx refused an unfilled stream once: zeroed arrays from then on
 
 
 class _Unfilled(io.RawIOBase):
@@ -69,7 +73,25 @@ class _Unfilled(io.RawIOBase):
 
 def unfilled_arrays(specs: Sequence[tuple[mx.Dtype, np.dtype, tuple[int, ...]]]) -> list[mx.array]:
     """One evaluated, row-contiguous mlx array per ``(bits dtype, host dtype, shape)``,
-    its contents whatever the memory held: the caller writes every byte."""
+    its contents whatever the memory held: the caller writes every byte.
+
+    An mlx that does not load such a stream (another version may read it
+    differently) gets zeroed arrays instead, with one warning: a restore
+    then costs the zeroing, never a miss."""
+    global _refused
+    if not _refused:
+        try:
+            return _loaded(specs)
+        except Exception as exc:  # noqa: BLE001 - any refusal by mlx: fall back, say it once
+            _refused = True
+            log.warning("blockkv: mlx did not load an unfilled stream (%s: %s); restores zero their arrays",
+                        type(exc).__name__, exc)
+    arrays = [mx.zeros(shape, dtype=bits) for bits, _, shape in specs]
+    mx.eval(arrays)
+    return arrays
+
+
+def _loaded(specs: Sequence[tuple[mx.Dtype, np.dtype, tuple[int, ...]]]) -> list[mx.array]:
     sources = [_Unfilled(host, shape) for _, host, shape in specs]
     released = threading.Semaphore(0)
     watches = [weakref.ref(s, lambda _: released.release()) for s in sources]

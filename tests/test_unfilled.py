@@ -5,18 +5,24 @@ mlx uses to allocate them never aborts a process at exit."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from blockkv import unfilled
 from blockkv.blocks import Target, rebuild, split_entry, validate_descriptor
 from blockkv.codec import device_buffers
 from blockkv.errors import CorruptHeaderError
+from blockkv.store import BlockStore
+from blockkv.testing.stateful import live_bits
+from blockkv.testing.strategies import make_caches
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 
@@ -71,3 +77,27 @@ def test_processes_that_allocate_and_exit_at_once_exit_cleanly() -> None:
     with ThreadPoolExecutor(2) as pool:
         codes = list(pool.map(_exit_code, range(24)))
     assert codes == [0] * 24
+
+
+def test_an_mlx_that_refuses_the_stream_costs_zeroing_not_restores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Another mlx may not load an unfilled stream: restores then zero their
+    arrays, still restore bit-exact, and the log says so once."""
+
+    def refuse(*_: object, **__: object) -> None:
+        raise RuntimeError("[load] this mlx reads streams differently")
+
+    monkeypatch.setattr(unfilled.mx, "load", refuse)
+    monkeypatch.setattr(unfilled, "_refused", False)
+    tokens = list(range(3, 140))
+    caches = make_caches("llama", tokens)
+    with BlockStore(tmp_path / "root", model_id="m", config_fingerprint="fp", tokenizer_hash="t",
+                    max_bytes=1 << 30, block_tokens=32) as store:
+        assert store.store(tokens, caches)
+        entry = store.find_exact(tokens).entry
+        with caplog.at_level(logging.WARNING, logger="blockkv"):
+            for _ in range(2):
+                loaded = store.restore(entry)
+                assert loaded is not None
+                assert [live_bits(c) for c in loaded.caches] == [live_bits(c) for c in caches]
+    assert sum("did not load an unfilled stream" in r.getMessage() for r in caplog.records) == 1
