@@ -26,7 +26,6 @@ from blockkv.directory import CODEC_ID, block_key, entry_record, fingerprint_dir
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError
 from blockkv.header import SUFFIX, Header, Identity
 from blockkv.pool import Layout
-from blockkv.reader import entry_of
 from blockkv.records import Entry, EntryRecord
 from blockkv.s3_pool import S3Pool
 
@@ -156,7 +155,7 @@ def read_bucket(bucket: Bucket, identity: Identity) -> BucketView:
             foreign[header.identity] += 1
             continue
         last_use = max(listed.headers[name].last_modified, listed.used.get(name, 0.0))
-        entries.append(entry_of(record, record.header_bytes + sum(listed.blocks[b].size for b in record.blocks),
+        entries.append(Entry.of(record, record.header_bytes + sum(listed.blocks[b].size for b in record.blocks),
                                 last_use))
     unreferenced = [i for n, i in listed.blocks.items() if n not in referenced]
     return BucketView(

@@ -17,7 +17,7 @@ import numpy as np
 
 from .index import Index, gc_paused
 from .prefix_index import PrefixIndex
-from .records import CHECKPOINT_NS, Entry, EntryRecord, GenerationCheckpoint, Match
+from .records import CHECKPOINT_NS, Entry, EntryRecord, Match
 
 
 class Catalog:
@@ -70,14 +70,7 @@ class Catalog:
             self._add(record, last_use, sizes)
 
     def _add(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
-        checkpoint = GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None
-        entry = Entry(
-            id=record.id, ns=record.ns, token_array=record.tokens,
-            nbytes=record.header_bytes + sum(sizes.get(n, 0) for n in record.blocks),
-            header_bytes=record.header_bytes, blocks=record.blocks, last_use=last_use,
-            trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
-            checkpoint=checkpoint, attachments=record.attachments,
-        )
+        entry = Entry.of(record, record.header_bytes + sum(sizes.get(n, 0) for n in record.blocks), last_use)
         if record.owner != self._owner:
             self._foreign[entry.id] = entry
             return

@@ -17,15 +17,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-
-from blockkv import Entry, GenerationCheckpoint
+from blockkv import Entry
 from blockkv.directory import Directory, read_identity
 from blockkv.errors import CorruptError
 from blockkv.fs import FileLayer
 from blockkv.header import Identity
 from blockkv.index import read_only_entries
-from blockkv.records import EntryRecord
-
 
 
 @dataclass(frozen=True)
@@ -86,22 +83,11 @@ def read_directory(path: Path) -> DirectoryView:
             continue
         header_bytes += record.header_bytes
         sizes.update((n, _block_size(directory, n)) for n in record.blocks if n not in sizes)
-        entries.append(entry_of(record, record.header_bytes + sum(sizes[n] for n in record.blocks),
+        entries.append(Entry.of(record, record.header_bytes + sum(sizes[n] for n in record.blocks),
                                 last_use.get(entry_id, 0.0)))
     return DirectoryView(
         identity=identity, entries=entries, foreign=foreign, corrupt_headers=corrupt, dangling=dangling,
         disk_bytes=header_bytes + sum(sizes.values()), blocks=len(sizes), index_used=indexed is not None,
-    )
-
-
-def entry_of(record: EntryRecord, nbytes: int, last_use: float) -> Entry:
-    """The ``Entry`` a tool shows for an index record (``nbytes``: header plus blocks)."""
-    return Entry(
-        id=record.id, ns=record.ns, token_array=record.tokens, nbytes=nbytes,
-        header_bytes=record.header_bytes, blocks=record.blocks, last_use=last_use,
-        trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
-        checkpoint=GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None,
-        attachments=record.attachments,
     )
 
 

@@ -70,6 +70,17 @@ class Entry:
     checkpoint: GenerationCheckpoint | None
     attachments: tuple[str, ...]
 
+    @classmethod
+    def of(cls, record: EntryRecord, nbytes: int, last_use: float) -> Entry:
+        """The entry an index record describes (``nbytes``: its header plus its blocks)."""
+        return cls(
+            id=record.id, ns=record.ns, token_array=record.tokens, nbytes=nbytes,
+            header_bytes=record.header_bytes, blocks=record.blocks, last_use=last_use,
+            trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
+            checkpoint=GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None,
+            attachments=record.attachments,
+        )
+
     @property
     def tokens(self) -> tuple[int, ...]:
         return tuple(self.token_array.tolist())
