@@ -193,9 +193,10 @@ def _block_parts(tensors: Sequence[TensorRecord], start: int, stop: int) -> list
     return out
 
 
-def _row_bytes(t: TensorRecord) -> int:
-    """Bytes one token row of ``t`` adds to a block (every head's row)."""
-    return math.prod(t.shape[:-2]) * t.shape[-1] * DTYPES[t.dtype][1].itemsize
+def _row_geometry(t: TensorRecord) -> tuple[int, int]:
+    """(heads, bytes of one head's token row) of a token-axis tensor: a token
+    row adds ``heads`` runs of that many bytes to a block."""
+    return math.prod(t.shape[:-2]), t.shape[-1] * DTYPES[t.dtype][1].itemsize
 
 
 def _rows_part(t: TensorRecord, a: int, b: int) -> Part:
@@ -393,7 +394,7 @@ def _parse(obj: Any) -> _Entry:
     ranges = _token_ranges(token, block_tokens)
     if len(ranges) != len(token_raw) or len(state) != len(state_raw):
         raise _bad("block lists do not match the records")
-    spans = [(t.token_start, t.token_stop, _row_bytes(t)) for t in token]
+    spans = [(t.token_start, t.token_stop, math.prod(_row_geometry(t))) for t in token]
     token_refs = []
     for (start, stop), ref in zip(ranges, token_raw):
         raw = sum((min(stop, b) - max(start, a)) * row for a, b, row in spans if a < stop and start < b)
@@ -572,7 +573,7 @@ class _TokenTargets:
 
     def __init__(self, full: Sequence[TensorRecord], dest: Sequence[memoryview], rows: Sequence[int]) -> None:
         self._full, self._dest, self._rows = full, dest, rows
-        self._geometry = [(math.prod(t.shape[:-2]), t.shape[-1] * DTYPES[t.dtype][1].itemsize) for t in full]
+        self._geometry = [_row_geometry(t) for t in full]
         self._layouts: dict[tuple[tuple[int, int], ...], bytes] = {}
 
     def __call__(self, ref: BlockRef) -> Target:
@@ -615,8 +616,8 @@ def rebuild(
     """Real mlx-lm caches (at ``prefix_len`` if given) and the attachments.
 
     The blocks ``blocks_for_prefix`` names become ``Target`` s over the memory of
-    the mlx arrays that the caches will hold. ``fill(targets)`` fills them all as
-    they are made (in any order, on any threads; a store reads the files straight into them)
+    the mlx arrays that the caches will hold. ``fill(targets)`` fills them all
+    (in any order, on any threads; a store reads the files straight into them)
     and yields each target once it is filled.
     Without it, ``payloads`` maps names to verified payloads, or is a function
     fetching one, asked one block at a time (a returned buffer may be reused
@@ -631,7 +632,7 @@ def rebuild(
     flats = [_flat(view) for _, view in token_dest]
     token_target = _TokenTargets(full, flats, [t.shape[-2] for t in cut])
 
-    def targets() -> Iterator[Target]:  # built while the first ones are being filled
+    def targets() -> Iterator[Target]:  # made as ``fill`` asks for them
         for ref in entry.token_refs:
             if prefix_len is not None and ref.start >= prefix_len:
                 break
