@@ -45,9 +45,10 @@ class _Unfilled(io.RawIOBase):
     """A ``.npy`` stream of ``host`` values in ``shape`` whose payload is never written."""
 
     def __init__(self, host: np.dtype, shape: tuple[int, ...]) -> None:
-        meta = f"{{'descr': '{host.str}', 'fortran_order': False, 'shape': {tuple(shape)!r}, }}"
-        meta += " " * (63 - (10 + len(meta)) % 64) + "\n"  # the header ends 64-aligned, as numpy writes it
-        self._head = b"\x93NUMPY\x01\x00" + len(meta).to_bytes(2, "little") + meta.encode()
+        head = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            head, {"descr": np.lib.format.dtype_to_descr(host), "fortran_order": False, "shape": tuple(shape)})
+        self._head = head.getvalue()
         self._size = len(self._head) + int(np.prod(shape, dtype=np.int64)) * host.itemsize
         self._pos = 0
 
