@@ -27,10 +27,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from . import blocks as blk
-from .directory import HEADER_LAYOUT
+from .directory import HEADER_LAYOUT, verified_header
 from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
 from .fs import Buffer
-from .header import MAX_HEADER_BYTES, Header, Identity, decode_header
+from .header import Header, Identity, decode_header
 from .pool import BLOCK_LAYOUT, Layout
 from .s3_pool import S3Pool
 
@@ -68,15 +68,6 @@ def _outage(what: str) -> Iterator[None]:
     except Exception as exc:  # noqa: BLE001 - obstore raises many types for one meaning
         first_line = str(exc).strip().partition("\n")[0]  # obstore appends pages of debug detail
         raise BucketError(f"bucket {what} failed: {first_line}") from exc
-
-
-def verified_header(name: str, data: bytes) -> Header:
-    """What a header's bytes say, verified (checksum, bounds, descriptor); CorruptError otherwise."""
-    if len(data) > MAX_HEADER_BYTES:
-        raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
-    header = decode_header(data)
-    blk.validate_descriptor(header.descriptor)
-    return header
 
 
 @dataclass(frozen=True)
@@ -321,7 +312,7 @@ class Bucket:
         for name in damaged:
             self._header_blocks[name] = None
         for name, (_, header) in found.items():
-            refs = blk.blocks_for_prefix(blk.parse_descriptor(header.descriptor), None)
+            refs = blk.blocks_for_prefix(header.descriptor, None)
             self._header_blocks[name] = tuple(dict.fromkeys(r.name for r in refs))
         return {n: self._header_blocks[n] for n in names if n in self._header_blocks}
 

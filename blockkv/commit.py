@@ -349,6 +349,6 @@ class AdoptedBlocks(BlockWriter):
 def adopted_layout(header: Header) -> blk.EntryLayout:
     """An entry's layout as its header states it: the block names without their
     bytes (``AdoptedBlocks`` fetches those), for ``Commits.publish``."""
-    refs = blk.blocks_for_prefix(blk.parse_descriptor(header.descriptor), None)
+    refs = blk.blocks_for_prefix(header.descriptor, None)
     unique = {r.name: r for r in refs}
     return blk.EntryLayout(header.descriptor, [blk.Block(r, [], []) for r in unique.values()])

@@ -119,6 +119,15 @@ def _is_tmp(name: str) -> bool:
     return name.startswith(".") and name.endswith(TMP_SUFFIX)
 
 
+def verified_header(name: str, data: bytes) -> Header:
+    """What a header's bytes say, verified (checksum, bounds, descriptor); CorruptError otherwise."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
+    header = decode_header(data)
+    blk.validate_descriptor(header.descriptor)
+    return header
+
+
 def entry_record(entry_id: str, rel: str, header: Header, header_bytes: int) -> EntryRecord:
     """The index record a header implies (``rel``: where the header lives, a
     path under the fingerprint directory or a key under the bucket's)."""
@@ -198,21 +207,20 @@ class Directory:
 
     def read_header(self, path: Path) -> Header:
         """Read and verify a header (checksum, bounds, descriptor); CorruptError otherwise."""
-        header = self._decode_header(path)
-        blk.validate_descriptor(header.descriptor)
-        return header
+        return verified_header(path.name, self._header_bytes(path))
 
     def read_for_restore(self, path: Path) -> tuple[Header, Any]:
         """``read_header``, and its descriptor parsed with each block's xxh3: what a
         restore needs, parsed once (a 34-block descriptor took 7 ms a parse)."""
-        header = self._decode_header(path)
+        header = decode_header(self._header_bytes(path))
         return header, blk.with_xxh3(header.descriptor, header.block_xxh3)
 
-    def _decode_header(self, path: Path) -> Header:
+    def _header_bytes(self, path: Path) -> bytes:
+        """A header file's bytes; one too large to be a header is not read."""
         size = path.stat().st_size
         if size > MAX_HEADER_BYTES:
             raise CorruptError(f"{path.name}: {size} bytes is not a plausible header")
-        return decode_header(self.fs.read(path))
+        return self.fs.read(path)
 
     def record(self, entry_id: str, path: Path, header: Header, header_bytes: int) -> EntryRecord:
         """The index record a header implies."""

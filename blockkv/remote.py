@@ -42,9 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import blocks as blk
-from .bucket import Bucket, BucketError, StoreTooSlow, verified_header
+from .bucket import Bucket, BucketError, StoreTooSlow
 from .catalog import Catalog
-from .directory import Directory, block_key, fingerprint_dirname, ns_dirname
+from .directory import Directory, block_key, fingerprint_dirname, ns_dirname, verified_header
 from .errors import BlockKVError, BlockMissingError, CorruptError
 from .header import SUFFIX, Header, Identity
 from .records import CHECKPOINT_NS, Entry, Match
@@ -270,7 +270,7 @@ class RemoteTier:
                 or name != header_name(header.ns, entry_id)):
             return False
         record = self._dir.record(entry_id, self._dir.header_path(header.ns, entry_id), header, len(data))
-        refs = blk.blocks_for_prefix(blk.parse_descriptor(header.descriptor), None)
+        refs = blk.blocks_for_prefix(header.descriptor, None)
         self.catalog.add(record, last_modified, {r.name: r.raw_bytes for r in refs})  # raw: stored sizes unknown
         self._remote_only[entry_id] = name
         self._remote_blocks.update(record.blocks)

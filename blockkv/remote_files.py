@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from .bucket import verified_header
+from .directory import verified_header
 from .errors import CorruptError
 from .fs import DIR_MODE, FILE_MODE, FileLayer, refuse_linked
 from .header import Header
