@@ -5,8 +5,7 @@ tensor blocks; an LMDB table of refcounts and last-use times makes open and
 find fast and can always be rebuilt from the files.
 """
 
-from .codec import minimum_reusable_offset, register_codec, trimmable
-from .errors import (
+from blockkv.errors import (
     BlockKVError,
     BlockMissingError,
     CorruptBlockError,
@@ -14,10 +13,11 @@ from .errors import (
     CorruptHeaderError,
     NewerFormatError,
 )
-from .check import CheckReport
-from .directory import list_fingerprints
-from .records import Entry, GenerationCheckpoint, Loaded, Match
-from .store import BlockStore
+from blockkv.format.codec import minimum_reusable_offset, register_codec, trimmable
+from blockkv.local.check import CheckReport
+from blockkv.local.directory import list_fingerprints
+from blockkv.records import Entry, GenerationCheckpoint, Loaded, Match
+from blockkv.store import BlockStore
 
 __all__ = [
     "BlockKVError",

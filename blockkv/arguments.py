@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from . import blocks as blk
-from .codec import record_offsets
-from .records import CHECKPOINT_NS, Entry, GenerationCheckpoint
+from blockkv.format import blocks as blk
+from blockkv.format.codec import record_offsets
+from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint
 
 MAX_NS_BYTES = 1024  # a namespace names a tenant or session, not a payload
 MAX_TOKEN = (1 << 32) - 1

@@ -39,10 +39,8 @@ from typing import Any, NoReturn
 import lmdb
 from tqdm import tqdm
 
-from blockkv.directory import Directory, read_identity
 from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
-from blockkv.check import CheckReport, check_directory
 from blockkv.human import (
     format_ratio,
     format_size,
@@ -52,9 +50,11 @@ from blockkv.human import (
     parse_size,
     render_table,
 )
-from blockkv.identity import describe_fingerprint
-from blockkv.index import read_only_block_rows
-from blockkv.reader import DirectoryView, read_directory
+from blockkv.local.check import CheckReport, check_directory
+from blockkv.local.directory import Directory, read_identity
+from blockkv.local.index import read_only_block_rows
+from blockkv.local.reader import DirectoryView, read_directory
+from blockkv.serving.identity import describe_fingerprint
 from blockkv.store import ROOT_MARKER, BlockStore, Entry, FingerprintDir, list_fingerprints
 
 EXIT_OK = 0
@@ -292,7 +292,7 @@ def looked_at(args: argparse.Namespace) -> tuple[str, list[tuple[Any, Any]]]:
         root = check_root(args.root)
         fps = select_fingerprints(root, args.fingerprint, args.all, mutating=None)
         return str(root), [(fp, read_directory(fp.path)) for fp in fps]
-    from blockkv.bucket_view import read_bucket
+    from blockkv.remote.view import read_bucket
 
     views = []
     for fp in remote_fingerprints(args, mutating=None):
@@ -502,7 +502,7 @@ def check_remote(args: argparse.Namespace, results: list[tuple[Any, CheckReport,
     """``check --remote``: each chosen fingerprint directory in the bucket,
     verified (``bucket_view.check_bucket``; without ``--repair`` no write) into
     ``results``; returns the directories whose IDENTITY does not read."""
-    from blockkv.bucket_view import check_bucket
+    from blockkv.remote.view import check_bucket
 
     unreadable: list[str] = []
     for fp in remote_fingerprints(args, mutating="check --repair" if args.repair else None, unreadable=unreadable):
@@ -651,7 +651,7 @@ def remote_options(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, 
     """``--remote-option KEY=VALUE`` pairs, the ``remote_options`` a node runs
     with: (endpoint and credentials, over the AWS environment variables; the
     bucket protocol's settings such as ``grace`` and ``timeout``)."""
-    from blockkv.remote import split_options
+    from blockkv.remote.tier import split_options
 
     try:
         s3, settings, _ = split_options(dict(args.remote_option or ()))
@@ -676,7 +676,7 @@ def remote_fingerprints(
             "-f/--fingerprint or pass --all"
         )
     try:
-        from blockkv.bucket_view import list_bucket_fingerprints
+        from blockkv.remote.view import list_bucket_fingerprints
     except ImportError as exc:
         raise UsageError(f"--remote needs the s3 extra: {exc}") from None
     s3, settings = remote_options(args)
@@ -696,7 +696,7 @@ def open_bucket(args: argparse.Namespace, fp: Any) -> Iterator[Any]:
     the command's ``--remote-option`` settings: for ``gc`` and ``evict`` they must
     be the fleet's own (``grace``, ``sweep_window``, ``timeout``, ``max_retries``),
     as the nodes run with them."""
-    from blockkv.bucket import Bucket
+    from blockkv.remote.bucket import Bucket
 
     s3, settings = remote_options(args)
     try:
@@ -742,7 +742,7 @@ def evict_remote(args: argparse.Namespace) -> int:
     """``evict --remote``: fleet-wide LRU (``Bucket.evict_to``) until each chosen
     fingerprint directory's headers and referenced blocks fit in ``--to``; last
     use is every node's (``used/`` marks). The blocks go with a later ``gc --remote``."""
-    from blockkv.bucket_view import read_bucket
+    from blockkv.remote.view import read_bucket
 
     out: list[dict[str, Any]] = []
     for fp in remote_fingerprints(args, mutating="evict"):
@@ -782,8 +782,8 @@ def evict_remote(args: argparse.Namespace) -> int:
 # -- passthrough commands -------------------------------------------------------
 
 _PASSTHROUGH = {
-    "demo": "run the blockkv demo (arguments go to blockkv.demo)",
-    "serve": "run mlx-lm's server with blockkv as its cold tier (arguments go to blockkv.serve)",
+    "demo": "run the blockkv demo (arguments go to blockkv.serving.demo)",
+    "serve": "run mlx-lm's server with blockkv as its cold tier (arguments go to blockkv.serving.serve)",
     "bench": "run tools/bench.py from a source checkout (arguments go to it)",
 }
 
@@ -805,7 +805,7 @@ def run_passthrough(name: str, argv: list[str]) -> int:
     """Hand the rest of the command line, untouched, to the module's own main;
     imported only now so ``blockkv stats`` never imports mlx-lm's server."""
     try:
-        module = load_bench() if name == "bench" else importlib.import_module(f"blockkv.{name}")
+        module = load_bench() if name == "bench" else importlib.import_module(f"blockkv.serving.{name}")
     except UsageError as exc:
         print(f"blockkv {name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

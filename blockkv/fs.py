@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from .errors import NotRegularFileError
+from blockkv.errors import NotRegularFileError
 
 Buffer = bytes | bytearray | memoryview
 

@@ -25,31 +25,31 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
-from . import blocks as blk
-from . import writers
-from .arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
-from .arguments import open_only as _open_only
-from .catalog import Catalog
-from .check import CheckReport
-from .commit import Commits
-from .directory import CODEC_ID, KEYED_CODEC_ID, Directory, fingerprint_dirname, read_identity
-from .directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
-from .errors import LockTimeout
-from .executors import Executors
-from .fs import FileLayer
-from .header import Header, Identity
-from .index import Index
-from .index_keeper import IndexKeeper
-from .locks import DirLock
-from .records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, Match
-from .recovery import Recovery
-from .restore import EntryRead
-from .retention import Retention
-from .writers import IntentFile
+from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
+from blockkv.arguments import open_only as _open_only
+from blockkv.errors import LockTimeout
+from blockkv.format import blocks as blk
+from blockkv.format.header import Header, Identity
+from blockkv.fs import FileLayer
+from blockkv.local import writers
+from blockkv.local.catalog import Catalog
+from blockkv.local.check import CheckReport
+from blockkv.local.commit import Commits
+from blockkv.local.directory import CODEC_ID, KEYED_CODEC_ID, Directory, fingerprint_dirname, read_identity
+from blockkv.local.directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
+from blockkv.local.executors import Executors
+from blockkv.local.index import Index
+from blockkv.local.index_keeper import IndexKeeper
+from blockkv.local.locks import DirLock
+from blockkv.local.recovery import Recovery
+from blockkv.local.restore import EntryRead
+from blockkv.local.retention import Retention
+from blockkv.local.writers import IntentFile
+from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, Match
 
 if TYPE_CHECKING:
-    from .bucket import Bucket
-    from .remote import RemoteTier
+    from blockkv.remote.bucket import Bucket
+    from blockkv.remote.tier import RemoteTier
 
 log = logging.getLogger("blockkv")
 
@@ -119,7 +119,7 @@ class BlockStore:
         if remote is not None or remote_options is not None:
             if remote is None:
                 raise ValueError("remote_options given without remote")
-            from .remote import RemoteTier  # needs obstore: pip install 'blockkv[s3]'
+            from blockkv.remote.tier import RemoteTier  # needs obstore: pip install 'blockkv[s3]'
             self._remote = RemoteTier(remote, remote_options, self.identity, self._dir, self._warn,
                                       self._every_entry, self._adopt)
         self._dir.create(self.root)

@@ -1,5 +1,5 @@
 """A node of tests/test_bucket.py: entries built from real mlx-lm KVCache
-objects, uploaded and read through blockkv.bucket. Imported by the tests, and
+objects, uploaded and read through blockkv.remote.bucket. Imported by the tests, and
 run as its own process where concurrency matters:
 
     python tests/bucket_node.py fetch   ENDPOINT BUCKET OUT.npz
@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from blockkv import blocks as blk
-from blockkv.bucket import Bucket, BucketError, StoreSession, StoreTooSlow
-from blockkv.directory import CODEC_ID, fingerprint_dirname, ns_dirname
-from blockkv.header import Header, Identity, encode_header
+from blockkv.format import blocks as blk
+from blockkv.format.header import Header, Identity, encode_header
+from blockkv.local.directory import CODEC_ID, fingerprint_dirname, ns_dirname
+from blockkv.remote.bucket import Bucket, BucketError, StoreSession, StoreTooSlow
 
 CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 IDENTITY = Identity("tiny", "fp-test", "tok", CODEC_ID)

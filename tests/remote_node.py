@@ -20,8 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from blockkv import BlockStore
-from blockkv.bucket import BucketError
-from blockkv.remote import header_name
+from blockkv.remote.bucket import BucketError
+from blockkv.remote.tier import header_name
 from blockkv.testing.models import prefill, random_tokens, tiny_model  # noqa: F401 - for the tests too
 
 IDENT = dict(model_id="tiny-llama", config_fingerprint="tiny-llama@remote", tokenizer_hash="tok1")

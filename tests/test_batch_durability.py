@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from blockkv.fs import FileLayer
-from blockkv.pool import is_block_name
+from blockkv.pool.protocol import is_block_name
 from blockkv.store import BlockStore
 from blockkv.testing.faults import FaultyFileLayer
 from blockkv.testing.stateful import live_bits

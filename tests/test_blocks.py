@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockkv.blocks import (
+from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
+from blockkv.format.blocks import (
     _HEADER,
     EntryLayout,
     blocks_for_prefix,
@@ -25,7 +26,6 @@ from blockkv.blocks import (
     split_entry,
     validate_descriptor,
 )
-from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 

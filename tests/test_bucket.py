@@ -1,4 +1,4 @@
-"""blockkv.bucket against a real S3 server process (moto's, on 127.0.0.1).
+"""blockkv.remote.bucket against a real S3 server process (moto's, on 127.0.0.1).
 
 Nodes are separate processes where concurrency matters (tests/bucket_node.py).
 Blocks come from blocks.split_entry of real mlx-lm KVCache objects; every
@@ -17,18 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import bucket_node as node
 import numpy as np
 import obstore
 import pytest
 from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
-import bucket_node as node
-from blockkv import blocks as blk
-from blockkv.bucket import Bucket, BucketError, StoreTooSlow
-from blockkv.directory import ns_dirname
 from blockkv.errors import BlockMissingError, CorruptBlockError
-from blockkv.header import Identity
+from blockkv.format import blocks as blk
+from blockkv.format.header import Identity
+from blockkv.local.directory import ns_dirname
+from blockkv.remote.bucket import Bucket, BucketError, StoreTooSlow
 
 NODE = str(Path(__file__).with_name("bucket_node.py"))
 

@@ -15,7 +15,6 @@ import pytest
 from blockkv import BlockStore, GenerationCheckpoint, list_fingerprints
 from blockkv.arguments import MAX_NS_BYTES
 from blockkv.store import CHECKPOINT_NS
-
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 IDENT = dict(model_id="m", config_fingerprint="fp", tokenizer_hash="t", max_bytes=1 << 30)

@@ -22,7 +22,7 @@ import pytest
 
 from blockkv import BlockStore, list_fingerprints
 from blockkv.human import format_size, parse_size
-from blockkv.identity import KVQuant, readable_fingerprint
+from blockkv.serving.identity import KVQuant, readable_fingerprint
 
 SCRIPT = Path(sys.executable).with_name("blockkv")
 Command = Sequence[str | os.PathLike[str]]

@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import obstore
-
 import bucket_node as node
-from blockkv import blocks as blk
-from blockkv.bucket import Bucket
-from blockkv.directory import ns_dirname
+import obstore
 from test_bucket import endpoint, make_bucket, raw_store, server  # noqa: F401 - moto's server fixtures
 from test_cli import parsed, run_all
+
+from blockkv.format import blocks as blk
+from blockkv.local.directory import ns_dirname
+from blockkv.remote.bucket import Bucket
 
 GRACE = 9.0  # the shortest a 1 s request timeout allows: the test waits it out once
 TIMING = ["--remote-option", f"grace={GRACE}", "--remote-option", "timeout=1"]  # as the nodes would run

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from blockkv.codec import (
+from blockkv.errors import CorruptHeaderError
+from blockkv.format.codec import (
     decode_caches,
     encode_caches,
     minimum_reusable_offset,
@@ -22,7 +23,6 @@ from blockkv.codec import (
     trimmable,
     truncate_records,
 )
-from blockkv.errors import CorruptHeaderError
 from blockkv.testing.models import concatenate_cache, prefill, quantized, random_tokens, tiny_model
 
 

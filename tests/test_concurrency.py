@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tool_scripts import load
 
 from blockkv import BlockStore
 from blockkv.fs import FileLayer
-from tool_scripts import load
 
 mp_killloop = load("mp_killloop")
 

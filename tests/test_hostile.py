@@ -16,12 +16,19 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockkv.blocks import _HEADER as _BLOCK_HEADER
-from blockkv.blocks import _ZSTD_MAX_RATIO, COMPRESSIONS, FRAME_VERSION, decode_block, encode_block
-from blockkv.blocks import MAGIC as BLOCK_MAGIC
-from blockkv.blocks import split_entry, validate_descriptor
 from blockkv.errors import CorruptError
-from blockkv.header import MAGIC, VERSION, Header, Identity, decode_header, encode_header
+from blockkv.format.blocks import _HEADER as _BLOCK_HEADER
+from blockkv.format.blocks import (
+    _ZSTD_MAX_RATIO,
+    COMPRESSIONS,
+    FRAME_VERSION,
+    decode_block,
+    encode_block,
+    split_entry,
+    validate_descriptor,
+)
+from blockkv.format.blocks import MAGIC as BLOCK_MAGIC
+from blockkv.format.header import MAGIC, VERSION, Header, Identity, decode_header, encode_header
 
 _FIXED = struct.Struct("<8sHHII")
 _IDENTITY = Identity("m", "fp", "tok", "codec")

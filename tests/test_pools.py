@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from blockkv.fs import FileLayer
-from blockkv.memory_pool import MemoryPool
-from blockkv.pool import BLOCK_LAYOUT, Layout, LocalPool
+from blockkv.pool.local import LocalPool
+from blockkv.pool.memory import MemoryPool
+from blockkv.pool.protocol import BLOCK_LAYOUT, Layout
 from blockkv.testing.faults import FaultyFileLayer
 from blockkv.testing.pool_tests import PoolTests, name_for, payload
 

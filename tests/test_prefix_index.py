@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockkv.prefix_index import PrefixIndex
+from blockkv.local.prefix_index import PrefixIndex
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""blockkv.reader: the read-only view ``ls`` and ``stats`` use agrees with what a
+"""blockkv.local.reader: the read-only view ``ls`` and ``stats`` use agrees with what a
 store opened on the same directory serves, with its index trusted or lost."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from blockkv import BlockStore, list_fingerprints
-from blockkv.reader import read_directory
+from blockkv.local.reader import read_directory
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 

@@ -16,19 +16,18 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import obstore
 import pytest
-from moto.server import ThreadedMotoServer
-
 import remote_node as node
-from blockkv import BlockStore, GenerationCheckpoint
-from blockkv.directory import fingerprint_dirname
-from blockkv.remote import MANIFEST_MIN, header_name, unpack_manifest
+from moto.server import ThreadedMotoServer
 from test_bucket import endpoint, keys, make_bucket, raw_store, server  # noqa: F401 - the server fixtures
+
+from blockkv import BlockStore, GenerationCheckpoint
+from blockkv.local.directory import fingerprint_dirname
+from blockkv.remote.tier import MANIFEST_MIN, header_name, unpack_manifest
 
 NODE = str(Path(__file__).with_name("remote_node.py"))
 FP_DIR = fingerprint_dirname(node.IDENT["config_fingerprint"])

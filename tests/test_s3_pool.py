@@ -22,10 +22,10 @@ from botocore.exceptions import ClientError
 from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
-from blockkv.blocks import decode_block, encode_block, rebuild, split_entry
 from blockkv.errors import BlockMissingError, CorruptBlockError
-from blockkv.pool import BLOCK_LAYOUT, Layout
-from blockkv.s3_pool import S3Pool, parse_url
+from blockkv.format.blocks import decode_block, encode_block, rebuild, split_entry
+from blockkv.pool.protocol import BLOCK_LAYOUT, Layout
+from blockkv.pool.s3 import S3Pool, parse_url
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 from blockkv.testing.pool_tests import PoolTests, name_for, payload
 

@@ -10,17 +10,17 @@ import re
 import sys
 from pathlib import Path
 
+import bucket_node as node
 import mlx_lm
 import pytest
-
-import bucket_node as node
-from blockkv.bucket import Bucket
-from blockkv.bucket_view import list_bucket_fingerprints
-from blockkv.demo import Agent
-from blockkv.mlx_lm import PersistentPromptCache
-from blockkv.testing.model_dir import build_model_dir, sample_text
 from test_bucket import endpoint, make_bucket, server  # noqa: F401 - moto's server fixtures
 from test_serve import MAX_TOKENS, Server, _cached, _spills, _token_ids
+
+from blockkv.mlx_lm import PersistentPromptCache
+from blockkv.remote.bucket import Bucket
+from blockkv.remote.view import list_bucket_fingerprints
+from blockkv.serving.demo import Agent
+from blockkv.testing.model_dir import build_model_dir, sample_text
 
 
 def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint: str, tmp_path: Path) -> None:  # noqa: F811

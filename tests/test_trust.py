@@ -31,10 +31,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from blockkv import BlockStore, NewerFormatError
-from blockkv.codec import codec_for, register_codec
+from blockkv.format.codec import codec_for, register_codec
+from blockkv.format.header import Header, decode_header, encode_header
 from blockkv.fs import FileLayer
-from blockkv.header import Header, decode_header, encode_header
-from blockkv.index import Index
+from blockkv.local.index import Index
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 IDENT = dict(model_id="m", config_fingerprint="fp", tokenizer_hash="t", max_bytes=1 << 30)

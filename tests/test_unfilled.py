@@ -16,14 +16,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from blockkv import unfilled
-from blockkv.blocks import Target, rebuild, split_entry, validate_descriptor
-from blockkv.codec import device_buffers
 from blockkv.errors import CorruptHeaderError
+from blockkv.format import unfilled
+from blockkv.format.blocks import Target, rebuild, split_entry, validate_descriptor
+from blockkv.format.codec import device_buffers
 from blockkv.store import BlockStore
+from blockkv.testing.models import prefill, random_tokens, tiny_model
 from blockkv.testing.stateful import live_bits
 from blockkv.testing.strategies import make_caches
-from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8", "bool", "complex64", "uint64"])
@@ -58,7 +58,7 @@ def test_a_fill_that_leaves_bytes_unwritten_serves_nothing() -> None:
 
 _ALLOCATE_AND_EXIT = """
 import numpy as np
-from blockkv.codec import device_buffers
+from blockkv.format.codec import device_buffers
 made = device_buffers([("bfloat16", (1, 8, 512, 64))] * 8)
 for _, view in made:
     view[...] = 1

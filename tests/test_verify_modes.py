@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockkv import blocks as blk
 from blockkv.errors import CorruptBlockError, CorruptHeaderError
-from blockkv.header import Header, encode_header
+from blockkv.format import blocks as blk
+from blockkv.format.header import Header, encode_header
 from blockkv.store import BlockStore
 from blockkv.testing.stateful import live_bits
 from blockkv.testing.strategies import CACHE_KINDS, make_caches

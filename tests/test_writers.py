@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from blockkv import writers
 from blockkv.errors import LockTimeout
 from blockkv.fs import tmp_name
-from blockkv.locks import DirLock
+from blockkv.local import writers
+from blockkv.local.locks import DirLock
 
 NAME_A, NAME_B = "a" * 64, "b" * 64
 
@@ -23,7 +23,7 @@ _HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from blockkv.writers import IntentFile
+    from blockkv.local.writers import IntentFile
     intents = IntentFile(Path(sys.argv[1]))
     intents.add([sys.argv[2]])
     print(intents.token, flush=True)

@@ -41,10 +41,10 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from blockkv import BlockStore
+from blockkv.format.header import SUFFIX as HEADER_SUFFIX
 from blockkv.fs import FileLayer
-from blockkv.header import SUFFIX as HEADER_SUFFIX
-from blockkv.pool import is_block_name
-from blockkv.prefix_index import common_prefix_length
+from blockkv.local.prefix_index import common_prefix_length
+from blockkv.pool.protocol import is_block_name
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -1018,7 +1018,7 @@ def remote_restore(cfg: Config, work: Path) -> dict[str, Any]:
     same rep, the limit (plain concurrent GETs of the same block objects, as
     many threads as the bucket fetches with), B's warm local restore and mlx-lm's
     warm load of the same cache."""
-    from blockkv.bucket import Bucket
+    from blockkv.remote.bucket import Bucket
 
     n = cfg.remote_tokens
     src = KVSource.random(cfg.shape, n, seed=11)

@@ -1,4 +1,4 @@
-"""Which S3 client for blockkv.s3_pool: boto3 or obstore, on 4 MiB objects.
+"""Which S3 client for blockkv.pool.s3: boto3 or obstore, on 4 MiB objects.
 
 Starts moto's server on 127.0.0.1 and times, with each client, a plain PUT, a
 conditional PUT (``If-None-Match: *``, the pool's create) and a GET of the same

@@ -12,9 +12,9 @@ from __future__ import annotations
 import errno
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Literal
 
 from blockkv.fs import Buffer, FileLayer

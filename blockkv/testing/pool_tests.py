@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 import blake3
 import pytest
 
-from blockkv.directory import HEADER_LAYOUT
 from blockkv.errors import BlockMissingError
-from blockkv.pool import BLOCK_LAYOUT, BlobPool, Layout
+from blockkv.local.directory import HEADER_LAYOUT
+from blockkv.pool.protocol import BLOCK_LAYOUT, BlobPool, Layout
 
 
 def name_for(layout: Layout, data: bytes, ns: str = "0123456789abcdef") -> str:

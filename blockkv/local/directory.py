@@ -30,12 +30,13 @@ from typing import Any
 import blake3
 import numpy as np
 
-from . import blocks as blk
-from .errors import CorruptError
-from .fs import TMP_SUFFIX, FileLayer, refuse_linked
-from .header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
-from .pool import Layout, LocalPool, is_block_name
-from .records import EntryRecord
+from blockkv.errors import CorruptError
+from blockkv.format import blocks as blk
+from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
+from blockkv.fs import TMP_SUFFIX, FileLayer, refuse_linked
+from blockkv.pool.local import LocalPool
+from blockkv.pool.protocol import Layout, is_block_name
+from blockkv.records import EntryRecord
 
 log = logging.getLogger("blockkv")
 

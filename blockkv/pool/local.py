@@ -1,144 +1,17 @@
-"""The blob pool: content-addressed block files of one fingerprint.
+"""``LocalPool``: the blob pool on a local filesystem, ``blobs/<first 2 hex>/<64 hex blake3>``.
 
-``blobs/<first 2 hex>/<64 hex blake3>``. A name says what the bytes must be,
-so writing the same block twice is harmless and a reader can always tell a
-damaged file from a good one. The pool knows nothing of references: the index
-counts them and the store decides what may be deleted.
-
-``BlobPool`` is the protocol every backend meets (shaped by what an
-S3-compatible object store can do: conditional create, ranged get, stat,
-delete, list by prefix); ``LocalPool`` is the one on a local filesystem.
-docs/design.md ("Pool protocol") states the semantics.
+Every write and read goes through the ``FileLayer`` (the fault and power-loss seam).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
-from .errors import BlockMissingError
-from .fs import Buffer, FileLayer, refuse_linked, tmp_name
-
-_NAME = re.compile(r"[0-9a-f]{64}")
-
-
-def is_block_name(name: str) -> bool:
-    return _NAME.fullmatch(name) is not None
-
-
-@dataclass(frozen=True)
-class BlockFile:
-    name: str
-    size: int
-    mtime: float
-    etag: str | None = None  # where the backend has one (an object store's ETag)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a pool's names map to relative locations, ``<shard>/<leaf>``.
-
-    Blocks shard by their first two hex digits (``ab/ab12…``); headers already
-    carry their namespace directory (``<ns dir>/<uuid>.bkv``). The same
-    location is a path under a local directory and a key under a bucket prefix,
-    so every backend lays a pool out alike."""
-
-    pattern: re.Pattern[str]
-    sharded: bool
-
-    def check(self, name: str) -> str:
-        if not isinstance(name, str) or self.pattern.fullmatch(name) is None:
-            raise ValueError(f"{name!r} is not a name of this pool ({self.pattern.pattern})")
-        return name
-
-    def location(self, name: str) -> str:
-        return f"{name[:2]}/{name}" if self.sharded else name
-
-    def location_prefix(self, prefix: str) -> str:
-        """The location prefix under which every name starting with ``prefix`` lies."""
-        return f"{prefix[:2]}/{prefix}" if self.sharded and len(prefix) >= 2 else prefix
-
-    def name_of(self, location: str) -> str | None:
-        """The name stored at ``location``, or None for anything not of our shape."""
-        shard, _, leaf = location.partition("/")
-        name = leaf if self.sharded else location
-        if self.sharded and leaf[:2] != shard:
-            return None
-        return name if self.pattern.fullmatch(name) else None
-
-
-BLOCK_LAYOUT = Layout(_NAME, sharded=True)
-
-
-@dataclass(frozen=True)
-class Staged:
-    """A block written and fsync'd under a tmp name, waiting for ``LocalPool.publish``."""
-
-    tmp: Path
-    path: Path
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class PoolCapabilities:
-    """What a backend can promise; the store picks its write order and sweeps by them."""
-
-    durable_rename: bool  # a put is published by a local atomic rename/link, durable once it returns
-    consistent_listing: bool  # a listing shows every finished put and no finished delete
-    cheap_stat: bool  # exists/stat are a local syscall, not a network round trip
-    range_reads: bool  # get(start, end) transfers only the range
-    mtime: bool  # stat reports when the name was last written (sweeps go by age)
-
-
-@runtime_checkable
-class BlobPool(Protocol):
-    """Immutable named blobs: what a local directory and an object store both do.
-
-    A name, once created, always holds the same bytes until deleted: there is
-    no overwrite. Reads are of whole objects or byte ranges and are never torn:
-    a reader gets the bytes of one put or ``BlockMissingError``.
-    ``put_if_absent`` and ``get`` check names against the pool's ``layout``
-    (ValueError); the rest take names the caller listed or indexed."""
-
-    layout: Layout
-    capabilities: PoolCapabilities
-
-    def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
-        """Create ``name`` from ``parts`` (concatenated) unless it exists.
-        True if this call created it; False if the name was already there (its
-        bytes are left as they were: for a content-addressed name, a dedup hit)."""
-        ...
-
-    def get(self, name: str, start: int = 0, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` clipped to the object, like a slice; BlockMissingError if absent."""
-        ...
-
-    def read_into(self, name: str, buffer: bytearray) -> memoryview:
-        """The whole object, in ``buffer`` when it fits (never resized), else in fresh memory."""
-        ...
-
-    def exists(self, name: str) -> bool: ...
-
-    def stat(self, name: str) -> BlockFile:
-        """Size, mtime and etag where the backend has one; FileNotFoundError if absent."""
-        ...
-
-    def delete(self, name: str) -> None:
-        """Remove ``name``; nothing if it is already gone."""
-        ...
-
-    def list_prefix(self, prefix: str = "") -> Iterator[str]:
-        """Names starting with ``prefix``, in no particular order (no stat)."""
-        ...
-
-
-def check_range(start: int, end: int | None) -> None:
-    if start < 0 or (end is not None and end < start):
-        raise ValueError(f"byte range [{start}, {end}) is not a range")
+from blockkv.errors import BlockMissingError
+from blockkv.fs import Buffer, FileLayer, refuse_linked, tmp_name
+from blockkv.pool.protocol import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, Staged, check_range, is_block_name
 
 
 class LocalPool:

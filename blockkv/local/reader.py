@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockkv import Entry
-from blockkv.directory import Directory, read_identity
 from blockkv.errors import CorruptError
+from blockkv.format.header import Identity
 from blockkv.fs import FileLayer
-from blockkv.header import Identity
-from blockkv.index import read_only_entries
+from blockkv.local.directory import Directory, read_identity
+from blockkv.local.index import read_only_entries
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,18 @@ import xxhash
 import zstandard
 from blake3 import blake3
 
-from blockkv.codec import (
+from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
+from blockkv.format.codec import (
     DTYPES,
-    Data,
-    capture,
-    encode_cache,
     MAX_STR,
     CacheRecord,
+    Data,
     TensorRecord,
+    capture,
     decode_caches,
     device_buffers,
     dtype_name,
+    encode_cache,
     map_tensors,
     minimum_reusable_offset,
     records_from_descriptor,
@@ -44,7 +45,6 @@ from blockkv.codec import (
     truncate_records,
     walk_tensors,
 )
-from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
 
 FORMAT = 1
 DEFAULT_BLOCK_TOKENS = 256

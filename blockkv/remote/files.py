@@ -12,10 +12,10 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from .directory import verified_header
-from .errors import CorruptError
-from .fs import DIR_MODE, FILE_MODE, FileLayer, refuse_linked
-from .header import Header
+from blockkv.errors import CorruptError
+from blockkv.format.header import Header
+from blockkv.fs import DIR_MODE, FILE_MODE, FileLayer, refuse_linked
+from blockkv.local.directory import verified_header
 
 _UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog holds
 

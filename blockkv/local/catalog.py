@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from .index import Index, gc_paused
-from .prefix_index import PrefixIndex
-from .records import CHECKPOINT_NS, Entry, EntryRecord, Match
+from blockkv.local.index import Index, gc_paused
+from blockkv.local.prefix_index import PrefixIndex
+from blockkv.records import CHECKPOINT_NS, Entry, EntryRecord, Match
 
 
 class Catalog:

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import lmdb
 
-from . import writers
-from .catalog import Catalog
-from .directory import Directory
-from .errors import CorruptError
-from .index import BROKEN_INDEX, Index
-from .locks import DirLock
-from .records import EntryRecord
-from .recovery import Recovery
+from blockkv.errors import CorruptError
+from blockkv.local import writers
+from blockkv.local.catalog import Catalog
+from blockkv.local.directory import Directory
+from blockkv.local.index import BROKEN_INDEX, Index
+from blockkv.local.locks import DirLock
+from blockkv.local.recovery import Recovery
+from blockkv.records import EntryRecord
 
 
 class IndexKeeper:

@@ -21,12 +21,12 @@ import uuid
 from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 
-from . import writers
-from .directory import Directory
-from .errors import CorruptError, NewerFormatError
-from .fs import FileLayer
-from .index import Index
-from .records import EntryRecord
+from blockkv.errors import CorruptError, NewerFormatError
+from blockkv.fs import FileLayer
+from blockkv.local import writers
+from blockkv.local.directory import Directory
+from blockkv.local.index import Index
+from blockkv.records import EntryRecord
 
 
 class Recovery:

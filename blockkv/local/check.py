@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import blocks as blk
-from . import writers
-from .directory import Directory, block_key
-from .errors import BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
-from .index import BlockRow, read_only_block_rows
-from .locks import DirLock
+from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
+from blockkv.format import blocks as blk
+from blockkv.local import writers
+from blockkv.local.directory import Directory, block_key
+from blockkv.local.index import BlockRow, read_only_block_rows
+from blockkv.local.locks import DirLock
 
 Progress = Callable[[int, int], None]
 

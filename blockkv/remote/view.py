@@ -19,15 +19,15 @@ from dataclasses import dataclass
 
 import obstore
 
-from blockkv import blocks as blk
-from blockkv.bucket import Bucket, BucketError, ObjectInfo, _outage
-from blockkv.check import CheckReport
-from blockkv.directory import CODEC_ID, block_key, entry_record, fingerprint_dirname
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError
-from blockkv.header import SUFFIX, Header, Identity
-from blockkv.pool import Layout
+from blockkv.format import blocks as blk
+from blockkv.format.header import SUFFIX, Header, Identity
+from blockkv.local.check import CheckReport
+from blockkv.local.directory import CODEC_ID, block_key, entry_record, fingerprint_dirname
+from blockkv.pool.protocol import Layout
+from blockkv.pool.s3 import S3Pool
 from blockkv.records import Entry, EntryRecord
-from blockkv.s3_pool import S3Pool
+from blockkv.remote.bucket import Bucket, BucketError, ObjectInfo, _outage
 
 _MAX_IDENTITY_BYTES = 1 << 20
 _IDENTITY_LAYOUT = Layout(re.compile(r"[A-Za-z0-9._-]+/IDENTITY"), sharded=False)

@@ -28,7 +28,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from .errors import CorruptHeaderError, NewerFormatError
+from blockkv.errors import CorruptHeaderError, NewerFormatError
 
 MAGIC = b"BKVHDR\x00\x00"
 VERSION = 1

@@ -17,11 +17,11 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import blocks as blk
-from .directory import Directory, block_key
-from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
-from .header import Header, Identity
-from .records import Entry
+from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
+from blockkv.format import blocks as blk
+from blockkv.format.header import Header, Identity
+from blockkv.local.directory import Directory, block_key
+from blockkv.records import Entry
 
 
 class IndexDisagrees(BlockKVError):

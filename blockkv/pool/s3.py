@@ -22,16 +22,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from urllib.parse import urlparse
 
-from .errors import BlockMissingError
-from .fs import Buffer
-from .pool import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, check_range
+from blockkv.errors import BlockMissingError
+from blockkv.fs import Buffer
+from blockkv.pool.protocol import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, check_range
 
 try:
     import obstore
     from obstore.exceptions import AlreadyExistsError
     from obstore.store import S3Store
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("blockkv.s3_pool needs obstore: pip install 'blockkv[s3]'") from exc
+    raise ImportError("blockkv.pool.s3 needs obstore: pip install 'blockkv[s3]'") from exc
 
 # options key -> environment variable read when the key is absent
 OPTION_ENV = {

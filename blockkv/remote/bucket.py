@@ -26,18 +26,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from . import blocks as blk
-from .directory import HEADER_LAYOUT, verified_header
-from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
-from .fs import Buffer
-from .header import Header, Identity, decode_header
-from .pool import BLOCK_LAYOUT, Layout
-from .s3_pool import S3Pool
+from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
+from blockkv.format import blocks as blk
+from blockkv.format.header import Header, Identity, decode_header
+from blockkv.fs import Buffer
+from blockkv.local.directory import HEADER_LAYOUT, verified_header
+from blockkv.pool.protocol import BLOCK_LAYOUT, Layout
+from blockkv.pool.s3 import S3Pool
 
 try:
     import obstore
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("blockkv.bucket needs obstore: pip install 'blockkv[s3]'") from exc
+    raise ImportError("blockkv.remote.bucket needs obstore: pip install 'blockkv[s3]'") from exc
 
 _HEX32 = r"[0-9a-f]{32}"
 # the fingerprint directory's own objects: IDENTITY, MANIFEST (headers packed in one

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import LockTimeout
+from blockkv.errors import LockTimeout
 
 _POLL_START, _POLL_MAX = 0.001, 0.05
 

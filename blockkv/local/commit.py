@@ -26,16 +26,17 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from . import blocks as blk
-from . import writers
-from .directory import Directory, block_key
-from .errors import BlockKVError, CorruptError, LockTimeout
-from .fs import FileLayer, refuse_linked
-from .header import Header, Identity, encode_header
-from .index import Index
-from .pool import LocalPool, Staged
-from .records import Entry, GenerationCheckpoint
-from .writers import IntentFile
+from blockkv.errors import BlockKVError, CorruptError, LockTimeout
+from blockkv.format import blocks as blk
+from blockkv.format.header import Header, Identity, encode_header
+from blockkv.fs import FileLayer, refuse_linked
+from blockkv.local import writers
+from blockkv.local.directory import Directory, block_key
+from blockkv.local.index import Index
+from blockkv.local.writers import IntentFile
+from blockkv.pool.local import LocalPool
+from blockkv.pool.protocol import Staged
+from blockkv.records import Entry, GenerationCheckpoint
 
 
 @dataclass

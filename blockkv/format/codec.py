@@ -26,7 +26,7 @@ from mlx_lm.models.cache import (
 )
 
 from blockkv.errors import CorruptHeaderError
-from blockkv.unfilled import unfilled_arrays
+from blockkv.format.unfilled import unfilled_arrays
 
 # mlx dtype name -> (mlx dtype, numpy dtype holding the same raw bits).
 DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {

@@ -13,9 +13,9 @@ from collections.abc import Iterator, Sequence
 
 import blake3
 
-from .errors import BlockMissingError
-from .fs import Buffer
-from .pool import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, check_range
+from blockkv.errors import BlockMissingError
+from blockkv.fs import Buffer
+from blockkv.pool.protocol import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, check_range
 
 
 class MemoryPool:

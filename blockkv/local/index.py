@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from .errors import CorruptError
-from .records import EntryRecord
+from blockkv.errors import CorruptError
+from blockkv.records import EntryRecord
 
 FORMAT = b"blockkv-index-1"
 _BLOCK = struct.Struct("<IQd")

@@ -20,15 +20,15 @@ from typing import Protocol
 
 import lmdb
 
-from .arguments import check_size
-from .catalog import Catalog
-from .check import CheckReport, inspect, verify_blocks
-from .check import repair as repair_directory
-from .commit import Commits
-from .directory import Directory
-from .errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
-from .index_keeper import IndexKeeper
-from .records import Entry
+from blockkv.arguments import check_size
+from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
+from blockkv.local.catalog import Catalog
+from blockkv.local.check import CheckReport, inspect, verify_blocks
+from blockkv.local.check import repair as repair_directory
+from blockkv.local.commit import Commits
+from blockkv.local.directory import Directory
+from blockkv.local.index_keeper import IndexKeeper
+from blockkv.records import Entry
 
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 

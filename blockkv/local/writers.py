@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fs import DIR_MODE, FILE_MODE, TMP_SUFFIX
+from blockkv.fs import DIR_MODE, FILE_MODE, TMP_SUFFIX
 
 _TOKEN = re.compile(r"w[0-9a-f]{16}")
 _NAME_LINE = re.compile(rb"[0-9a-f]{64}")

@@ -22,8 +22,8 @@ from types import FrameType
 from typing import Any
 
 from blockkv.human import format_size, parse_count, parse_option, parse_size
-from blockkv.identity import KVQuant
-from blockkv.mlx_lm import DEFAULT_CACHE_BYTES, PersistentPromptCache, check_remote
+from blockkv.serving.identity import KVQuant
+from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, PersistentPromptCache, check_remote
 
 log = logging.getLogger(__name__)
 

@@ -41,15 +41,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import blocks as blk
-from .bucket import Bucket, BucketError, StoreTooSlow
-from .catalog import Catalog
-from .directory import Directory, block_key, fingerprint_dirname, ns_dirname, verified_header
-from .errors import BlockKVError, BlockMissingError, CorruptError
-from .header import SUFFIX, Header, Identity
-from .records import CHECKPOINT_NS, Entry, Match
-from .remote_files import Backlog, HeaderCache
-from .s3_pool import OPTION_ENV
+from blockkv.errors import BlockKVError, BlockMissingError, CorruptError
+from blockkv.format import blocks as blk
+from blockkv.format.header import SUFFIX, Header, Identity
+from blockkv.local.catalog import Catalog
+from blockkv.local.directory import Directory, block_key, fingerprint_dirname, ns_dirname, verified_header
+from blockkv.pool.s3 import OPTION_ENV
+from blockkv.records import CHECKPOINT_NS, Entry, Match
+from blockkv.remote.bucket import Bucket, BucketError, StoreTooSlow
+from blockkv.remote.files import Backlog, HeaderCache
 
 # remote_options keys that tune the bucket protocol rather than name the endpoint (Bucket's arguments)
 BUCKET_SETTINGS: dict[str, type] = {"grace": float, "sweep_window": float, "timeout": float,

@@ -1,0 +1,3 @@
+"""The bucket tier: one fingerprint directory in an S3-compatible bucket
+(``bucket``), a store's ``remote=`` tier over it (``tier``), what the tier keeps
+on the local disk (``files``), and a read-only view for tools (``view``)."""

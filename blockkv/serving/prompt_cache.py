@@ -1,0 +1,338 @@
+"""A drop-in for mlx-lm's ``LRUPromptCache`` that adds a disk tier.
+
+mlx-lm's own RAM cache stays the hot tier (this class subclasses it, so every
+eviction and trim rule is mlx-lm's). Each inserted entry is also handed to a
+``BlockStore`` write-behind (``store_async``), so no request waits on disk; a
+fetch the RAM tier cannot serve well falls back to the store, and a new
+process on the same directory finds every entry again. One store is opened per
+model key, with an identity hashed from that model's files and the KV
+quantisation, so two models or two revisions never share entries.
+
+The disk tier never raises into the caller: a cache object blockkv has no codec
+for stays in the RAM tier (one warning per class), a store that cannot be
+opened leaves its model RAM-only, and a failing read or write is a miss or a
+not-stored. What the RAM tier does is exactly what ``LRUPromptCache`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from blockkv import BlockStore
+from blockkv.format.codec import codec_for
+from blockkv.fs import FileLayer
+from blockkv.serving.identity import KVQuant, StoreIdentity, identity_from_key
+
+__all__ = ["PersistentPromptCache"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 16 << 30
+# Restoring a token from disk costs a small fraction of prefilling it (issue 16
+# measured a 1,835-token prompt: 0.13 s restored, 7.3 s prefilled, 56x), so a
+# restore pays when it saves one token of prefill per 16 it reads, with margin.
+RESTORE_READ_PER_SAVED = 16
+
+
+def _text_only(tokens: list[int]) -> bool:
+    """mlx-lm's server keys image prompts with negative per-image ids: their
+    caches depend on pixels the key only names, so they stay in RAM."""
+    return min(tokens) >= 0
+
+
+class PersistentPromptCache(LRUPromptCache):
+    """``LRUPromptCache`` (RAM, hot) over one ``BlockStore`` per model (disk, cold).
+
+    ``max_size``/``max_bytes`` bound the RAM tier exactly as in mlx-lm;
+    ``cache_bytes`` caps each model's store on disk. ``kv`` and
+    ``chat_template`` must match how the model is served (they are part of the
+    store identity). ``identity`` maps a model key to a ``StoreIdentity``; the
+    default hashes the files of the paths in mlx-lm's
+    ``(model, adapter, draft_model)`` key. A disk match is restored only when it
+    is at least ``min_restore_tokens`` long (default: one block,
+    ``block_tokens``: reading a block to skip a few tokens of prefill costs more
+    than it saves) and beats the RAM tier's answer by at least one token per
+    ``RESTORE_READ_PER_SAVED`` it reads (a restore reads the whole prefix: a
+    server was seen restoring 1,504 tokens to beat its RAM tier by one).
+    ``fs`` is the stores' file layer (the fault-injection seam). ``remote``
+    (``s3://bucket/prefix``) and ``remote_options`` go to every store: the
+    fleet of servers on one bucket share their entries (docs/scale-out.md);
+    ``cache_dir`` stays each server's own local tier.
+    """
+
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        cache_dir: str | Path,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        kv: KVQuant = KVQuant(),
+        chat_template: str | None = None,
+        block_tokens: int = 256,
+        min_restore_tokens: int | None = None,
+        identity: Callable[[Any], StoreIdentity] | None = None,
+        fs: FileLayer | None = None,
+        remote: str | None = None,
+        remote_options: Mapping[str, str] | None = None,
+    ) -> None:
+        if not isinstance(cache_dir, (str, Path)):
+            raise TypeError(f"cache_dir must be a str or Path, got {type(cache_dir).__name__}")
+        check_remote(remote, remote_options)
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0:
+            raise ValueError(f"cache_bytes must be a positive int, got {cache_bytes!r}")
+        if min_restore_tokens is None:
+            min_restore_tokens = block_tokens
+        if isinstance(min_restore_tokens, bool) or not isinstance(min_restore_tokens, int) or min_restore_tokens < 1:
+            raise ValueError(f"min_restore_tokens must be an int >= 1, got {min_restore_tokens!r}")
+        super().__init__(max_size, max_bytes)
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.min_restore_tokens = min_restore_tokens
+        self._cache_bytes = cache_bytes
+        self._block_tokens = block_tokens
+        self._fs = fs
+        self._remote = remote
+        self._remote_options = dict(remote_options) if remote_options is not None else None
+        self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
+        self._stores: dict[Any, BlockStore | None] = {}
+        self._pending: set[Future[bool]] = set()
+        self._ram_only_kinds: set[tuple[type, ...]] = set()
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(
+            (
+                "ram_hits",
+                "disk_hits",
+                "misses",
+                "tokens_from_ram",
+                "tokens_from_disk",
+                "promoted_to_ram",
+                "spills",
+                "spills_skipped",
+                "spill_failures",
+                "ram_only_inserts",
+            ),
+            0,
+        )
+
+    def __bool__(self) -> bool:
+        """A cache object is always there to use, even while it holds nothing
+        (``__len__`` alone would make ``if cache:`` skip an empty one)."""
+        return True
+
+    # -- the disk tier ----------------------------------------------------
+    def store_for(self, model: Any) -> BlockStore | None:
+        """The store for mlx-lm model key ``model`` (opened on first use); None
+        if no identity can be made for the key or its directory cannot be
+        opened, and the model then runs RAM-only."""
+        if model not in self._stores:
+            try:
+                ident = self._identity(model)
+                self._stores[model] = BlockStore(
+                    self.cache_dir,
+                    model_id=ident.model_id,
+                    config_fingerprint=ident.config_fingerprint,
+                    tokenizer_hash=ident.tokenizer_hash,
+                    max_bytes=self._cache_bytes,
+                    block_tokens=self._block_tokens,
+                    fs=self._fs,
+                    remote=self._remote,
+                    remote_options=self._remote_options,
+                )
+            except Exception as e:  # noqa: BLE001 - any failure here only costs the disk tier
+                log.warning("blockkv: cannot open cache %s for %r (%s); RAM-only for it", self.cache_dir, model, e)
+                self._stores[model] = None
+        return self._stores[model]
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        """One warning per kind of trouble: a full disk must not flood the log."""
+        with self._lock:
+            first = key not in self._warned
+            self._warned.add(key)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
+    @property
+    def tier_stats(self) -> dict[str, int]:
+        """Hits, restored tokens and spills per tier since construction."""
+        with self._lock:
+            return {**self._counts, "pending_spills": len(self._pending)}
+
+    # -- LRUPromptCache interface ------------------------------------------
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        """mlx-lm's RAM lookup, then the store when its match is worth reading
+        (long enough, and clearly longer than the RAM tier's).
+
+        The disk tier holds caches, not logits: ``find`` caps a match at all but
+        the last prompt token, so at least one token is always left to compute.
+        A restored prefix is also inserted into the RAM tier, so the next
+        session that shares it is served from RAM."""
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        from_ram = len(tokens) - len(rest)
+        restored = self._fetch_from_disk(model, tokens, from_ram)
+        if restored is not None:
+            return restored
+        if cache is None:
+            self._count(misses=1)
+        else:
+            self._count(ram_hits=1, tokens_from_ram=from_ram)
+        return cache, rest
+
+    def _fetch_from_disk(
+        self, model: Any, tokens: list[int], from_ram: int
+    ) -> tuple[list[Any], list[int]] | None:
+        # find leaves at least one token to compute, so len(tokens) - 1 is the most it can match
+        if not self._worth_restoring(len(tokens) - 1, from_ram) or not _text_only(tokens):
+            return None
+        try:
+            store = self.store_for(model)
+            match = store.find(list(tokens)) if store is not None else None
+            if store is None or match is None or not self._worth_restoring(match.prefix_len, from_ram):
+                return None
+            loaded = store.restore(match.entry, prefix_len=match.prefix_len)
+            if loaded is None:
+                return None
+            prefix = list(tokens[: match.prefix_len])
+            # Into mlx-lm's RAM tier by mlx-lm's own rules; the caller gets a copy
+            # to extend in place, as from any RAM hit.
+            super().insert_cache(model, prefix, loaded.caches)
+            served = copy.deepcopy(loaded.caches)
+        except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
+            self._warn_once(f"fetch:{type(e).__name__}", "blockkv: disk lookup failed (%s); served without it", e)
+            return None
+        self._count(disk_hits=1, tokens_from_disk=match.prefix_len, promoted_to_ram=1)
+        log.info(
+            "blockkv: restored %d of %d prompt tokens from disk (kept in the RAM tier for the next session)",
+            match.prefix_len, len(tokens),
+        )
+        return served, tokens[match.prefix_len :]
+
+    def _worth_restoring(self, prefix_len: int, from_ram: int) -> bool:
+        """A disk match of ``prefix_len`` tokens against the RAM tier's ``from_ram``:
+        at least ``min_restore_tokens`` long, and saving at least one token of
+        prefill per ``RESTORE_READ_PER_SAVED`` it reads (a restore reads the whole
+        prefix, so one that barely beats the RAM tier costs more than it saves)."""
+        saved = prefix_len - from_ram
+        return prefix_len >= self.min_restore_tokens and saved > 0 and saved * RESTORE_READ_PER_SAVED >= prefix_len
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        """Insert into the RAM tier, then spill to disk write-behind.
+
+        ``store_async`` snapshots the arrays before returning, so the caller's
+        later in-place cache updates cannot change what is written. A cache
+        list with a class blockkv cannot encode stays in the RAM tier only."""
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        if not tokens or not _text_only(tokens):
+            return
+        kinds = tuple(type(c) for c in prompt_cache)
+        if kinds in self._ram_only_kinds:
+            self._count(ram_only_inserts=1)
+            return
+        try:
+            self._spill(model, list(tokens), prompt_cache)
+        except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
+            unknown = _classes_without_codec(prompt_cache)
+            if unknown:
+                self._ram_only_kinds.add(kinds)
+                self._count(ram_only_inserts=1)
+                for name in unknown:
+                    self._warn_once(
+                        f"codec:{name}",
+                        "blockkv: no codec for cache class %s; such entries stay in the RAM tier only",
+                        name,
+                    )
+            else:
+                self._count(spill_failures=1)
+                self._warn_once(f"spill:{type(e).__name__}", "blockkv: spilling a prompt cache failed: %s", e)
+
+    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any]) -> None:
+        store = self.store_for(model)
+        if store is None:
+            return
+        if store.find_exact(key) is not None:
+            self._count(spills_skipped=1)
+            return
+        future = store.store_async(key, prompt_cache)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._spilled)
+
+    def _spilled(self, future: Future[bool]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        error = future.exception() if not future.cancelled() else None
+        if error is not None:
+            self._warn_once(f"spill:{type(error).__name__}", "blockkv: spilling a prompt cache failed: %s", error)
+        if error is None and not future.cancelled() and future.result():
+            self._count(spills=1)
+        else:
+            self._count(spill_failures=1)
+
+    # -- lifetime -----------------------------------------------------------
+    def flush(self) -> None:
+        """Wait until every spill started so far is on disk (or has failed)."""
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending)
+
+    def close(self) -> None:
+        """Flush the write-behind queue and close every store."""
+        self.flush()
+        for store in self._stores.values():
+            if store is not None:
+                store.close()
+        self._stores.clear()
+
+    def __enter__(self) -> PersistentPromptCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_remote(remote: str | None, remote_options: Mapping[str, str] | None) -> None:
+    """Refuse a wrong ``remote``/``remote_options`` when the cache is made: a
+    store opened later would only log it and leave the model RAM-only."""
+    if remote is None:
+        if remote_options is not None:
+            raise ValueError("remote_options given without remote")
+        return
+    if not isinstance(remote, str):
+        raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(remote).__name__}")
+    from blockkv.pool.s3 import parse_url
+    from blockkv.remote.tier import split_options  # needs obstore: pip install 'blockkv[s3]'
+
+    parse_url(remote)
+    split_options(remote_options)
+
+
+def _classes_without_codec(prompt_cache: list[Any]) -> list[str]:
+    """Names of the cache classes in a list that blockkv has no codec for."""
+    unknown: list[str] = []
+    for c in prompt_cache:
+        try:
+            codec_for(c)
+        except TypeError:
+            if type(c).__name__ not in unknown:
+                unknown.append(type(c).__name__)
+    return unknown
