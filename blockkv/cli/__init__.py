@@ -791,7 +791,7 @@ _PASSTHROUGH = {
 def load_bench() -> Any:
     """tools/ is not part of the installed package: load tools/bench.py from the
     source checkout this package was installed from (editable installs)."""
-    path = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
     spec = importlib.util.spec_from_file_location("blockkv_tools_bench", path)
     if not path.is_file() or spec is None or spec.loader is None:
         raise UsageError(f"bench needs a source checkout: {path} not found")
