@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
-import json
 import os
 import re
 import signal
@@ -39,6 +37,23 @@ from typing import Any, NoReturn
 import lmdb
 from tqdm import tqdm
 
+from blockkv.cli.common import (
+    EXIT_BROKEN_PIPE,
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    UsageError,
+    check_root,
+    choose_fingerprints,
+    emit_json,
+    entry_json,
+    fp_json,
+    label,
+    select_fingerprints,
+    show_ns,
+    where_key,
+)
+from blockkv.cli.stores import default_gc_grace, open_store
 from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
 from blockkv.human import (
@@ -51,152 +66,10 @@ from blockkv.human import (
     render_table,
 )
 from blockkv.local.check import CheckReport, check_directory
-from blockkv.local.directory import Directory, read_identity
+from blockkv.local.directory import Directory, FingerprintDir, read_identity
 from blockkv.local.index import read_only_block_rows
 from blockkv.local.reader import DirectoryView, read_directory
-from blockkv.serving.identity import describe_fingerprint
-from blockkv.store import ROOT_MARKER, BlockStore, Entry, FingerprintDir, list_fingerprints
-
-EXIT_OK = 0
-EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
-EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process killed by SIGPIPE
-
-
-class UsageError(Exception):
-    """A mistake in what the user asked for: reported in one line, exit 2."""
-
-
-# -- output ----------------------------------------------------------------------
-
-
-def emit_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2)
-    sys.stdout.write("\n")
-
-
-def show_ns(ns: str) -> str:
-    """Namespaces are arbitrary strings (the default is empty): quote them."""
-    return json.dumps(ns)
-
-
-# -- root and fingerprint selection -------------------------------------------
-
-
-def check_root(text: str | None) -> Path:
-    """The root as a Path, or a UsageError if it is missing or not a blockkv root."""
-    if text is None:
-        raise UsageError("name a cache root (or --remote s3://BUCKET/PREFIX)")
-    path = Path(text).expanduser()
-    if not path.exists():
-        raise UsageError(f"{text}: no such directory")
-    if not path.is_dir():
-        raise UsageError(f"{text}: not a directory")
-    if not (path / ROOT_MARKER).exists():
-        raise UsageError(
-            f"{text}: not a blockkv root (no {ROOT_MARKER} marker); refusing to touch it"
-        )
-    return path
-
-
-def select_fingerprints(
-    root: Path, wanted: Sequence[str] | None, everything: bool, *, mutating: str | None
-) -> list[FingerprintDir]:
-    """The fingerprints a command works on: those named (exact model id, config
-    fingerprint or directory name, or a unique prefix of one), else all. A
-    ``mutating`` command must name them or say ``--all`` so it never touches
-    another model by default."""
-    if mutating and not (wanted or everything):
-        raise UsageError(
-            f"{mutating} changes the store: name a fingerprint with -f/--fingerprint or pass --all"
-        )
-    return choose_fingerprints(list_fingerprints(root), wanted, str(root))
-
-
-def choose_fingerprints(known: list[Any], wanted: Sequence[str] | None, where: str) -> list[Any]:
-    """Of the fingerprints ``known`` in ``where`` (local directories or a
-    bucket's), those ``wanted`` names (all if none)."""
-    if not wanted:
-        return known
-    chosen: list[Any] = []
-    for want in wanted:
-        keys = [(fp, (fp.model_id, fp.config_fingerprint, fp_place(fp)[0])) for fp in known]
-        matches = [fp for fp, names in keys if want in names] or [
-            fp for fp, names in keys if any(n.startswith(want) for n in names)
-        ]
-        if not matches:
-            have = ", ".join(fp_place(fp)[0] for fp in known) or "none"
-            raise UsageError(f"no fingerprint {want!r} in {where} (have: {have})")
-        if len(matches) > 1:
-            have = ", ".join(label(fp_json(fp)) for fp in matches)
-            raise UsageError(f"fingerprint {want!r} is ambiguous (matches: {have})")
-        if matches[0] not in chosen:
-            chosen.append(matches[0])
-    return chosen
-
-
-@contextmanager
-def open_store(fp: FingerprintDir, gc_grace: float | None = None) -> Iterator[BlockStore]:
-    """Open a fingerprint directory so that opening itself deletes nothing (no
-    block or tmp-file sweep), whatever the command: what a command deletes is
-    then exactly what it reports. ``gc_grace`` (None: the store's default) is
-    the grace the command's own gc and eviction then use."""
-    never = float("inf")
-    with BlockStore.open_dir(fp.path, gc_grace=never, tmp_grace=never) as store:
-        store.gc_grace = default_gc_grace() if gc_grace is None else gc_grace
-        yield store
-
-
-def default_gc_grace() -> float:
-    """The store's own default grace, so the CLI never drifts from it."""
-    return float(inspect.signature(BlockStore).parameters["gc_grace"].default)
-
-
-def fp_place(fp: Any) -> tuple[str, str]:
-    """(directory name, where it is) of a local ``FingerprintDir`` (its path) or
-    a ``BucketFingerprint`` (its s3:// URL)."""
-    url = getattr(fp, "url", None)
-    return (fp.name, url) if url is not None else (fp.path.name, str(fp.path))
-
-
-def fp_json(fp: Any) -> dict[str, Any]:
-    """How every JSON output names a fingerprint (local or in a bucket), so scripts can join them."""
-    words = describe_fingerprint(fp.config_fingerprint)
-    name, where = fp_place(fp)
-    return {
-        "fingerprint": name,
-        "config_fingerprint": fp.config_fingerprint,
-        "model_id": fp.model_id,
-        "tokenizer_hash": fp.tokenizer_hash,
-        # what blockkv serve / PersistentPromptCache wrote into the fingerprint; None for other stores
-        "kv_quantisation": words.kv if words else None,
-        "chat_template": words.template if words else None,
-        "dir": where,
-    }
-
-
-def entry_json(e: Entry) -> dict[str, Any]:
-    """One entry for ``ls`` and ``evict``: token count, not the tokens themselves."""
-    return {
-        "id": e.id,
-        "ns": e.ns,
-        "tokens": e.length,
-        "nbytes": e.nbytes,
-        "blocks": len(e.blocks),
-        "last_use": e.last_use,
-        "trimmable": e.trimmable,
-        "minimum_reusable_offset": e.minimum_reusable_offset,
-        "checkpoint": e.checkpoint.to_json() if e.checkpoint is not None else None,
-        "attachments": list(e.attachments),
-    }
-
-
-def label(fp: dict[str, Any]) -> str:
-    """How a fingerprint is named in human output (from its ``fp_json``)."""
-    words = [fp["model_id"]]
-    if fp["kv_quantisation"] is not None:
-        words += [f"kv {fp['kv_quantisation']}", f"template {fp['chat_template']}"]
-    return f"{fp['fingerprint']} ({', '.join(words)})"
+from blockkv.records import Entry
 
 
 def or_dash(value: str | None) -> str:
@@ -300,10 +173,6 @@ def looked_at(args: argparse.Namespace) -> tuple[str, list[tuple[Any, Any]]]:
             views.append((fp, read_bucket(bucket, fp.identity)))
     return args.remote, views
 
-
-def where_key(args: argparse.Namespace) -> str:
-    """The JSON key naming what a command looked at."""
-    return "remote" if args.remote else "root"
 
 
 def unservable(view: DirectoryView) -> dict[str, Any]:
