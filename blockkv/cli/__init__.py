@@ -44,7 +44,6 @@ from blockkv.cli.common import (
     EXIT_USAGE,
     UsageError,
     check_root,
-    choose_fingerprints,
     emit_json,
     entry_json,
     fp_json,
@@ -53,6 +52,7 @@ from blockkv.cli.common import (
     show_ns,
     where_key,
 )
+from blockkv.cli.remote import open_bucket, remote_fingerprints
 from blockkv.cli.stores import default_gc_grace, open_store
 from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
@@ -172,7 +172,6 @@ def looked_at(args: argparse.Namespace) -> tuple[str, list[tuple[Any, Any]]]:
         with open_bucket(args, fp) as bucket:
             views.append((fp, read_bucket(bucket, fp.identity)))
     return args.remote, views
-
 
 
 def unservable(view: DirectoryView) -> dict[str, Any]:
@@ -511,71 +510,6 @@ def cmd_evict(args: argparse.Namespace) -> int:
                 f"deletes them once unreferenced for {fp_out['gc_grace']:g} s"
             )
     return EXIT_OK
-
-
-# -- against a bucket (--remote) ------------------------------------------------
-
-
-def remote_options(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, float | int]]:
-    """``--remote-option KEY=VALUE`` pairs, the ``remote_options`` a node runs
-    with: (endpoint and credentials, over the AWS environment variables; the
-    bucket protocol's settings such as ``grace`` and ``timeout``)."""
-    from blockkv.remote.tier import split_options
-
-    try:
-        s3, settings, _ = split_options(dict(args.remote_option or ()))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return s3, settings
-
-
-def remote_fingerprints(
-    args: argparse.Namespace, *, mutating: str | None, unreadable: list[str] | None = None
-) -> list[Any]:
-    """The bucket's fingerprint directories the command works on (``BucketFingerprint``s),
-    chosen as for a root; directories whose IDENTITY does not read go to ``unreadable``."""
-    if args.root is not None:
-        raise UsageError(f"give a cache root or --remote, not both (got {args.root!r} and {args.remote!r})")
-    if getattr(args, "grace", None) is not None:
-        raise UsageError("with --remote the grace period is the fleet's: pass the nodes' own "
-                         "--remote-option grace=SECONDS (default 3600), never a shorter one")
-    if mutating and not (args.fingerprint or args.all):
-        raise UsageError(
-            f"{mutating} --remote changes the bucket for every node: name a fingerprint with "
-            "-f/--fingerprint or pass --all"
-        )
-    try:
-        from blockkv.remote.view import list_bucket_fingerprints
-    except ImportError as exc:
-        raise UsageError(f"--remote needs the s3 extra: {exc}") from None
-    s3, settings = remote_options(args)
-    try:
-        known, bad = list_bucket_fingerprints(args.remote, s3, **{
-            k: v for k, v in settings.items() if k in ("timeout", "connect_timeout", "max_retries")})
-    except ValueError as exc:  # not an s3:// URL, an unknown option
-        raise UsageError(str(exc)) from None
-    if unreadable is not None:
-        unreadable.extend(bad)
-    return choose_fingerprints(known, args.fingerprint, args.remote)
-
-
-@contextmanager
-def open_bucket(args: argparse.Namespace, fp: Any) -> Iterator[Any]:
-    """The fingerprint directory ``fp`` in the bucket as a ``Bucket`` handle with
-    the command's ``--remote-option`` settings: for ``gc`` and ``evict`` they must
-    be the fleet's own (``grace``, ``sweep_window``, ``timeout``, ``max_retries``),
-    as the nodes run with them."""
-    from blockkv.remote.bucket import Bucket
-
-    s3, settings = remote_options(args)
-    try:
-        bucket = Bucket(args.remote, fp.name, s3, **settings)
-    except ValueError as exc:  # a grace too short for the timeout
-        raise UsageError(str(exc)) from None
-    try:
-        yield bucket
-    finally:
-        bucket.close()
 
 
 def gc_remote(args: argparse.Namespace) -> int:
