@@ -21,15 +21,12 @@ error (bad arguments, missing or foreign root, unknown fingerprint).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any, NoReturn
 
 import lmdb
@@ -37,44 +34,10 @@ import lmdb
 from blockkv.cli.check import cmd_check
 from blockkv.cli.common import EXIT_BROKEN_PIPE, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 from blockkv.cli.maintenance import cmd_evict, cmd_gc, cmd_rebuild_index
+from blockkv.cli.passthrough import PASSTHROUGH, run_passthrough
 from blockkv.cli.reads import cmd_ls, cmd_stats
 from blockkv.errors import BlockKVError
 from blockkv.human import parse_option, parse_seconds, parse_size
-
-# -- passthrough commands -------------------------------------------------------
-
-_PASSTHROUGH = {
-    "demo": "run the blockkv demo (arguments go to blockkv.serving.demo)",
-    "serve": "run mlx-lm's server with blockkv as its cold tier (arguments go to blockkv.serving.serve)",
-    "bench": "run tools/bench.py from a source checkout (arguments go to it)",
-}
-
-
-def load_bench() -> Any:
-    """tools/ is not part of the installed package: load tools/bench.py from the
-    source checkout this package was installed from (editable installs)."""
-    path = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
-    spec = importlib.util.spec_from_file_location("blockkv_tools_bench", path)
-    if not path.is_file() or spec is None or spec.loader is None:
-        raise UsageError(f"bench needs a source checkout: {path} not found")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_passthrough(name: str, argv: list[str]) -> int:
-    """Hand the rest of the command line, untouched, to the module's own main;
-    imported only now so ``blockkv stats`` never imports mlx-lm's server."""
-    try:
-        module = load_bench() if name == "bench" else importlib.import_module(f"blockkv.serving.{name}")
-    except UsageError as exc:
-        print(f"blockkv {name}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    return int(module.main(argv))
-
-
-# -- parser and entry point -----------------------------------------------------
 
 
 class Parser(argparse.ArgumentParser):
@@ -156,7 +119,7 @@ def build_parser() -> Parser:
                        help="target bytes on disk (with --remote: in the bucket) per fingerprint: "
                        "4096, 500M, 10G (binary units)")
     evict.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
-    for name, help in _PASSTHROUGH.items():
+    for name, help in PASSTHROUGH.items():
         sub.add_parser(name, help=help, add_help=False)
     return parser
 
@@ -164,7 +127,7 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list and args_list[0] in _PASSTHROUGH:
+    if args_list and args_list[0] in PASSTHROUGH:
         return run_passthrough(args_list[0], args_list[1:])
     args, unknown = build_parser().parse_known_args(args_list)
     if unknown:  # reported by the subcommand's parser: "blockkv stats: error: ..."
