@@ -6,16 +6,23 @@ Safety rules, because this tool deletes on other people's disks:
 
 * a root without the ``.blockkv`` marker is refused, never cleaned;
 * a command that changes a store names its fingerprint (``-f``) or says ``--all``;
-* ``ls``, ``stats`` and ``check`` without ``--repair`` only look (``reader.py``,
-  ``gc.inspect``): they never write, rename, delete or lock, even on a damaged
-  directory; ``evict --dry-run`` deletes nothing.
+* ``ls``, ``stats`` and ``check`` without ``--repair`` only look
+  (``local/reader.py``, ``local/check.py``): they never write, rename, delete or
+  lock, even on a damaged directory; ``evict --dry-run`` deletes nothing.
 * with ``--remote s3://bucket/prefix`` the same commands work on the bucket a
-  fleet shares (``bucket_view.py``): ``ls``, ``stats``, ``check`` only list and
+  fleet shares (``remote/view.py``): ``ls``, ``stats``, ``check`` only list and
   GET; ``gc`` is the bucket's mark-and-sweep run and ``evict`` its fleet-wide
   LRU, which every node's stores are safe beside (docs/scale-out.md).
 
 Exit codes: 0 clean / done, 1 problems found (or the operation failed), 2 usage
 error (bad arguments, missing or foreign root, unknown fingerprint).
+
+This module is the parser and ``main``; a module per command family does the
+work: ``reads`` (``stats``, ``ls``), ``check``, ``maintenance`` (``gc``,
+``rebuild-index``, ``evict``) and ``passthrough`` (``demo``, ``serve``,
+``bench``), over what they share: ``common`` (exit codes, output, choosing
+fingerprints), ``remote`` (reaching a bucket) and ``stores`` (opening a local
+store, the one module that imports ``blockkv.store``).
 """
 
 from __future__ import annotations

@@ -156,8 +156,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def check_remote(args: argparse.Namespace, results: list[tuple[Any, CheckReport, list[dict[str, Any]]]]) -> list[str]:
     """``check --remote``: each chosen fingerprint directory in the bucket,
-    verified (``bucket_view.check_bucket``; without ``--repair`` no write) into
-    ``results``; returns the directories whose IDENTITY does not read."""
+    verified (``remote.view.check_bucket``; without ``--repair`` no write)
+    into ``results``; returns the directories whose IDENTITY does not read."""
     from blockkv.remote.view import check_bucket
 
     unreadable: list[str] = []
