@@ -46,214 +46,27 @@ from blockkv.fs import FileLayer
 from blockkv.local.prefix_index import common_prefix_length
 from blockkv.pool.protocol import is_block_name
 
-REPO = Path(__file__).resolve().parent.parent
-MIB = 1 << 20
+# tools/, for its benchmarks/ package: this file is run as a script, loaded by
+# path (blockkv bench, the tests) and run again by the child processes it starts
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks.config import FULL, QUICK, Config, Shape
+from benchmarks.harness import (
+    MIB,
+    REPO,
+    STORE_IDENTITY,
+    io_delta,
+    median_time,
+    open_store,
+    percentile,
+)
+from benchmarks.sources import VOCAB, KVSource, check_restored, eval_caches, kv_cache
+
 ANALYSIS_MARKER = "<!-- analysis: kept across regenerations -->"
-VOCAB = 128_256
-
-
-# --------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The KV geometry of one model: per layer one K and one V of (1, heads, T, head_dim) bf16."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * 2
-
-
-@dataclass(frozen=True)
-class Config:
-    """Sizes of one benchmark run."""
-
-    mode: str
-    shape: Shape  # single-entry figures and the agent workload
-    prefix_tokens: int  # fresh entry; the shared prefix of the next turn
-    new_tokens: int  # tokens the next turn adds
-    partial_tokens: int  # prefix restored by the partial restore
-    reps: int
-    agent_sessions: int
-    agent_turns: int
-    agent_system_tokens: int
-    agent_turn_tokens: tuple[int, int]  # new tokens per turn, uniform in [lo, hi]
-    index_sizes: tuple[int, int]  # entries at which find/open are measured
-    index_shape: Shape  # the tiny caches of the index benchmark
-    index_tokens: tuple[int, int]  # tokens per index entry, uniform in [lo, hi]
-    find_queries: int
-    size_tokens: tuple[int, ...]  # entry sizes of the per-size store/restore table
-    large_shape: Shape  # the large-entry run (child process)
-    large_tokens: tuple[int, int]  # (reference entry, large entry) tokens of large_shape
-    remote_tokens: int  # the entry restored from a bucket (moto's server on loopback)
-    remote_nodes: int  # nodes sharing a bucket in the agent upload comparison
-    remote_entries: int  # entries in the bucket a fresh node opens against
-    block_tokens: int = 256
-
-
-FULL = Config(
-    mode="full",
-    shape=Shape(layers=16, kv_heads=8, head_dim=64),  # Llama-3.2-1B's KV geometry
-    prefix_tokens=8192,
-    new_tokens=512,
-    partial_tokens=3000,
-    reps=5,
-    agent_sessions=32,
-    agent_turns=4,
-    agent_system_tokens=4096,
-    agent_turn_tokens=(64, 256),
-    index_sizes=(1_000, 10_000),
-    index_shape=Shape(layers=1, kv_heads=1, head_dim=8),
-    index_tokens=(48, 160),
-    find_queries=2_000,
-    size_tokens=(1024, 4096, 8192, 32768),
-    large_shape=Shape(layers=32, kv_heads=8, head_dim=128),  # 128 KiB per token
-    large_tokens=(2048, 16384),  # 256 MiB and 2 GiB
-    remote_tokens=4096,
-    remote_nodes=3,
-    remote_entries=1_000,
-)
-
-QUICK = Config(
-    mode="quick",
-    shape=Shape(layers=4, kv_heads=2, head_dim=64),
-    prefix_tokens=1024,
-    new_tokens=256,
-    partial_tokens=300,
-    reps=1,
-    agent_sessions=3,
-    agent_turns=2,
-    agent_system_tokens=512,
-    agent_turn_tokens=(64, 256),
-    index_sizes=(20, 60),
-    index_shape=Shape(layers=1, kv_heads=1, head_dim=8),
-    index_tokens=(48, 160),
-    find_queries=100,
-    size_tokens=(256, 1024),
-    large_shape=Shape(layers=2, kv_heads=2, head_dim=64),
-    large_tokens=(256, 2048),
-    remote_tokens=256,
-    remote_nodes=3,
-    remote_entries=10,
-)
-
-STORE_IDENTITY = {
-    "model_id": "bench/llama-3.2-1b-shaped",
-    "config_fingerprint": "bench-bf16",
-    "tokenizer_hash": "bench-tokenizer",
-}
-
-
-# --------------------------------------------------------------------------
-# cache builders
-
-
-def kv_cache(keys: mx.array, values: mx.array) -> KVCache:
-    """A real mlx-lm ``KVCache`` holding exactly ``keys.shape[2]`` tokens, as after a prefill."""
-    cache = KVCache()
-    cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
-    return cache
-
-
-class KVSource:
-    """Random bf16 K/V for a token stream; ``caches(n)`` is its first ``n`` tokens,
-    sharing the same bytes as every longer prefix (so dedup is real)."""
-
-    def __init__(
-        self,
-        shape: Shape,
-        keys: list[mx.array],
-        values: list[mx.array],
-        tokens: list[int],
-    ):
-        self.shape, self.keys, self.values, self.tokens = shape, keys, values, tokens
-
-    @classmethod
-    def random(cls, shape: Shape, n_tokens: int, seed: int) -> KVSource:
-        """``n_tokens`` tokens of fresh random K/V and token ids."""
-        key = mx.random.key(seed)
-        dims = (1, shape.kv_heads, n_tokens, shape.head_dim)
-        keys, values = [], []
-        for layer_key in mx.random.split(key, shape.layers):
-            k_key, v_key = mx.random.split(layer_key)
-            keys.append(mx.random.normal(dims, key=k_key).astype(mx.bfloat16))
-            values.append(mx.random.normal(dims, key=v_key).astype(mx.bfloat16))
-        mx.eval(keys, values)
-        tokens = np.random.default_rng(seed).integers(0, VOCAB, n_tokens).tolist()
-        return cls(shape, keys, values, tokens)
-
-    def extended(self, tail: KVSource) -> KVSource:
-        """This stream followed by ``tail``: the prefix bytes are this stream's bytes."""
-        keys = [mx.concatenate([a, b], axis=2) for a, b in zip(self.keys, tail.keys)]
-        values = [
-            mx.concatenate([a, b], axis=2) for a, b in zip(self.values, tail.values)
-        ]
-        mx.eval(keys, values)
-        return KVSource(self.shape, keys, values, self.tokens + tail.tokens)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def caches(self, n: int | None = None) -> list[KVCache]:
-        """Real mlx-lm caches of the first ``n`` tokens (all when None)."""
-        n = len(self) if n is None else n
-        return [
-            kv_cache(k[:, :, :n, :], v[:, :, :n, :])
-            for k, v in zip(self.keys, self.values)
-        ]
-
-    def raw_bytes(self, n: int | None = None) -> bytes:
-        """The K/V bytes of the first ``n`` tokens, concatenated (for the limits)."""
-        parts = [
-            np.asarray(x.view(mx.uint16)).tobytes()
-            for c in self.caches(n)
-            for x in (c.keys, c.values)
-        ]
-        return b"".join(parts)
-
-
-def eval_caches(caches: Sequence[Any]) -> None:
-    """Force every array of restored caches to be materialised."""
-    mx.eval([c.state for c in caches])
 
 
 # --------------------------------------------------------------------------
 # measurement helpers
-
-
-def io_counters() -> dict[str, int]:
-    """This process's /proc/self/io (write_bytes counts pages dirtied for the disk)."""
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(":") for line in f)}
-
-
-@contextmanager
-def io_delta(out: dict[str, int]) -> Iterator[None]:
-    """Add this block's /proc/self/io deltas into ``out``."""
-    before = io_counters()
-    yield
-    after = io_counters()
-    for k, v in after.items():
-        out[k] = out.get(k, 0) + v - before[k]
-
-
-def median_time(
-    fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None
-) -> float:
-    """Median wall seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each)."""
-    times = []
-    for _ in range(reps):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def disk_usage(root: Path) -> int:
@@ -274,10 +87,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
 
 
 # --------------------------------------------------------------------------
@@ -413,26 +222,6 @@ class CountingFileLayer(FileLayer):
     def read_exact(self, path: Path, buffers: Sequence[memoryview], on_read: Any = None) -> bool:
         self._count(path)
         return super().read_exact(path, buffers, on_read)
-
-
-def open_store(
-    root: Path,
-    block_tokens: int,
-    fs: FileLayer | None = None,
-    gc_grace: float = 60.0,
-    verify: bool | str = True,
-    **identity: str,
-) -> BlockStore:
-    """A store with no practical byte cap, verify on (default: xxh3-128), no compression."""
-    return BlockStore(
-        root,
-        max_bytes=1 << 50,
-        block_tokens=block_tokens,
-        fs=fs,
-        gc_grace=gc_grace,
-        verify=verify,
-        **(identity or STORE_IDENTITY),
-    )
 
 
 def bench_writes(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
@@ -718,15 +507,6 @@ def drop_index(root: Path) -> None:
     """Delete the LMDB accelerator so the next open rebuilds it from the files."""
     for data in list(root.rglob("data.mdb")):
         shutil.rmtree(data.parent)
-
-
-def check_restored(caches: Sequence[Any], src: KVSource, n: int) -> None:
-    """The restored caches hold exactly the source's first ``n`` tokens (bit for bit)."""
-    assert len(caches) == src.shape.layers
-    for c, k, v in zip(caches, src.keys, src.values):
-        assert c.offset == n, f"restored {c.offset} tokens, expected {n}"
-        assert mx.array_equal(c.keys[:, :, :n], k[:, :, :n]).item()
-        assert mx.array_equal(c.values[:, :, :n], v[:, :, :n]).item()
 
 
 # --------------------------------------------------------------------------
