@@ -5,7 +5,7 @@ at tiny sizes, CI's check that every section still runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -71,25 +71,15 @@ FULL = Config(
     remote_entries=1_000,
 )
 
-QUICK = Config(
+QUICK = replace(  # the CI smoke run: the full run with tiny sizes
+    FULL,
     mode="quick",
     shape=Shape(layers=4, kv_heads=2, head_dim=64),
-    prefix_tokens=1024,
-    new_tokens=256,
-    partial_tokens=300,
+    prefix_tokens=1024, new_tokens=256, partial_tokens=300,
     reps=1,
-    agent_sessions=3,
-    agent_turns=2,
-    agent_system_tokens=512,
-    agent_turn_tokens=(64, 256),
-    index_sizes=(20, 60),
-    index_shape=Shape(layers=1, kv_heads=1, head_dim=8),
-    index_tokens=(48, 160),
-    find_queries=100,
+    agent_sessions=3, agent_turns=2, agent_system_tokens=512,
+    index_sizes=(20, 60), find_queries=100,
     size_tokens=(256, 1024),
-    large_shape=Shape(layers=2, kv_heads=2, head_dim=64),
-    large_tokens=(256, 2048),
-    remote_tokens=256,
-    remote_nodes=3,
-    remote_entries=10,
+    large_shape=Shape(layers=2, kv_heads=2, head_dim=64), large_tokens=(256, 2048),
+    remote_tokens=256, remote_entries=10,
 )
