@@ -35,8 +35,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import blake3
-import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
@@ -50,7 +48,9 @@ from blockkv.pool.protocol import is_block_name
 # path (blockkv bench, the tests) and run again by the child processes it starts
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.config import FULL, QUICK, Config, Shape
+from benchmarks.baselines import bench_limits, bench_mlx_load, mlx_save_fsync
+from benchmarks.config import FULL, QUICK, Config
+from benchmarks.fresh_process import child_restore, rss_child
 from benchmarks.harness import (
     MIB,
     REPO,
@@ -60,6 +60,7 @@ from benchmarks.harness import (
     open_store,
     percentile,
 )
+from benchmarks.large_entries import bench_large, large_child
 from benchmarks.sources import VOCAB, KVSource, check_restored, eval_caches, kv_cache
 
 ANALYSIS_MARKER = "<!-- analysis: kept across regenerations -->"
@@ -79,126 +80,6 @@ def disk_usage(root: Path) -> int:
             except FileNotFoundError:
                 continue
     return total
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# --------------------------------------------------------------------------
-# limits and mlx-lm baselines
-
-
-def bench_limits(data: bytes, work: Path, reps: int) -> dict[str, float]:
-    """Page-cache read and blake3 throughput of ``data``, in GB/s (the durable
-    write limit is measured interleaved with the stores, in ``bench_writes``)."""
-    path = work / "limits.bin"
-    FileLayer().write_atomic(path, [data])
-    buf = bytearray(len(data))
-
-    def read() -> None:
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(buf)
-
-    read()  # warm: the figure is a page-cache read
-    t_read = median_time(read, reps)
-    path.unlink()
-    t_b3_1 = median_time(lambda: blake3.blake3(data).digest(), reps)
-    t_b3_all = median_time(
-        lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(), reps
-    )
-    n = len(data)
-    return {
-        "bytes": n,
-        "read_page_cache_gbps": n / t_read / 1e9,
-        "blake3_1thread_gbps": n / t_b3_1 / 1e9,
-        "blake3_all_gbps": n / t_b3_all / 1e9,
-    }
-
-
-def mlx_save_fsync(path: Path, caches: list[KVCache]) -> None:
-    """mlx-lm's own save, then fsync the file."""
-    save_prompt_cache(str(path), caches)
-    fsync_path(path)
-
-
-def bench_mlx_load(src: KVSource, work: Path, reps: int) -> dict[str, float]:
-    """mlx-lm warm load + eval of the whole next-turn cache (here and in a fresh
-    process), and its peak RSS."""
-    path = work / "mlx.safetensors"
-    save_prompt_cache(str(path), src.caches())
-    size = path.stat().st_size
-    eval_caches(load_prompt_cache(str(path)))  # warm the page cache
-    t_load = median_time(lambda: eval_caches(load_prompt_cache(str(path))), reps)
-    child = child_restore({"kind": "mlx", "path": str(path), "reps": reps})
-    path.unlink()
-    return {
-        "file_bytes_whole": size,
-        "load_eval_s": t_load,
-        "load_eval_child_s": child["seconds"],
-        "load_peak_rss_delta": child["peak_delta"],
-    }
-
-
-# --------------------------------------------------------------------------
-# peak RSS of one restore, in a child process
-
-
-def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run a restore (blockkv) or load (mlx-lm) in a fresh process, whose allocator
-    state is the same for both: the peak RSS growth of the first run in bytes (VmHWM
-    after, with the peak reset just before, minus VmRSS before), then the median
-    seconds of ``spec["reps"]`` more runs."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--rss-child",
-            json.dumps(spec),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def rss_child(spec: dict[str, Any]) -> int:
-    """The child side of ``child_restore``: prints ``{"peak_delta": bytes, "seconds": s}``."""
-    if spec["kind"] == "large":
-        print(json.dumps(large_child(spec)))
-        return 0
-    if spec["kind"] == "mlx":
-        run: Callable[[], Any] = lambda: eval_caches(load_prompt_cache(spec["path"]))
-    else:
-        store = open_store(Path(spec["root"]), spec["block_tokens"])
-        match = store.find_exact(tuple(spec["tokens"]))
-        assert match is not None, "rss child: entry not found"
-
-        def run() -> None:
-            loaded = store.restore(match.entry)
-            assert loaded is not None
-            eval_caches(loaded.caches)
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    rss_before = _status_kib("VmRSS")
-    run()
-    peak = (_status_kib("VmHWM") - rss_before) * 1024
-    print(json.dumps({"peak_delta": peak, "seconds": median_time(run, spec["reps"])}))
-    return 0
 
 
 # --------------------------------------------------------------------------
@@ -378,57 +259,6 @@ def bench_sizes(cfg: Config, work: Path) -> dict[str, Any]:
                        "store_s": med["store"], "mlx_load_s": same["mlx_s"], "restore_s": same["blockkv_s"],
                        "seq_read_cold_s": med["seq_read"], "restore_cold_s": med["cold_restore"]}
         del src
-    return out
-
-
-def bench_large(cfg: Config, work: Path) -> dict[str, Any]:
-    """Store and restore of the large entry, then of the reference entry, of
-    ``cfg.large_shape`` in one fresh child process: peak RSS growth of each step
-    (the large entry's first, before anything else ran) and throughput."""
-    root = work / "large"
-    out = child_restore({"kind": "large", "root": str(root), "block_tokens": cfg.block_tokens,
-                         "shape": asdict(cfg.large_shape), "tokens": sorted(cfg.large_tokens, reverse=True)})
-    shutil.rmtree(root, ignore_errors=True)
-    return out
-
-
-def large_child(spec: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """The child side of ``bench_large``: each entry is made here, so RSS before
-    each step already holds it; what a step adds is its own."""
-    shape = Shape(**spec["shape"])
-    return {str(n): large_entry(shape, n, Path(spec["root"]) / str(n), spec["block_tokens"])
-            for n in spec["tokens"]}
-
-
-def large_entry(shape: Shape, n: int, root: Path, block_tokens: int) -> dict[str, float]:
-    src = KVSource.random(shape, n, seed=7)
-    out: dict[str, float] = {"bytes": n * shape.bytes_per_token}
-    with open_store(root, block_tokens) as store:
-        def step(key: str, fn: Callable[[], Any]) -> Any:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            before = _status_kib("VmRSS")
-            t0 = time.perf_counter()
-            result = fn()
-            out[f"{key}_s"] = time.perf_counter() - t0
-            out[f"{key}_peak_delta"] = (_status_kib("VmHWM") - before) * 1024
-            return result
-
-        assert step("store", lambda: store.store(src.tokens, src.caches())), "large store refused"
-        match = store.find_exact(src.tokens)
-        assert match is not None
-        del src  # the restore's growth is measured against a process without the source arrays
-        mx.clear_cache()  # nor MLX's cache of their freed buffers
-
-        def restore() -> Any:
-            loaded = store.restore(match.entry)
-            assert loaded is not None, "large restore failed"
-            eval_caches(loaded.caches)
-            return loaded
-
-        loaded = step("restore", restore)
-        del loaded
-    mx.clear_cache()
     return out
 
 
@@ -1522,7 +1352,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moto-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rss_child:
-        return rss_child(json.loads(args.rss_child))
+        spec = json.loads(args.rss_child)
+        print(json.dumps(large_child(spec) if spec["kind"] == "large" else rss_child(spec)))
+        return 0
     if args.moto_child:
         return moto_child(args.moto_child)
     if args.only_remote:

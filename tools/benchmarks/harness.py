@@ -1,7 +1,7 @@
 """What every section measures with, so that its figures compare: a store opened
 the same way each time (no practical byte cap, verify on, no compression),
 median wall times and percentiles, this process's /proc/self/io deltas; and the
-path of the repository."""
+paths of the repository and of the entry point, which child processes run."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from blockkv.fs import FileLayer
 
 TOOLS = Path(__file__).resolve().parent.parent
 REPO = TOOLS.parent
+ENTRY_POINT = TOOLS / "bench.py"  # what child processes run, with a hidden flag
 MIB = 1 << 20
 
 STORE_IDENTITY = {

@@ -1,0 +1,71 @@
+"""A restore (blockkv) or load (mlx-lm) measured in a fresh process, whose
+allocator state is the same for both: its peak RSS growth and its time, which
+in a long-lived process depend on what ran before. The parent side spawns the
+entry point with ``--rss-child``; the entry point hands the spec to
+``rss_child`` here (or, for the large-entry run, to
+``large_entries.large_child``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import load_prompt_cache
+
+from .harness import ENTRY_POINT, median_time, open_store
+from .sources import eval_caches
+
+
+def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run a restore (blockkv) or load (mlx-lm) in a fresh process, whose allocator
+    state is the same for both: the peak RSS growth of the first run in bytes (VmHWM
+    after, with the peak reset just before, minus VmRSS before), then the median
+    seconds of ``spec["reps"]`` more runs."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ENTRY_POINT),
+            "--rss-child",
+            json.dumps(spec),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def rss_child(spec: dict[str, Any]) -> dict[str, float]:
+    """The child side of ``child_restore`` for a restore or a load:
+    ``{"peak_delta": bytes, "seconds": s}``."""
+    if spec["kind"] == "mlx":
+        run: Callable[[], Any] = lambda: eval_caches(load_prompt_cache(spec["path"]))
+    else:
+        store = open_store(Path(spec["root"]), spec["block_tokens"])
+        match = store.find_exact(tuple(spec["tokens"]))
+        assert match is not None, "rss child: entry not found"
+
+        def run() -> None:
+            loaded = store.restore(match.entry)
+            assert loaded is not None
+            eval_caches(loaded.caches)
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    rss_before = status_kib("VmRSS")
+    run()
+    peak = (status_kib("VmHWM") - rss_before) * 1024
+    return {"peak_delta": peak, "seconds": median_time(run, spec["reps"])}
