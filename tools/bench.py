@@ -16,7 +16,6 @@ import datetime
 import importlib.util
 import inspect
 import json
-import math
 import os
 import platform
 import shutil
@@ -30,27 +29,24 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from blockkv import BlockStore
-from blockkv.format.header import SUFFIX as HEADER_SUFFIX
-from blockkv.fs import FileLayer
 from blockkv.local.prefix_index import common_prefix_length
-from blockkv.pool.protocol import is_block_name
 
 # tools/, for its benchmarks/ package: this file is run as a script, loaded by
 # path (blockkv bench, the tests) and run again by the child processes it starts
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.baselines import bench_limits, bench_mlx_load, mlx_save_fsync
+from benchmarks.baselines import bench_limits, bench_mlx_load
 from benchmarks.config import FULL, QUICK, Config
-from benchmarks.fresh_process import child_restore, rss_child
+from benchmarks.entry_sizes import bench_sizes
+from benchmarks.fresh_process import rss_child
 from benchmarks.harness import (
     MIB,
     REPO,
@@ -61,7 +57,9 @@ from benchmarks.harness import (
     percentile,
 )
 from benchmarks.large_entries import bench_large, large_child
+from benchmarks.restore_speed import bench_restore
 from benchmarks.sources import VOCAB, KVSource, check_restored, eval_caches, kv_cache
+from benchmarks.store_speed import bench_writes
 
 ANALYSIS_MARKER = "<!-- analysis: kept across regenerations -->"
 
@@ -84,253 +82,6 @@ def disk_usage(root: Path) -> int:
 
 # --------------------------------------------------------------------------
 # blockkv
-
-
-class CountingFileLayer(FileLayer):
-    """The store's file layer, counting the block files it reads (by either read primitive)."""
-
-    def __init__(self) -> None:
-        self.block_reads: list[str] = []
-
-    def _count(self, path: Path) -> None:
-        if is_block_name(path.name):
-            self.block_reads.append(path.name)
-
-    def read(self, path: Path) -> bytes:
-        self._count(path)
-        return super().read(path)
-
-    def read_exact(self, path: Path, buffers: Sequence[memoryview], on_read: Any = None) -> bool:
-        self._count(path)
-        return super().read_exact(path, buffers, on_read)
-
-
-def bench_writes(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
-    """Durable writes, interleaved rep by rep so each side sees the same disk state
-    (this disk's speed depends on whether blocks were written before and trimmed):
-    raw write of the fresh entry's bytes, mlx-lm save + fsync of it, blockkv fresh
-    store of it, blockkv next-turn store on top, mlx-lm save + fsync of the whole
-    next-turn cache. Leaves the last store (holding both entries) at ``work/"entry"``."""
-    n0, n1 = cfg.prefix_tokens, cfg.prefix_tokens + cfg.new_tokens
-    data, fs = src.raw_bytes(n0), FileLayer()
-    raw_path, mlx_path, root = (
-        work / "raw.bin",
-        work / "mlx.safetensors",
-        work / "entry",
-    )
-    runs: dict[str, list[float]] = {
-        k: [] for k in ("raw", "mlx_fresh", "fresh", "next", "mlx_whole")
-    }
-
-    def timed(key: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter()
-        result = fn()
-        runs[key].append(time.perf_counter() - t0)
-        return result
-
-    io: dict[str, int] = {}
-    for _ in range(cfg.reps):
-        shutil.rmtree(root, ignore_errors=True)
-        timed("raw", lambda: fs.write_atomic(raw_path, [data]))
-        raw_path.unlink()
-        timed("mlx_fresh", lambda: mlx_save_fsync(mlx_path, src.caches(n0)))
-        mlx_path.unlink()
-        with open_store(root, cfg.block_tokens) as store:
-            assert timed(
-                "fresh", partial(store.store, src.tokens[:n0], src.caches(n0))
-            ), "fresh store refused"
-            written = store.stats["bytes_written"]
-            io = {}
-            with io_delta(io):
-                assert timed(
-                    "next", partial(store.store, src.tokens[:n1], src.caches(n1))
-                ), "next-turn store refused"
-            written = int(store.stats["bytes_written"] - written)
-        timed("mlx_whole", lambda: mlx_save_fsync(mlx_path, src.caches()))
-        mlx_path.unlink()
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    return {
-        "runs_s": runs,
-        "raw_write_fsync_s": med["raw"],
-        "mlx_save_fsync_fresh_s": med["mlx_fresh"],
-        "mlx_save_fsync_whole_s": med["mlx_whole"],
-        "fresh_store_s": med["fresh"],
-        "next_turn_store_s": med["next"],
-        "next_turn_bytes_written": written,
-        "next_turn_proc_write_bytes": io["write_bytes"],
-        "header_bytes": max(p.stat().st_size for p in header_files(root)),
-    }
-
-
-def same_process(restore: Callable[[], Any], caches: list[KVCache], work: Path, reps: int) -> dict[str, float]:
-    """blockkv's full restore and mlx-lm's load of the same cache in this one
-    long-lived process, both warmed, alternating rep by rep: where a server runs
-    them, with MLX's buffer cache warm for both."""
-    path = work / "same-process.safetensors"
-    save_prompt_cache(str(path), caches)
-
-    def load() -> None:
-        eval_caches(load_prompt_cache(str(path)))
-
-    for fn in (load, restore, load, restore):  # warm: page cache and MLX's buffer cache
-        fn()
-    runs: dict[str, list[float]] = {"mlx": [], "blockkv": []}
-    for _ in range(3 * max(reps, 3)):  # cheap reps on a noisy VM: 5 gave 68 and 82 ms for the same code
-        for key, fn in (("mlx", load), ("blockkv", restore)):
-            t0 = time.perf_counter()
-            fn()
-            runs[key].append(time.perf_counter() - t0)
-    path.unlink()
-    return {"mlx_s": statistics.median(runs["mlx"]), "blockkv_s": statistics.median(runs["blockkv"])}
-
-
-def drop_cache(paths: Sequence[Path]) -> None:
-    """Evict these files' pages from the page cache (clean pages: every file here was fsync'd)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def store_files(root: Path) -> list[Path]:
-    """Every header and block file under a store root."""
-    return [p for p in root.rglob("*") if p.is_file() and (is_block_name(p.name) or p.name.endswith(HEADER_SUFFIX))]
-
-
-def sequential_read(path: Path, buf: bytearray) -> None:
-    """A plain sequential read of a whole file, 8 MiB at a time (the cold-read limit)."""
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(view):
-            pass
-
-
-def bench_sizes(cfg: Config, work: Path) -> dict[str, Any]:
-    """Per entry size: fresh store vs mlx-lm save + fsync (interleaved reps),
-    warm full restore vs mlx-lm load in this process (alternating reps), and cold
-    restore vs a plain sequential read of the same bytes (page cache dropped with
-    posix_fadvise before each, interleaved). At most 3 reps per size: the
-    32k-token entry is 1 GiB."""
-    out: dict[str, Any] = {}
-    reps = min(cfg.reps, 3)
-    for n in cfg.size_tokens:
-        src = KVSource.random(cfg.shape, n, seed=n)
-        nbytes, root, mlx_path = n * cfg.shape.bytes_per_token, work / f"size-{n}", work / f"size-{n}.safetensors"
-        runs: dict[str, list[float]] = {k: [] for k in ("mlx_save", "store", "seq_read", "cold_restore")}
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            mlx_save_fsync(mlx_path, src.caches())
-            runs["mlx_save"].append(time.perf_counter() - t0)
-            mlx_path.unlink()
-            shutil.rmtree(root, ignore_errors=True)
-            with open_store(root, cfg.block_tokens) as store:
-                t0 = time.perf_counter()
-                assert store.store(src.tokens, src.caches()), "store refused"
-                runs["store"].append(time.perf_counter() - t0)
-        raw = work / f"size-{n}.raw"
-        FileLayer().write_atomic(raw, [src.raw_bytes()])
-        buf = bytearray(8 * MIB)
-        with open_store(root, cfg.block_tokens) as store:
-            match = store.find_exact(src.tokens)
-            assert match is not None
-
-            def restore() -> None:
-                loaded = store.restore(match.entry)
-                assert loaded is not None, "restore failed"
-                eval_caches(loaded.caches)
-
-            same = same_process(restore, src.caches(), work, reps)
-            files = store_files(root)
-            for _ in range(reps):
-                drop_cache([raw])
-                t0 = time.perf_counter()
-                sequential_read(raw, buf)
-                runs["seq_read"].append(time.perf_counter() - t0)
-                drop_cache(files)
-                t0 = time.perf_counter()
-                restore()
-                runs["cold_restore"].append(time.perf_counter() - t0)
-        raw.unlink()
-        shutil.rmtree(root)
-        med = {k: statistics.median(v) for k, v in runs.items()}
-        out[str(n)] = {"tokens": n, "bytes": nbytes, "runs_s": runs, "mlx_save_fsync_s": med["mlx_save"],
-                       "store_s": med["store"], "mlx_load_s": same["mlx_s"], "restore_s": same["blockkv_s"],
-                       "seq_read_cold_s": med["seq_read"], "restore_cold_s": med["cold_restore"]}
-        del src
-    return out
-
-
-def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
-    """Full and partial restore of the next-turn entry ``bench_writes`` left, block files
-    a partial restore reads, peak RSS of a full restore."""
-    n1 = cfg.prefix_tokens + cfg.new_tokens
-    root = work / "entry"
-    out: dict[str, Any] = {}
-    with open_store(root, cfg.block_tokens) as store:
-        match = store.find_exact(src.tokens[:n1])
-        assert match is not None, "stored entry not found"
-        entry = match.entry
-        out["entry_nbytes"] = entry.nbytes
-
-        def restore(prefix: int | None = None) -> list[Any]:
-            loaded = store.restore(entry, prefix)
-            assert loaded is not None, "restore failed"
-            eval_caches(loaded.caches)
-            return loaded.caches
-
-        check_restored(restore(), src, n1)  # also warms the page cache
-        same = same_process(restore, src.caches(), work, cfg.reps)
-        out["full_restore_s"], out["same_process_mlx_load_s"] = same["blockkv_s"], same["mlx_s"]
-        out["partial_restore_s"] = median_time(
-            lambda: restore(cfg.partial_tokens), cfg.reps
-        )
-
-    with open_store(root, cfg.block_tokens, verify="full") as store:
-        match = store.find_exact(src.tokens[:n1])
-        assert match is not None
-
-        def restore_full() -> None:
-            loaded = store.restore(match.entry)
-            assert loaded is not None, "restore failed"
-            eval_caches(loaded.caches)
-
-        same = same_process(restore_full, src.caches(), work, cfg.reps)
-        out["full_restore_blake3_s"], out["same_process_mlx_load_blake3_s"] = same["blockkv_s"], same["mlx_s"]
-
-    counting = CountingFileLayer()
-    with open_store(root, cfg.block_tokens, fs=counting) as store:
-        match = store.find_exact(src.tokens[:n1])
-        assert match is not None
-        io = {}
-        with io_delta(io):
-            loaded = store.restore(match.entry, cfg.partial_tokens)
-            assert loaded is not None
-            eval_caches(loaded.caches)
-        check_restored(loaded.caches, src, cfg.partial_tokens)
-    out["partial_blocks_read"] = len(counting.block_reads)
-    out["partial_blocks_expected"] = math.ceil(cfg.partial_tokens / cfg.block_tokens)
-    out["partial_rchar"] = io["rchar"]
-
-    child = child_restore(
-        {
-            "kind": "blockkv",
-            "root": str(root),
-            "block_tokens": cfg.block_tokens,
-            "tokens": src.tokens[:n1],
-            "reps": cfg.reps,
-        }
-    )
-    out["restore_peak_rss_delta"] = child["peak_delta"]
-    out["full_restore_child_s"] = child["seconds"]
-    shutil.rmtree(root)
-    return out
-
-
-def header_files(root: Path) -> list[Path]:
-    """Every header file under a store root."""
-    return list(root.rglob(f"*{HEADER_SUFFIX}"))
 
 
 def drop_index(root: Path) -> None:
