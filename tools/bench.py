@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -37,12 +37,12 @@ import numpy as np
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from blockkv import BlockStore
-from blockkv.local.prefix_index import common_prefix_length
 
 # tools/, for its benchmarks/ package: this file is run as a script, loaded by
 # path (blockkv bench, the tests) and run again by the child processes it starts
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchmarks.agent_workload import bench_agent
 from benchmarks.baselines import bench_limits, bench_mlx_load
 from benchmarks.config import FULL, QUICK, Config
 from benchmarks.entry_sizes import bench_sizes
@@ -51,226 +51,16 @@ from benchmarks.harness import (
     MIB,
     REPO,
     STORE_IDENTITY,
-    io_delta,
     median_time,
     open_store,
-    percentile,
 )
+from benchmarks.index import INDEX_IDENTITY, bench_index
 from benchmarks.large_entries import bench_large, large_child
 from benchmarks.restore_speed import bench_restore
 from benchmarks.sources import VOCAB, KVSource, check_restored, eval_caches, kv_cache
 from benchmarks.store_speed import bench_writes
 
 ANALYSIS_MARKER = "<!-- analysis: kept across regenerations -->"
-
-
-# --------------------------------------------------------------------------
-# measurement helpers
-
-
-def disk_usage(root: Path) -> int:
-    """Bytes allocated on disk under ``root`` (st_blocks, like ``du``)."""
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                continue
-    return total
-
-
-# --------------------------------------------------------------------------
-# blockkv
-
-
-def drop_index(root: Path) -> None:
-    """Delete the LMDB accelerator so the next open rebuilds it from the files."""
-    for data in list(root.rglob("data.mdb")):
-        shutil.rmtree(data.parent)
-
-
-# --------------------------------------------------------------------------
-# agent workload: N sessions x T turns sharing one system prompt
-
-
-def bench_agent(cfg: Config, work: Path) -> dict[str, Any]:
-    """Store every turn of every session in blockkv and, whole as mlx-lm files, in a
-    file-per-entry baseline; footprint and bytes written after each session.
-
-    blockkv lets a turn supersede the previous turn of its session (an entry
-    that is a prefix of a newer trimmable one), so the baseline is charged only
-    for the files of the entries blockkv still holds, and for writing every
-    turn. The store runs with ``gc_grace=0`` and is gc'd before each
-    measurement: the footprint is the steady state (before gc is recorded too)."""
-    shape, bpt = cfg.shape, cfg.shape.bytes_per_token
-    rng = np.random.default_rng(5)
-    system = KVSource.random(shape, cfg.agent_system_tokens, seed=1000)
-    root, fpe_file = work / "agent", work / "fpe.safetensors"
-    fpe_size: dict[
-        tuple[int, ...], int
-    ] = {}  # tokens -> allocated bytes of its whole file
-    fpe_io = bk_io = bk_written = 0
-    points: list[dict[str, int]] = []
-    t_store: list[float] = []
-    with open_store(root, cfg.block_tokens, gc_grace=0.0) as store:
-        for s in range(cfg.agent_sessions):
-            turns = rng.integers(
-                cfg.agent_turn_tokens[0], cfg.agent_turn_tokens[1] + 1, cfg.agent_turns
-            )
-            session = system.extended(
-                KVSource.random(shape, int(turns.sum()), seed=2000 + s)
-            )
-            for n in (cfg.agent_system_tokens + np.cumsum(turns)).tolist():
-                caches = session.caches(n)
-                io: dict[str, int] = {}
-                written = store.stats["bytes_written"]
-                with io_delta(io):
-                    t0 = time.perf_counter()
-                    assert store.store(session.tokens[:n], caches), (
-                        "agent store refused"
-                    )
-                    t_store.append(time.perf_counter() - t0)
-                bk_written += int(store.stats["bytes_written"] - written)
-                bk_io += io["write_bytes"]
-                io = {}
-                with io_delta(io):
-                    save_prompt_cache(str(fpe_file), caches)
-                fpe_io += io["write_bytes"]
-                fpe_size[tuple(session.tokens[:n])] = fpe_file.stat().st_blocks * 512
-                fpe_file.unlink()  # its size is counted; keep the disk free
-            before_gc = disk_usage(root)
-            store.gc()
-            live = list(store.token_prefixes())
-            points.append(
-                {
-                    "sessions": s + 1,
-                    "entries_stored": len(fpe_size),
-                    "entries_live": len(live),
-                    "ideal_bytes": unique_tokens(live) * bpt,
-                    "blockkv_footprint_before_gc": before_gc,
-                    "blockkv_footprint": disk_usage(root),
-                    "blockkv_total_bytes": store.total_bytes,
-                    "blockkv_bytes_written": bk_written,
-                    "blockkv_proc_write_bytes": bk_io,
-                    "fpe_footprint": sum(fpe_size[t] for t in live),
-                    "fpe_footprint_every_turn": sum(fpe_size.values()),
-                    "fpe_proc_write_bytes": fpe_io,
-                }
-            )
-            del session
-    shutil.rmtree(root)
-    last = points[-1]
-    return {
-        "points": points,
-        "store_p50_s": percentile(t_store, 50),
-        "store_p99_s": percentile(t_store, 99),
-        "footprint_vs_ideal": last["blockkv_footprint"] / last["ideal_bytes"],
-        "footprint_vs_fpe": last["blockkv_footprint"] / last["fpe_footprint"],
-        "ideal_vs_fpe": last["ideal_bytes"] / last["fpe_footprint"],
-        "written_vs_fpe": last["blockkv_bytes_written"] / last["fpe_proc_write_bytes"],
-        "written_vs_ideal": last["blockkv_bytes_written"] / last["ideal_bytes"],
-    }
-
-
-def unique_tokens(entries: Sequence[Sequence[int]]) -> int:
-    """Token positions with distinct prefixes across ``entries`` (nodes of their trie):
-    the KV a perfect prefix-sharing store would hold."""
-    ordered = [np.asarray(t, dtype=np.int64) for t in sorted(map(tuple, entries))]
-    total = 0
-    for prev, cur in zip([None, *ordered], ordered):
-        total += len(cur) - (0 if prev is None else common_prefix_length(prev, cur))
-    return total
-
-
-# --------------------------------------------------------------------------
-# index: find latency and open time at many small entries
-
-
-INDEX_IDENTITY = {
-    "model_id": "bench/index",
-    "config_fingerprint": "bench-index-bf16",
-    "tokenizer_hash": "bench-tokenizer",
-}
-
-
-def bench_index(cfg: Config, work: Path) -> dict[str, Any]:
-    """``find`` latency at each of ``cfg.index_sizes`` entries; open time at the largest
-    with a valid index and with a forced rebuild. Entries share 1 of 64 prompt heads."""
-    rng = np.random.default_rng(7)
-    heads = [rng.integers(0, VOCAB, 32).tolist() for _ in range(64)]
-    total = cfg.index_sizes[-1]
-    lo, hi = cfg.index_tokens
-    pool = KVSource.random(
-        cfg.index_shape, total * hi, seed=3
-    )  # each entry slices its own bytes
-    root = work / "index"
-    out: dict[str, Any] = {}
-    stored: list[list[int]] = []
-    t_store: list[float] = []
-    with open_store(root, cfg.block_tokens, **INDEX_IDENTITY) as store:
-        for size in cfg.index_sizes:
-            while len(stored) < size:
-                i = len(stored)
-                n = int(rng.integers(lo, hi + 1))
-                tokens = heads[i % len(heads)] + rng.integers(0, VOCAB, n - 32).tolist()
-                caches = [
-                    kv_cache(k[:, :, i * hi : i * hi + n], v[:, :, i * hi : i * hi + n])
-                    for k, v in zip(pool.keys, pool.values)
-                ]
-                t0 = time.perf_counter()
-                assert store.store(tokens, caches), "index store refused"
-                t_store.append(time.perf_counter() - t0)
-                stored.append(tokens)
-            out[f"find_{size}"] = time_finds(
-                store, stored, heads, cfg.find_queries, rng
-            )
-    out["tiny_store_p50_s"] = percentile(t_store, 50)
-    out["entries"] = total
-
-    def reopen() -> None:
-        with open_store(root, cfg.block_tokens, **INDEX_IDENTITY) as store:
-            assert len(store) == total, f"open indexed {len(store)} of {total} entries"
-
-    out["open_valid_s"] = median_time(reopen, cfg.reps)
-    out["open_rebuild_s"] = median_time(
-        reopen, cfg.reps, setup=lambda: drop_index(root)
-    )
-    shutil.rmtree(root)
-    return out
-
-
-def time_finds(
-    store: BlockStore,
-    stored: list[list[int]],
-    heads: list[list[int]],
-    queries: int,
-    rng: np.random.Generator,
-) -> dict[str, float]:
-    """Latency of ``find``: half hits (a stored entry plus new tokens), half prompts that
-    share only a head (the match is shorter than any entry, or none)."""
-    times: list[float] = []
-    hits = 0
-    for q in range(queries):
-        if q % 2 == 0:
-            prompt = (
-                stored[int(rng.integers(len(stored)))]
-                + rng.integers(0, VOCAB, 64).tolist()
-            )
-        else:
-            prompt = (
-                heads[int(rng.integers(len(heads)))]
-                + rng.integers(0, VOCAB, 96).tolist()
-            )
-        t0 = time.perf_counter()
-        match = store.find(prompt)
-        times.append(time.perf_counter() - t0)
-        hits += q % 2 == 0 and match is not None
-    assert hits == (queries + 1) // 2, "a stored entry was not found"
-    return {
-        "p50_ms": percentile(times, 50) * 1e3,
-        "p99_ms": percentile(times, 99) * 1e3,
-    }
 
 
 # --------------------------------------------------------------------------
