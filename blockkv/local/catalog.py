@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from blockkv.local.index import Index, gc_paused
+from blockkv.local.index import Index
+from blockkv.local.index_records import gc_paused
 from blockkv.local.prefix_index import PrefixIndex
 from blockkv.records import CHECKPOINT_NS, Entry, EntryRecord, Match
 

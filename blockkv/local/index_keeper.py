@@ -24,7 +24,8 @@ from blockkv.errors import CorruptError
 from blockkv.local import writers
 from blockkv.local.catalog import Catalog
 from blockkv.local.directory import Directory
-from blockkv.local.index import BROKEN_INDEX, Index
+from blockkv.local.index import Index
+from blockkv.local.lmdb_env import BROKEN_INDEX
 from blockkv.local.locks import DirLock
 from blockkv.local.recovery import Recovery
 from blockkv.records import EntryRecord

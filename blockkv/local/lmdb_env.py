@@ -1,0 +1,173 @@
+"""One LMDB environment per process and file, shared by every index handle.
+
+LMDB forbids opening one environment twice in a process, so handles share it
+through a registry keyed by path and inode; py-lmdb forbids resizing the map
+while another thread of the process is inside a transaction, so every
+transaction holds a gate that a resize takes exclusively. Nothing here knows
+the index's tables (index.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+# liblmdb errors that prove an environment broken (not a transient failure):
+# only these move it aside to be rebuilt
+BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
+                lmdb.PageNotFoundError, lmdb.BadRslotError)
+R = TypeVar("R")
+
+
+def boot_id() -> str:
+    """Changes on every OS boot; '' where unknown (then transactions are synced)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+class _Gate:
+    """Readers-writer lock over one environment's transactions: any number of
+    transactions, or one map resize with none open (py-lmdb forbids resizing
+    while another thread of the process is inside a transaction)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing or self._active:
+                self._cond.wait()
+            self._resizing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+@dataclass
+class SharedEnv:
+    """An open environment and the handles using it; its transactions grow
+    the map when it is full and adopt a size another process set."""
+
+    env: lmdb.Environment
+    key: tuple[int, int]  # (st_dev, st_ino) of data.mdb when opened
+    gate: _Gate
+    users: int = 1
+
+    def open_db(self, name: bytes) -> Any:
+        """Creating a table is a write: it may need the map to grow too."""
+        while True:
+            try:
+                with self.gate.shared():
+                    return self.env.open_db(name)
+            except lmdb.MapFullError:
+                self._grow()
+
+    def write(self, fn: Callable[[lmdb.Transaction], R]) -> R:
+        """Run ``fn`` in a write transaction; grow the map when it is full."""
+        while True:
+            try:
+                with self.gate.shared(), self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.MapResizedError:
+                self._adopt_size()
+
+    def read(self, fn: Callable[[lmdb.Transaction], R]) -> R:
+        while True:
+            try:
+                with self.gate.shared(), self.env.begin() as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                self._adopt_size()
+
+    def _grow(self) -> None:
+        """Double the map, with no transaction of this process open (py-lmdb's rule)."""
+        with self.gate.exclusive():
+            self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    def _adopt_size(self) -> None:
+        """Another process grew the map: adopt its size, again with no transaction open."""
+        with self.gate.exclusive():
+            self.env.set_mapsize(0)
+
+
+# LMDB forbids opening one environment twice in a process; handles share one.
+_ENVS: dict[tuple[str, int, int], SharedEnv] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def env_key(path: Path) -> tuple[int, int]:
+    st = os.stat(path / "data.mdb")
+    return (st.st_dev, st.st_ino)
+
+
+def open_env(path: Path, map_size: int, *, max_dbs: int, sync: bool) -> SharedEnv:
+    resolved = str(path.resolve())
+    with _ENVS_LOCK:
+        try:
+            key = env_key(path)
+        except FileNotFoundError:
+            key = None
+        if key is not None and (resolved, *key) in _ENVS:
+            shared = _ENVS[(resolved, *key)]
+            shared.users += 1
+            return shared
+        # liblmdb refuses a second environment on one lock file: one whose data
+        # file was replaced in place is dead. Close it once no transaction is
+        # inside it; its handles get an error and reopen (``Index.replaced``).
+        for stale in [v for k, v in _ENVS.items() if k[0] == resolved]:
+            with stale.gate.exclusive():
+                stale.env.close()
+            for k in [k for k, v in _ENVS.items() if v is stale]:
+                del _ENVS[k]
+        path.mkdir(mode=0o700, exist_ok=True)
+        env = lmdb.open(
+            str(path), map_size=map_size, max_dbs=max_dbs, max_readers=1024,
+            sync=sync, metasync=sync, readahead=False, mode=0o600,
+        )
+        env.reader_check()
+        key = env_key(path)
+        shared = _ENVS[(resolved, *key)] = SharedEnv(env, key, _Gate())
+        return shared
+
+
+def release_env(shared: SharedEnv) -> None:
+    """Close the environment once its last handle lets go."""
+    with _ENVS_LOCK:
+        shared.users -= 1
+        if shared.users:
+            return
+        for k, v in list(_ENVS.items()):
+            if v is shared:
+                del _ENVS[k]
+        shared.env.close()  # a no-op if it was closed as stale
