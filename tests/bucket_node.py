@@ -22,7 +22,9 @@ from mlx_lm.models.cache import KVCache
 from blockkv.format import blocks as blk
 from blockkv.format.header import Header, Identity, encode_header
 from blockkv.local.directory import CODEC_ID, fingerprint_dirname, ns_dirname
-from blockkv.remote.bucket import Bucket, BucketError, StoreSession, StoreTooSlow
+from blockkv.remote.bucket import Bucket
+from blockkv.remote.objects import BucketError
+from blockkv.remote.session import StoreSession, StoreTooSlow
 
 CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 IDENTITY = Identity("tiny", "fp-test", "tok", CODEC_ID)

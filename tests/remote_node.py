@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from blockkv import BlockStore
-from blockkv.remote.bucket import BucketError
+from blockkv.remote.objects import BucketError
 from blockkv.remote.tier import header_name
 from blockkv.testing.models import prefill, random_tokens, tiny_model  # noqa: F401 - for the tests too
 

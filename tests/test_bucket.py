@@ -28,7 +28,9 @@ from blockkv.errors import BlockMissingError, CorruptBlockError
 from blockkv.format import blocks as blk
 from blockkv.format.header import Identity
 from blockkv.local.directory import ns_dirname
-from blockkv.remote.bucket import Bucket, BucketError, StoreTooSlow
+from blockkv.remote.bucket import Bucket
+from blockkv.remote.objects import BucketError
+from blockkv.remote.session import StoreTooSlow
 
 NODE = str(Path(__file__).with_name("bucket_node.py"))
 

@@ -48,8 +48,10 @@ from blockkv.local.catalog import Catalog
 from blockkv.local.directory import Directory, block_key, fingerprint_dirname, ns_dirname, verified_header
 from blockkv.pool.s3 import OPTION_ENV
 from blockkv.records import CHECKPOINT_NS, Entry, Match
-from blockkv.remote.bucket import Bucket, BucketError, StoreTooSlow
+from blockkv.remote.bucket import Bucket
 from blockkv.remote.files import Backlog, HeaderCache
+from blockkv.remote.objects import BucketError
+from blockkv.remote.session import StoreTooSlow
 
 # remote_options keys that tune the bucket protocol rather than name the endpoint (Bucket's arguments)
 BUCKET_SETTINGS: dict[str, type] = {"grace": float, "sweep_window": float, "timeout": float,

@@ -27,7 +27,8 @@ from blockkv.local.directory import CODEC_ID, block_key, entry_record, fingerpri
 from blockkv.pool.protocol import Layout
 from blockkv.pool.s3 import S3Pool
 from blockkv.records import Entry, EntryRecord
-from blockkv.remote.bucket import Bucket, BucketError, ObjectInfo, _outage
+from blockkv.remote.bucket import Bucket
+from blockkv.remote.objects import BucketError, ObjectInfo, outage
 
 _MAX_IDENTITY_BYTES = 1 << 20
 _IDENTITY_LAYOUT = Layout(re.compile(r"[A-Za-z0-9._-]+/IDENTITY"), sharded=False)
@@ -65,11 +66,11 @@ def list_bucket_fingerprints(url: str, options: Mapping[str, str] | None = None,
     identities = _Identities(url, _IDENTITY_LAYOUT, options, timeout=timeout, connect_timeout=connect_timeout,
                              max_retries=max_retries)
     found, unreadable = [], []
-    with _outage("fingerprint listing"):
+    with outage("fingerprint listing"):
         names = identities.directories()
     for name in names:
         try:
-            with _outage(f"{name}/IDENTITY"):
+            with outage(f"{name}/IDENTITY"):
                 data = identities.get(f"{name}/IDENTITY")
             if len(data) > _MAX_IDENTITY_BYTES:
                 raise ValueError("too large")
@@ -117,7 +118,7 @@ class _Listed:
 
 def _list(bucket: Bucket) -> _Listed:
     headers = bucket.list_headers()
-    with _outage("listing"):
+    with outage("listing"):
         blocks = {i.name: i for i in bucket.blocks.list_info()}
         used = {i.name.removeprefix("used/"): i.last_modified for i in bucket.meta.list_info("used/")}
     found, damaged = bucket.fetch_headers(headers)
@@ -192,7 +193,7 @@ def check_bucket(bucket: Bucket, identity: Identity,
     names = sorted(listed.blocks)
     for done, name in enumerate(names, 1):
         try:
-            with _outage(f"fetch of block {name}"):
+            with outage(f"fetch of block {name}"):
                 data = bucket.blocks.get(name)
             if name in keys:
                 blk.decode_block(name, data, key=keys[name])
@@ -237,7 +238,7 @@ def _repair(bucket: Bucket, report: CheckReport, listed: _Listed, keys: dict[str
         if read is None or read[0].id not in dangling:
             continue
         try:
-            with _outage("repair"):
+            with outage("repair"):
                 if all(bucket.blocks.exists(b) for b in read[0].blocks):
                     continue  # a good copy came back meanwhile: servable again
                 bucket.headers.delete(name)
