@@ -27,7 +27,8 @@ from test_bucket import endpoint, keys, make_bucket, raw_store, server  # noqa: 
 
 from blockkv import BlockStore, GenerationCheckpoint
 from blockkv.local.directory import fingerprint_dirname
-from blockkv.remote.tier import MANIFEST_MIN, header_name, unpack_manifest
+from blockkv.remote.manifest import MANIFEST_MIN, unpack_manifest
+from blockkv.remote.objects import header_name
 
 NODE = str(Path(__file__).with_name("remote_node.py"))
 FP_DIR = fingerprint_dirname(node.IDENT["config_fingerprint"])

@@ -21,8 +21,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("blockkv.remote needs obstore: pip install 'blockkv[s3]'") from exc
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptError
+from blockkv.format.header import SUFFIX
 from blockkv.fs import Buffer
-from blockkv.local.directory import HEADER_LAYOUT
+from blockkv.local.directory import HEADER_LAYOUT, ns_dirname
 from blockkv.pool.protocol import Layout
 from blockkv.pool.s3 import S3Pool
 
@@ -35,6 +36,11 @@ META_LAYOUT = Layout(re.compile(rf"IDENTITY|MANIFEST|clock/{_HEX32}|gc/{_HEX32}(
 # Last-Modified has one-second resolution (an HTTP date): every comparison of
 # server times gives this much away, always in the safe direction
 CLOCK_SLACK = 1.0
+
+
+def header_name(ns: str, entry_id: str) -> str:
+    """An entry's name in the bucket's header pool: the local path under ``entries/``."""
+    return f"{ns_dirname(ns)}/{entry_id}{SUFFIX}"
 
 
 class BucketError(BlockKVError):

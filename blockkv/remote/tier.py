@@ -12,19 +12,13 @@ gc never ask the network. What the bucket adds lives here:
   then blocks and header written locally by the write order of a store
   (``BlockStore._adopt``), after which it is an ordinary local entry;
 - **uploads**: every store's blocks, then its header (the commit point);
-- the **backlog**: stores the bucket did not acknowledge, marked by an empty
-  file ``backlog/<entry id>`` and uploaded by a later sync (the files:
-  remote_files.py ``Backlog``);
-- a **header cache**: ``remote-headers/<ns dir>/<uuid>.bkv``, copies of the
-  bucket's headers (immutable, checksummed), so a node that restarts reads
-  the remote catalog from its disk and fetches only headers new to it
-  (remote_files.py ``HeaderCache``);
-- the bucket's **MANIFEST**: every header packed into one object, written by a
-  node that had to fetch many headers one by one, so that the next fresh node
-  learns the fleet's entries with one GET (each header in it is verified, and
-  only names the listing shows are used);
-- a **circuit breaker**: after a failure the bucket is skipped for a backoff
-  period, so an outage costs one warning, not a timeout per request.
+- the **backlog**: stores the bucket did not acknowledge, uploaded by a
+  later sync, and a **header cache** of the bucket's headers, so a node that
+  restarts fetches only headers new to it (their files: files.py);
+- the bucket's **MANIFEST** (manifest.py), read when many headers are new and
+  written after fetching them one by one, so the next fresh node needs one GET;
+- a **circuit breaker** (breaker.py): an outage costs one warning, not a
+  timeout per request.
 
 Nothing here raises into the serving path: an outage is "not uploaded" /
 "no hit" and a warning (one per kind); only proof of damage forgets an entry.
@@ -32,7 +26,6 @@ Nothing here raises into the serving path: an outage is "not uploaded" /
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from collections import Counter
@@ -45,112 +38,18 @@ from blockkv.errors import BlockKVError, BlockMissingError, CorruptError
 from blockkv.format import blocks as blk
 from blockkv.format.header import SUFFIX, Header, Identity
 from blockkv.local.catalog import Catalog
-from blockkv.local.directory import Directory, block_key, fingerprint_dirname, ns_dirname, verified_header
-from blockkv.pool.s3 import OPTION_ENV
+from blockkv.local.directory import Directory, block_key, fingerprint_dirname
 from blockkv.records import CHECKPOINT_NS, Entry, Match
+from blockkv.remote.breaker import Breaker
 from blockkv.remote.bucket import Bucket
 from blockkv.remote.files import Backlog, HeaderCache
-from blockkv.remote.objects import BucketError
+from blockkv.remote.manifest import MANIFEST_MIN, headers_from_manifest, pack_manifest
+from blockkv.remote.objects import BucketError, header_name
+from blockkv.remote.options import split_options
 from blockkv.remote.session import StoreTooSlow
 
-# remote_options keys that tune the bucket protocol rather than name the endpoint (Bucket's arguments)
-BUCKET_SETTINGS: dict[str, type] = {"grace": float, "sweep_window": float, "timeout": float,
-                                    "connect_timeout": float, "max_retries": int, "fetch_threads": int,
-                                    "touch_interval": float}
-DEFAULT_SYNC_INTERVAL = 30.0  # seconds between listings while the store is used
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 _UPLOAD_THREADS = 8
-MANIFEST_MIN = 32  # this many headers to fetch one by one: read the MANIFEST first, and write one after
-_MANIFEST_MAGIC = b"BKVMANIFEST1\n"
-_RECORD = struct.Struct("<HI")  # name length, header length; then the name (UTF-8) and the header bytes
-
-
-def header_name(ns: str, entry_id: str) -> str:
-    """An entry's name in the bucket's header pool: the local path under ``entries/``."""
-    return f"{ns_dirname(ns)}/{entry_id}{SUFFIX}"
-
-
-def split_options(options: Mapping[str, object] | None) -> tuple[dict[str, str], dict[str, float | int], float]:
-    """``remote_options`` as (endpoint and credentials for S3Pool, Bucket settings, sync interval)."""
-    if options is not None and not isinstance(options, Mapping):
-        raise TypeError(f"remote_options must be a mapping, got {type(options).__name__}")
-    s3: dict[str, str] = {}
-    settings: dict[str, float | int] = {}
-    interval = DEFAULT_SYNC_INTERVAL
-    for key, value in (options or {}).items():
-        if key in OPTION_ENV:
-            s3[key] = str(value)
-            continue
-        kind = BUCKET_SETTINGS.get(key, float if key == "sync_interval" else None)
-        if kind is None:
-            raise ValueError(f"unknown remote option {key!r}; expected some of "
-                             f"{sorted([*OPTION_ENV, *BUCKET_SETTINGS, 'sync_interval'])}")
-        try:
-            parsed = kind(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"remote option {key!r} must be a number, got {value!r}") from None
-        if key == "sync_interval":
-            if not parsed > 0:
-                raise ValueError(f"remote option 'sync_interval' must be positive, got {value!r}")
-            interval = float(parsed)
-        else:
-            settings[key] = parsed
-    return s3, settings, interval
-
-
-def pack_manifest(headers: Iterable[tuple[str, bytes]]) -> bytes:
-    """Header names and bytes, packed into one object."""
-    parts = [_MANIFEST_MAGIC]
-    for name, data in headers:
-        raw = name.encode()
-        parts += [_RECORD.pack(len(raw), len(data)), raw, data]
-    return b"".join(parts)
-
-
-def unpack_manifest(data: bytes) -> dict[str, bytes]:
-    """The records of a MANIFEST, up to the first that does not fit (a torn or
-    foreign object yields what precedes it). Nothing here is verified: the
-    caller checks every header and uses only names its listing shows."""
-    out: dict[str, bytes] = {}
-    if not data.startswith(_MANIFEST_MAGIC):
-        return out
-    at = len(_MANIFEST_MAGIC)
-    while at + _RECORD.size <= len(data):
-        name_len, size = _RECORD.unpack_from(data, at)
-        start = at + _RECORD.size + name_len
-        if start + size > len(data):
-            break
-        try:
-            out[data[at + _RECORD.size : start].decode()] = data[start : start + size]
-        except UnicodeDecodeError:
-            break
-        at = start + size
-    return out
-
-
-class Breaker:
-    """After a failure, skip the bucket for a backoff that doubles (up to ``cap``)
-    until a call succeeds: an unreachable bucket costs one failed request per
-    backoff period, not a timeout per store or restore."""
-
-    def __init__(self, first: float = 2.0, cap: float = 60.0) -> None:
-        self._first, self._cap = first, cap
-        self._backoff = 0.0
-        self._until = 0.0
-        self._mutex = threading.Lock()
-
-    def is_open(self) -> bool:
-        return time.monotonic() < self._until
-
-    def failed(self) -> None:
-        with self._mutex:
-            self._backoff = min(self._cap, self._backoff * 2 or self._first)
-            self._until = time.monotonic() + self._backoff
-
-    def succeeded(self) -> None:
-        with self._mutex:
-            self._backoff = 0.0
-            self._until = 0.0
 
 
 class RemoteTier:
@@ -280,14 +179,7 @@ class RemoteTier:
 
     def _from_manifest(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
         """Verified headers of ``names`` found in the bucket's MANIFEST (kept in the cache)."""
-        packed = unpack_manifest(self.bucket.get_manifest() or b"")
-        found = {}
-        for name in names:
-            if name in packed:
-                try:
-                    found[name] = (packed[name], verified_header(name, packed[name]))
-                except CorruptError:
-                    continue  # fetched on its own
+        found = headers_from_manifest(self.bucket.get_manifest(), names)
         self._cache.keep(found)
         return found
 

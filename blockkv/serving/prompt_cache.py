@@ -320,7 +320,7 @@ def check_remote(remote: str | None, remote_options: Mapping[str, str] | None) -
     if not isinstance(remote, str):
         raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(remote).__name__}")
     from blockkv.pool.s3 import parse_url
-    from blockkv.remote.tier import split_options  # needs obstore: pip install 'blockkv[s3]'
+    from blockkv.remote.options import split_options  # needs obstore: pip install 'blockkv[s3]'
 
     parse_url(remote)
     split_options(remote_options)
