@@ -21,7 +21,7 @@ def remote_options(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, 
     """``--remote-option KEY=VALUE`` pairs, the ``remote_options`` a node runs
     with: (endpoint and credentials, over the AWS environment variables; the
     bucket protocol's settings such as ``grace`` and ``timeout``)."""
-    from blockkv.remote.tier import split_options
+    from blockkv.remote.options import split_options
 
     try:
         s3, settings, _ = split_options(dict(args.remote_option or ()))
