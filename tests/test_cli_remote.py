@@ -61,7 +61,7 @@ def entry_id(name: str) -> str:
     return name.rpartition("/")[2].removesuffix(".bkv")
 
 
-def test_ls_stats_and_check_read_the_bucket_and_write_nothing(endpoint: str) -> None:
+def test_ls_stats_and_check_read_the_bucket_and_write_nothing(endpoint: str) -> None:  # noqa: F811
     bucket_name = make_bucket(endpoint)
     bucket = node.open_bucket(endpoint, bucket_name)
     filled = fill(bucket)
@@ -182,7 +182,7 @@ def test_check_reports_damage_in_the_bucket_and_repair_acts_only_on_proof(
         assert list(node.raw_state(node.restore(bucket, name))) == list(node.raw_state(entries[name]["caches"]))
 
 
-def test_evict_and_gc_against_the_bucket(endpoint: str) -> None:
+def test_evict_and_gc_against_the_bucket(endpoint: str) -> None:  # noqa: F811
     """Fleet-wide LRU eviction removes the least recently used headers (a dry run
     nothing); gc deletes only unreferenced blocks older than the grace period;
     every remaining entry restores bit-exact."""
@@ -232,7 +232,7 @@ def test_evict_and_gc_against_the_bucket(endpoint: str) -> None:
         assert list(node.raw_state(node.restore(bucket, name))) == list(node.raw_state(entries[name]["caches"]))
 
 
-def test_bad_remote_arguments_are_usage_errors(endpoint: str) -> None:
+def test_bad_remote_arguments_are_usage_errors(endpoint: str) -> None:  # noqa: F811
     bucket_name = make_bucket(endpoint)
     node.open_bucket(endpoint, bucket_name).ensure_identity(node.IDENTITY)
     cases = [

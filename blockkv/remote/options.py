@@ -69,6 +69,6 @@ def probe_bucket(url: str, options: Mapping[str, object] | None) -> str | None:
         S3Pool(url, options=opts.s3, **timing).check_bucket()
     except NoSuchBucketError as exc:
         raise FileNotFoundError(str(exc)) from None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - obstore raises many types for one meaning
         return f"bucket of {url} not reachable now ({str(exc).strip().partition(chr(10))[0]})"
     return None

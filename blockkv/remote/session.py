@@ -21,7 +21,7 @@ from blockkv.local.directory import HEADER_LAYOUT
 from blockkv.pool.protocol import BLOCK_LAYOUT
 from blockkv.remote.clock import CLOCK_SLACK, Reading, no_forward_step, read_clock
 from blockkv.remote.gc import wait_for_gc_runs
-from blockkv.remote.objects import BucketError, outage
+from blockkv.remote.objects import BucketError, ObjectInfo, outage
 from blockkv.remote.verify import verified_frame
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class StoreSession:
         with self._lock:
             where.add(name)
 
-    def commit(self, header_name: str, header: bytes, exists_ok: bool = False) -> None:
+    def commit(self, header_name: str, header: bytes, exists_ok: bool = False) -> ObjectInfo:
         """Write the header once every block it names is safe; return only once it is in the bucket.
         (``exists_ok``: an earlier attempt may have written these very bytes, which then count.)
 
@@ -117,7 +117,7 @@ class StoreSession:
         deadline, then refuses (StoreTooSlow). If the server's clock may have
         stepped forward while the header was written, a GC run could have
         judged the blocks' ages by it: the runs are waited out and every block
-        checked again before this returns."""
+        checked again before this returns. Returns the header's object as the bucket holds it."""
         HEADER_LAYOUT.check(header_name)
         decode_header(header)  # never commit garbage
         bucket = self.bucket
@@ -133,17 +133,21 @@ class StoreSession:
             self.reading = checked  # measure freshness afresh and check every block against it
             self._recheck()
 
+        info: list[ObjectInfo] = []
+
         def put_header() -> float:
             if not bucket.headers.put_if_absent(header_name, [header]) and not (
                     exists_ok and bucket.headers.get_limited(header_name, len(header))[0] == header):
                 raise BucketError(f"header {header_name} already exists (uuid collision?)")
-            return bucket.headers.info(header_name).last_modified
+            info.append(bucket.headers.info(header_name))
+            return info[0].last_modified
 
         with outage(f"header {header_name}"):
             landed = read_clock(put_header)
         if not no_forward_step(checked, landed):  # a GC run may have dated our blocks by a clock that jumped
             wait_for_gc_runs(bucket, self.start)
             self._recheck()
+        return info[0]
 
     def _recheck(self) -> None:
         with self._lock:

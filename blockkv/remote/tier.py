@@ -263,7 +263,7 @@ class RemoteTier:
     def _background_sync(self) -> None:
         try:
             self.sync()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a background job must never die silently
             self.warn("remote-sync", f"remote sync failed: {exc!r}")
         finally:
             with self.mutex:
@@ -331,7 +331,7 @@ class RemoteTier:
         except BucketError as exc:
             self.outage("bucket fetch failed", exc)
             return False
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - MemoryError, a local OSError: a miss that proves nothing
             self.warn("remote-miss", f"remote entry {entry.id} not fetched ({exc!r}); kept, served as a miss")
             return False
         finally:

@@ -95,7 +95,7 @@ class Uploader:
                 with outage("removing replaced entries"):
                     if copy is not None and copy.etag and tier.bucket.headers.info(name).etag == copy.etag:
                         tier.bucket.headers.delete(name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - they stay, harmless: shadowed wherever they are found
             tier.outage("removing replaced entries failed", exc)
 
     def _upload(self, entry_id: str, ns: str, name: str, encoded: bytes, blocks: Iterable[blk.BlockRef],
@@ -120,13 +120,14 @@ class Uploader:
             refs = {ref.name: ref for ref in blocks}
             list(self._io.map(lambda r: session.put_block(r, lambda: pool.read(r.name), r.name in fresh), refs.values()))
             committing = True
-            session.commit(name, sealed, exists_ok)
+            landed = session.commit(name, sealed, exists_ok)
         except StoreTooSlow as exc:  # the bucket answers, slowly: not an outage
             tier.warn("remote-slow", f"entry {entry_id} not uploaded: {exc}")
             return False
         except BucketError as exc:
             # a header PUT that failed may still have landed, or another handle on this root sent it
-            if not (committing and self._header_there(name, sealed)):
+            landed = self._header_there(name, sealed) if committing else None
+            if landed is None:
                 tier.outage("upload failed", exc)
                 return False
         except (OSError, BlockKVError) as exc:  # a local block gone (evicted) or rotten meanwhile: not uploaded
@@ -136,29 +137,20 @@ class Uploader:
             with tier.mutex:
                 self._uploading.discard(entry_id)
         tier.breaker.succeeded()
-        self._keep_copy(name, sealed)
+        with tier.mutex:
+            tier.listed[name] = landed
+        tier.cache.keep({name: tier.bucket.header_copy(name, sealed, landed.etag)})  # for the MANIFEST
         return True
 
-    def _keep_copy(self, name: str, sealed: bytes) -> None:
-        """Our own header, as the bucket now holds it: listed and cached (for the MANIFEST)."""
-        tier = self._tier
-        try:
-            with outage(f"header {name}"):
-                info = tier.bucket.headers.info(name)
-            copy = tier.bucket.header_copy(name, sealed, info.etag)
-        except (BucketError, BlockKVError, OSError):
-            return
-        with tier.mutex:
-            tier.listed[name] = info
-        tier.cache.keep({name: copy})
-
-    def _header_there(self, name: str, sealed: bytes) -> bool:
+    def _header_there(self, name: str, sealed: bytes) -> ObjectInfo | None:
         """After a failed header PUT: did it land anyway (or did another handle upload it)?"""
         try:
             with outage(f"header {name}"):
-                return self._tier.bucket.headers.get_limited(name, len(sealed))[0] == sealed
-        except Exception:
-            return False
+                data, meta = self._tier.bucket.headers.get_limited(name, len(sealed))
+            return ObjectInfo(name, meta["size"], meta["last_modified"].timestamp(),
+                              (meta.get("e_tag") or "").strip('"')) if data == sealed else None
+        except Exception:  # noqa: BLE001 - an outage, or another object: it is not known to be there
+            return None
 
     # -- the backlog --------------------------------------------------------------------------
     def backlog(self) -> list[str]:
