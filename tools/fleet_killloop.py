@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mp_killloop import BLOCK_TOKENS, PREFIX_MAX, PREFIXES, Journal, _lines, same_bits, spec_entry
+from mp_killloop import BLOCK_TOKENS, Journal, _lines, same_bits, spec_entry, store_one
 
 from blockkv import BlockStore
 from blockkv.testing.moto_clock import write_offset
 
-IDENT = dict(model_id="tiny-fleet", config_fingerprint="fp-fleet-kill", tokenizer_hash="tok")
+IDENT = {"model_id": "tiny-fleet", "config_fingerprint": "fp-fleet-kill", "tokenizer_hash": "tok"}
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 # the fleet's protocol settings: short enough that blocks age past the grace period within a run
 TIMING = {"grace": "12", "sweep_window": "5", "timeout": "2", "connect_timeout": "1", "max_retries": "0",
@@ -88,15 +88,7 @@ def node(root: Path, url: str, endpoint: str, journal_path: Path, slot: int, see
             known = acknowledged_specs(journal_path.parent)
         op = rng.choices(("store", "restore", "sync"), (5, 4, 1))[0]
         if op == "store":
-            spec = {"ns": ns, "prefix": rng.randrange(PREFIXES),
-                    "plen": BLOCK_TOKENS * rng.randint(0, PREFIX_MAX // BLOCK_TOKENS),
-                    "suffix": rng.randrange(1 << 62), "slen": rng.randint(1, 3 * BLOCK_TOKENS)}
-            tokens, caches = spec_entry(spec)
-            journal.write(op="storing", **spec)
-            if store.store(tokens, caches, ns):
-                match = store.find_exact(tokens, ns)
-                if match is not None:
-                    journal.write(op="stored", id=match.entry.id, **{k: spec[k] for k in spec})
+            store_one(store, journal, rng, ns)
         elif op == "restore" and known:
             fact = rng.choice(known)
             tokens, expected = spec_entry(fact)
@@ -116,7 +108,7 @@ def blockkv(args: list[str], endpoint: str) -> dict[str, Any] | None:
     """``python -m blockkv ARGS --json`` with the fleet's options; its report, or None."""
     options = [a for k, v in node_options(endpoint).items() if k != "sync_interval" for a in ("--remote-option", f"{k}={v}")]
     proc = subprocess.run([sys.executable, "-m", "blockkv", *args, "--json", *options], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **CREDENTIALS})
+                          text=True, timeout=300, env={**os.environ, **CREDENTIALS}, check=False)
     try:
         return json.loads(proc.stdout)
     except ValueError:

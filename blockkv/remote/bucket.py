@@ -206,9 +206,8 @@ class Bucket:
         if size is not None and size > MAX_HEADER_BYTES:
             raise OversizedError(f"{name}: {size} bytes is more than a header can be; not read")
         big = size is None or size > _LARGE_HEADER
-        with self._large if big else nullcontext():
-            with outage(f"fetch of header {name}"):
-                data, meta = self.headers.get_limited(name, MAX_HEADER_BYTES)
+        with self._large if big else nullcontext(), outage(f"fetch of header {name}"):
+            data, meta = self.headers.get_limited(name, MAX_HEADER_BYTES)
         return self.header_copy(name, data, (meta.get("e_tag") or "").strip('"'))
 
     def fetch_headers(self, names: Iterable[str], sizes: Mapping[str, int] | None = None) -> FetchedHeaders:

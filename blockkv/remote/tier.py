@@ -309,7 +309,7 @@ class RemoteTier:
                     or (self.bucket.key is not None and not copy.sealed):
                 raise CorruptError(f"remote header {name} changed since it was listed")
             sizes = {r.name: r.raw_bytes for r in blk.blocks_for_prefix(header.descriptor, None)}
-            proof = dict(vouched=self._vouched(copy, key), other_keys=self._keys_naming, local=self.local_copy)
+            proof = {"vouched": self._vouched(copy, key), "other_keys": self._keys_naming, "local": self.local_copy}
             fetches = self.bucket.submit_fetches({b: s for b, s in sizes.items() if not self.dir.pool.exists(b)},
                                                  key, **proof)
 

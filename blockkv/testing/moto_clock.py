@@ -39,7 +39,7 @@ class ServerClock:
     @classmethod
     def install(cls, offset_file: Path | None = None) -> ServerClock:
         """Replace moto's clock in this process (where its server runs)."""
-        import moto.s3.models as models
+        from moto.s3 import models
 
         clock = cls(offset_file)
         clock._original = models.utcnow
@@ -47,7 +47,7 @@ class ServerClock:
         return clock
 
     def uninstall(self) -> None:
-        import moto.s3.models as models
+        from moto.s3 import models
 
         if self._original is not None:
             models.utcnow = self._original
@@ -60,7 +60,7 @@ class ServerClock:
     def now(self) -> datetime.datetime:
         if self._file is not None:
             self._reload()
-        return datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=self.offset)
+        return datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=self.offset)
 
     def _reload(self) -> None:
         try:
