@@ -27,6 +27,7 @@ from blockkv.errors import CorruptBlockError
 from blockkv.format import blocks as blk
 from blockkv.format.header import decode_header, encode_header
 from blockkv.local.directory import fingerprint_dirname
+from blockkv.remote.gc import Window, gc_runs_since
 from blockkv.remote.objects import header_name
 from blockkv.serving.identity import StoreIdentity
 from blockkv.serving.prompt_cache import PersistentPromptCache
@@ -292,6 +293,20 @@ def test_with_a_fleet_key_a_planted_identity_does_not_stop_a_node(
         assert restores_bit_exact(b, *conv)
     with pytest.raises(ValueError, match="IDENTITY"):  # without a key, it is a clear error
         node.open_node(tmp_path / "c", endpoint, bucket_name)
+
+
+def test_with_a_fleet_key_only_a_sealed_done_mark_ends_a_writers_wait(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    with keyed(tmp_path / "a", endpoint, bucket_name) as a:
+        bucket = a.remote
+        start = bucket.server_now()
+        window = Window(bucket)  # a GC run's window, open
+        forged = f"{window.marker}.done"
+        bucket.meta.put_if_absent(forged, [b"written by someone without the key"])
+        assert gc_runs_since(bucket, start)[window.marker] is not None  # still waited for
+        bucket.meta.delete(forged)
+        window.close()  # the run's own, sealed
+        assert gc_runs_since(bucket, start)[window.marker] is None
 
 
 def test_a_fleet_key_too_short_is_refused(tmp_path: Path) -> None:

@@ -158,21 +158,31 @@ class Bucket:
                 "tokenizer_hash": identity.tokenizer_hash}
         sealed = self.key.seal_identity(self.directory, body) if self.key is not None else body
         with outage("IDENTITY"):
-            if self.meta.put_if_absent("IDENTITY", [json.dumps(sealed, indent=1).encode()]):
-                return None
+            data, meta = b"", {"e_tag": ""}
+            for _ in range(3):  # created, or read; one removed between the two is made again
+                if self.meta.put_if_absent("IDENTITY", [json.dumps(sealed, indent=1).encode()]):
+                    return None
+                try:
+                    data, meta = self.meta.get_limited("IDENTITY", MAX_IDENTITY_BYTES)
+                    break
+                except BlockMissingError:
+                    continue
+                except OversizedError:  # read no further
+                    data = b"more than 64 KiB"
+                    break
+            else:
+                raise BucketError(f"{self.url}/IDENTITY neither created nor read")
             try:
-                data, meta = self.meta.get_limited("IDENTITY", MAX_IDENTITY_BYTES)
                 found = json.loads(data)
                 same = all(found[k] == body[k] for k in ("model_id", "config_fingerprint", "tokenizer_hash"))
-            except BlockMissingError:
-                return self.ensure_identity(identity)  # removed meanwhile: make it again
-            except (OversizedError, ValueError, KeyError, TypeError) as exc:
-                found, same, why = None, False, f"not a blockkv IDENTITY ({str(exc).partition(':')[0][:80]})"
+            except (ValueError, KeyError, TypeError) as exc:
+                detail = data.decode() if data == b"more than 64 KiB" else str(exc).partition(":")[0][:80]
+                found, same, why = None, False, f"is not a blockkv IDENTITY ({detail})"
             else:
                 why = "names another model or tokenizer"
             if self.key is not None and not (isinstance(found, dict) and self.key.identity_sealed(self.directory, found)):
                 if same and self.meta.put_if_match("IDENTITY", [json.dumps(sealed, indent=1).encode()],
-                                                   meta["e_tag"]):
+                                                   meta.get("e_tag") or ""):
                     return f"{self.url}/IDENTITY was not sealed with the fleet key: sealed it"
                 return f"{self.url}/IDENTITY is not sealed with the fleet key ({why}): ignored"
         if not same:

@@ -181,20 +181,32 @@ class Collector:
             pass
 
 
-def gc_runs_since(bucket: Bucket, since: float) -> dict[str, float | None]:
+def gc_runs_since(bucket: Bucket, since: float, sealed: dict[str, bool] | None = None) -> dict[str, float | None]:
     """GC runs (and other deleters' windows) whose window was open at or after
     server time ``since``: marker -> the server time its window closes, or None
     if it finished. With a fleet key, only a sealed ``.done`` mark ends a wait
-    early (a planted one could otherwise cut it short); every marker is waited for."""
+    early (a planted one could otherwise cut it short); every marker is waited
+    for. ``sealed`` remembers the marks already read (they never change)."""
     runs: dict[str, float] = {}
-    done: set[str] = set()
+    done: dict[str, int] = {}
     with outage("gc marker listing"):
         for i in bucket.meta.list_info("gc/"):
-            if not i.name.endswith(".done"):
+            if i.name.endswith(".done"):
+                done[i.name.removesuffix(".done")] = i.size
+            else:
                 runs[i.name] = i.last_modified + bucket.sweep_window + CLOCK_SLACK
-            elif bucket.key is None or _sealed_mark(bucket, i.name, i.size):
-                done.add(i.name.removesuffix(".done"))
-    return {m: (None if m in done else end) for m, end in runs.items() if end >= since}
+    sealed = {} if sealed is None else sealed
+    out: dict[str, float | None] = {}
+    for marker, end in runs.items():
+        if end < since:
+            continue
+        finished = marker in done
+        if finished and bucket.key is not None:
+            if marker not in sealed:
+                sealed[marker] = _sealed_mark(bucket, f"{marker}.done", done[marker])
+            finished = sealed[marker]
+        out[marker] = None if finished else end
+    return out
 
 
 def _sealed_mark(bucket: Bucket, name: str, size: int) -> bool:
@@ -216,9 +228,10 @@ def wait_for_gc_runs(bucket: Bucket, since: float) -> bool:
     clock, and at once if that clock steps back: heal.py's Window)."""
     overlapped = False
     first_seen: dict[str, float] = {}
+    sealed: dict[str, bool] = {}
     limit = bucket.sweep_window + bucket.request_bound + 2 * CLOCK_SLACK
     while True:
-        runs = gc_runs_since(bucket, since)
+        runs = gc_runs_since(bucket, since, sealed)
         overlapped = overlapped or bool(runs)
         mono = time.monotonic()
         running = {m: end for m, end in runs.items()
