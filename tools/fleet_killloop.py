@@ -53,7 +53,7 @@ TIMING = {"grace": "12", "sweep_window": "5", "timeout": "2", "connect_timeout":
           "sync_interval": "2"}
 NODES = 3
 LOCAL_CAP = 8 << 20  # each node's local tier: small, so entries fall back to remote-only and are fetched again
-BUCKET_BUDGET = 12 << 20  # the eviction loop keeps the bucket about this size
+BUCKET_BUDGET = 6 << 20  # the eviction loop keeps the bucket about this size
 
 
 def node_options(endpoint: str) -> dict[str, str]:
