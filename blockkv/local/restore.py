@@ -18,8 +18,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import BlockRef
+from blockkv.format.descriptor import blocks_for_prefix
+from blockkv.format.frame import decode_block, max_raw_bytes
 from blockkv.format.header import Header, Identity
+from blockkv.format.rebuild import Check, Target, rebuild
 from blockkv.local.directory import Directory, block_key
 from blockkv.records import Entry
 
@@ -53,8 +56,8 @@ class EntryRead:
             raise IndexDisagrees("the header on disk is not the one indexed")
         # every array rebuild allocates is bounded by the bytes actually on disk, never by a
         # size the header declares: a planted header cannot force a huge allocation
-        self._stored_sizes(blk.blocks_for_prefix(descriptor, cut))
-        caches, attachments = blk.rebuild(descriptor, None, cut, self._fill_all)
+        self._stored_sizes(blocks_for_prefix(descriptor, cut))
+        caches, attachments = rebuild(descriptor, None, cut, self._fill_all)
         # materialise here: a lazy array built on a worker thread cannot be
         # evaluated from the caller's thread (restore_async)
         mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
@@ -65,7 +68,7 @@ class EntryRead:
         """What ``exc`` was raised reading: "header", a block's name, or ""."""
         return self._reading or next((name for e, name in self._corrupt if e is exc), "")
 
-    def _fill(self, target: blk.Target) -> blk.Target:
+    def _fill(self, target: Target) -> Target:
         """Read a block straight into its destination and verify it there; a
         frame that is not the expected uncompressed one (zstd, or damage)
         is read whole and decoded, which names what is wrong."""
@@ -79,19 +82,19 @@ class EntryRead:
                 if check is not None:
                     check.finish()
             else:
-                target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self._verify), key=self._key))
+                target.scatter(decode_block(name, self._pool.read(name), verify=bool(self._verify), key=self._key))
         except CorruptBlockError as exc:
             self._corrupt.append((exc, name))
             raise
         return target
 
-    def _fill_all(self, targets: Iterator[blk.Target]) -> Iterator[blk.Target]:
+    def _fill_all(self, targets: Iterator[Target]) -> Iterator[Target]:
         # every target made before the first read: made beside the reading threads, the
         # slicing fought them for the GIL (272 MiB warm, alternating: 70-87 ms -> 58-74 ms);
         # two threads: one block's read overlaps another's check
         return self._io.map(self._fill, list(targets))
 
-    def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
+    def _stored_sizes(self, refs: Sequence[BlockRef]) -> dict[str, int]:
         """Bytes on disk of each block a restore needs. A block whose file could not
         hold the raw bytes the header declares is a corrupt entry, found before
         anything of the declared size is allocated."""
@@ -103,14 +106,14 @@ class EntryRead:
                 raise BlockMissingError(f"block {ref.name} is not in the pool") from None
             if not stat.S_ISREG(st.st_mode):
                 raise BlockMissingError(f"block {ref.name} is not a regular file")
-            if ref.raw_bytes > blk.max_raw_bytes(st.st_size):
+            if ref.raw_bytes > max_raw_bytes(st.st_size):
                 raise CorruptError(f"the header declares {ref.raw_bytes} bytes for block {ref.name}, "
                                    f"whose {st.st_size}-byte file cannot hold them")
             sizes[ref.name] = st.st_size
         return sizes
 
 
-def _feeder(check: blk.Check, skip: memoryview) -> Callable[[Sequence[memoryview]], None]:
+def _feeder(check: Check, skip: memoryview) -> Callable[[Sequence[memoryview]], None]:
     """What ``read_exact`` hands each run of filled buffers to: the block's
     check, fed every buffer but ``skip`` (the frame's header) while the
     bytes are still in the CPU cache."""

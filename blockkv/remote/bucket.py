@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
-from blockkv.format import blocks as blk
+from blockkv.format.descriptor import blocks_for_prefix
+from blockkv.format.frame import decode_block
 from blockkv.format.header import Header, Identity, decode_header
 from blockkv.fs import Buffer
 from blockkv.local.directory import HEADER_LAYOUT, verified_header
@@ -260,7 +261,7 @@ class Bucket:
         with _outage(f"fetch of block {name}"):
             data = self.blocks.get(name)
         try:
-            blk.decode_block(name, data, key=key)
+            decode_block(name, data, key=key)
         except CorruptBlockError:
             self._quarantine(name, data)
             raise
@@ -312,7 +313,7 @@ class Bucket:
         for name in damaged:
             self._header_blocks[name] = None
         for name, (_, header) in found.items():
-            refs = blk.blocks_for_prefix(header.descriptor, None)
+            refs = blocks_for_prefix(header.descriptor, None)
             self._header_blocks[name] = tuple(dict.fromkeys(r.name for r in refs))
         return {n: self._header_blocks[n] for n in names if n in self._header_blocks}
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import obstore
 
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError
-from blockkv.format import blocks as blk
+from blockkv.format.frame import decode_block
 from blockkv.format.header import SUFFIX, Header, Identity
 from blockkv.local.check import CheckReport
 from blockkv.local.directory import CODEC_ID, block_key, entry_record, fingerprint_dirname
@@ -195,9 +195,9 @@ def check_bucket(bucket: Bucket, identity: Identity,
             with _outage(f"fetch of block {name}"):
                 data = bucket.blocks.get(name)
             if name in keys:
-                blk.decode_block(name, data, key=keys[name])
+                decode_block(name, data, key=keys[name])
             else:
-                blk.decode_block(name, data, verify=False)
+                decode_block(name, data, verify=False)
         except CorruptBlockError:
             report.corrupt_blocks.append(name)
         except BlockMissingError:
