@@ -19,12 +19,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from blockkv.format.blocks import EntryLayout, split_entry
+from blockkv.format.blocks import CODEC_ID, EntryLayout, split_entry
 from blockkv.format.descriptor import blocks_for_prefix, parse_descriptor
 from blockkv.format.frame import decode_block, encode_block
 from blockkv.format.header import Header, Identity, encode_header
 from blockkv.format.rebuild import rebuild
-from blockkv.local.directory import CODEC_ID, fingerprint_dirname, ns_dirname
+from blockkv.local.directory import fingerprint_dirname, ns_dirname
 from blockkv.remote.bucket import Bucket, BucketError, StoreSession, StoreTooSlow
 
 CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}

@@ -39,6 +39,7 @@ from blockkv.format.codec import (
     tensor_to_descriptor,
     walk_tensors,
 )
+from blockkv.format.header import Identity
 
 FORMAT = 1
 DEFAULT_BLOCK_TOKENS = 256
@@ -46,6 +47,9 @@ MAX_BLOCK_TOKENS = 1 << 20
 MAX_BLOCKS = 1 << 20
 MAX_ATTACHMENTS = 256
 MAX_RAW_BYTES = 1 << 34  # the most payload bytes a block may declare
+# the codec id in every header says how its blocks are named
+CODEC_ID = f"blockkv-blocks-{FORMAT}"
+KEYED_CODEC_ID = f"{CODEC_ID}+ns-keyed"  # isolate_namespaces: blocks named with their namespace's key
 _NS_KEY_CONTEXT = "blockkv 2026-12 namespace block key v1"
 
 
@@ -123,6 +127,12 @@ def namespace_key(ns: str) -> bytes:
     """The blake3 key naming the blocks of an isolated namespace (``isolate_namespaces``):
     equal content in two namespaces gets two names, so no block is shared across them."""
     return blake3(ns.encode("utf-8", "surrogatepass"), derive_key_context=_NS_KEY_CONTEXT).digest()
+
+
+def block_key(identity: Identity, ns: str) -> bytes | None:
+    """The key an entry's blocks are named with: its namespace's under isolation, else none.
+    The header records both, so every reader can verify every block it reads."""
+    return namespace_key(ns) if identity.codec == KEYED_CODEC_ID else None
 
 
 def hasher(key: bytes | None, data: bytes | memoryview = b"") -> blake3:

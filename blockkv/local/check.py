@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
+from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import decode_block
 from blockkv.local import writers
-from blockkv.local.directory import Directory, block_key
+from blockkv.local.directory import Directory
 from blockkv.local.index import BlockRow, read_only_block_rows
 from blockkv.local.locks import DirLock
 

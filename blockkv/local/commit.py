@@ -27,13 +27,13 @@ import lmdb
 import numpy as np
 
 from blockkv.errors import BlockKVError, CorruptError, LockTimeout
-from blockkv.format.blocks import Block, EntryLayout, Snapshot, split_entry
+from blockkv.format.blocks import Block, EntryLayout, Snapshot, block_key, split_entry
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import encode_block
 from blockkv.format.header import Header, Identity, encode_header
 from blockkv.fs import FileLayer, refuse_linked
 from blockkv.local import writers
-from blockkv.local.directory import Directory, block_key
+from blockkv.local.directory import Directory
 from blockkv.local.index import Index
 from blockkv.local.writers import IntentFile
 from blockkv.pool.local import LocalPool

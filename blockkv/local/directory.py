@@ -31,7 +31,7 @@ import blake3
 import numpy as np
 
 from blockkv.errors import CorruptError
-from blockkv.format.blocks import FORMAT, namespace_key
+from blockkv.format.blocks import CODEC_ID
 from blockkv.format.descriptor import (
     blocks_for_prefix,
     descriptor_min_offset,
@@ -49,8 +49,6 @@ from blockkv.records import EntryRecord
 log = logging.getLogger("blockkv")
 
 ROOT_MARKER = ".blockkv"  # "this is a blockkv root": tools refuse a directory without it
-CODEC_ID = f"blockkv-blocks-{FORMAT}"
-KEYED_CODEC_ID = f"{CODEC_ID}+ns-keyed"  # isolate_namespaces: blocks named with their namespace's key
 _UUID = re.compile(r"[0-9a-f]{32}")
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
 _HEADER_REL = re.compile(rf"entries/[0-9a-f]{{16}}/([0-9a-f]{{32}}){re.escape(SUFFIX)}")
@@ -69,12 +67,6 @@ def fingerprint_dirname(config_fingerprint: str) -> str:
 def ns_dirname(ns: str) -> str:
     # surrogatepass: an ns read back from a damaged index still names a directory
     return blake3.blake3(ns.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def block_key(identity: Identity, ns: str) -> bytes | None:
-    """The key an entry's blocks are named with: its namespace's under isolation, else none.
-    The header records both, so every reader can verify every block it reads."""
-    return namespace_key(ns) if identity.codec == KEYED_CODEC_ID else None
 
 
 def read_identity(path: Path, fs: FileLayer | None = None) -> Identity:

@@ -18,12 +18,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
-from blockkv.format.blocks import BlockRef
+from blockkv.format.blocks import BlockRef, block_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import decode_block, max_raw_bytes
 from blockkv.format.header import Header, Identity
 from blockkv.format.rebuild import Check, Target, rebuild
-from blockkv.local.directory import Directory, block_key
+from blockkv.local.directory import Directory
 from blockkv.records import Entry
 
 

@@ -255,7 +255,7 @@ class Bucket:
 
     def fetch_block(self, name: str, key: bytes | None = None) -> bytes:
         """A block's frame, verified against its name (``key``: the namespace key
-        it was named with, ``directory.block_key``). A frame that does not hash
+        it was named with, ``blocks.block_key``). A frame that does not hash
         to its name is proof of damage: it is deleted from the bucket (unless it
         changed meanwhile) so the next store of the block uploads a good copy."""
         with _outage(f"fetch of block {name}"):

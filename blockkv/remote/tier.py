@@ -42,10 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptError
+from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import SUFFIX, Header, Identity
 from blockkv.local.catalog import Catalog
-from blockkv.local.directory import Directory, block_key, fingerprint_dirname, ns_dirname, verified_header
+from blockkv.local.directory import Directory, fingerprint_dirname, ns_dirname, verified_header
 from blockkv.pool.s3 import OPTION_ENV
 from blockkv.records import CHECKPOINT_NS, Entry, Match
 from blockkv.remote.bucket import Bucket, BucketError, StoreTooSlow

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import obstore
 
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError
+from blockkv.format.blocks import CODEC_ID, block_key
 from blockkv.format.frame import decode_block
 from blockkv.format.header import SUFFIX, Header, Identity
 from blockkv.local.check import CheckReport
-from blockkv.local.directory import CODEC_ID, block_key, entry_record, fingerprint_dirname
+from blockkv.local.directory import entry_record, fingerprint_dirname
 from blockkv.pool.protocol import Layout
 from blockkv.pool.s3 import S3Pool
 from blockkv.records import Entry, EntryRecord
