@@ -25,7 +25,6 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import blake3
 import numpy as np
@@ -38,7 +37,6 @@ from blockkv.format.descriptor import (
     descriptor_trimmable,
     parse_descriptor,
     validate_descriptor,
-    with_xxh3,
 )
 from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
 from blockkv.fs import TMP_SUFFIX, FileLayer, refuse_linked
@@ -210,11 +208,10 @@ class Directory:
         """Read and verify a header (checksum, bounds, descriptor); CorruptError otherwise."""
         return verified_header(path.name, self._header_bytes(path))
 
-    def read_for_restore(self, path: Path) -> tuple[Header, Any]:
-        """``read_header``, and its descriptor parsed with each block's xxh3: what a
-        restore needs, parsed once (a 34-block descriptor took 7 ms a parse)."""
-        header = decode_header(self._header_bytes(path))
-        return header, with_xxh3(header.descriptor, header.block_xxh3)
+    def header_bytes(self, ns: str, entry_id: str) -> bytes:
+        """The header file of ``entry_id`` in ``ns`` as bytes, unverified: a restore
+        parses them once (``ParsedEntry``). One too large to be a header is not read."""
+        return self._header_bytes(self.header_path(ns, entry_id))
 
     def _header_bytes(self, path: Path) -> bytes:
         """A header file's bytes; one too large to be a header is not read."""
