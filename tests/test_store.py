@@ -19,7 +19,7 @@ import pytest
 
 from blockkv import BlockStore, GenerationCheckpoint, minimum_reusable_offset
 from blockkv.local.directory import fingerprint_dirname
-from blockkv.testing.models import prefill, random_tokens, tiny_model
+from blockkv.testing.models import chunked_cache_fills, prefill, random_tokens, tiny_model
 
 IDENT = dict(model_id="tiny-llama", config_fingerprint="tiny-llama@r1", tokenizer_hash="tok1")
 
@@ -104,6 +104,8 @@ def test_find_skips_untrimmable_longer_entries(tmp_path: Path, mamba: Any) -> No
         assert s.find(turn + [1]).entry.tokens == tuple(turn)
 
 
+@pytest.mark.skipif(not chunked_cache_fills(), reason="this mlx-lm's ChunkedKVCache fails past one chunk "
+                    "(mlx-lm's bug, fixed in 0.32)")
 def test_find_respects_minimum_reusable_offset(tmp_path: Path) -> None:
     chunked = tiny_model("chunked")
     tokens = random_tokens(200, seed=7)
