@@ -205,13 +205,16 @@ def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path)
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["--cache-bytes", "lots"], "not a size"), (["--min-restore-tokens", "0"], "must be at least 1"),
+     (["--cache-bytes", "0"], "at least 1 byte"), (["--cache-bytes", "0.4"], "at least 1 byte"),
      (["--remote", "http://bucket/prefix"], "s3://"), (["--remote", "s3://b/p", "--remote-option", "grace"], "KEY=VALUE"),
      (["--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
      (["--remote-option", "region=auto"], "without remote")],
 )
 def test_bad_blockkv_flags_are_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
+    cache_dir = tmp_path / "kv"
     out = subprocess.run(
-        [sys.executable, "-m", "blockkv.serving.serve", "--cache-dir", str(tmp_path), *argv],
+        [sys.executable, "-m", "blockkv.serving.serve", "--cache-dir", str(cache_dir), *argv],
         capture_output=True, text=True, timeout=REQUEST_BOUND_S,
     )
     assert out.returncode == 2 and message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not cache_dir.exists()  # one line, nothing created

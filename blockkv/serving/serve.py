@@ -12,30 +12,31 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
-from blockkv.human import format_size, parse_count, parse_option, parse_size
+from blockkv.human import format_size, parse_cap, parse_count, parse_option
+from blockkv.local.directory import default_root
 from blockkv.serving.identity import KVQuant
 from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, PersistentPromptCache, check_remote
 
 log = logging.getLogger(__name__)
 
 
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/blockkv`` (``~/.cache/blockkv``): survives restarts, unlike /tmp."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "blockkv"
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad blockkv flag is one line on stderr and exit 2, before anything is created."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _own_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="blockkv serve",
         add_help=False,
         description="mlx-lm's server (every mlx_lm.server flag works) with blockkv as its disk tier.",
@@ -43,12 +44,12 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=default_cache_dir(),
+        default=default_root(),
         help="cache root on local disk (default: %(default)s)",
     )
     parser.add_argument(
         "--cache-bytes",
-        type=parse_size,
+        type=parse_cap,
         default=DEFAULT_CACHE_BYTES,
         help=f"byte cap of the disk tier per model, e.g. 20G (default: {format_size(DEFAULT_CACHE_BYTES)})",
     )
