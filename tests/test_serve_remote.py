@@ -63,7 +63,8 @@ def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint
         second_log = second.stop() if second is not None else ""
     assert _spills(first_log)[0] > 0
     assert _cached(a) == 0
-    restored = [int(n) for n in re.findall(r"blockkv: restored (\d+) of \d+ prompt tokens from disk", second_log)]
+    restored = [int(n) for n in
+                re.findall(r"blockkv: restored (\d+) of \d+ prompt tokens from the bucket", second_log)]
     system_tokens = len(tokenizer.apply_chat_template([system]))
     assert restored == [_cached(b)] and _cached(b) >= system_tokens, second_log  # restored, not prefilled
     assert restored_anywhere() & uploaded  # the second restored the first's entry, and told the fleet

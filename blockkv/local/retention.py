@@ -46,6 +46,8 @@ class Settings(Protocol):
 
 
 class Retention:
+    evicted = 0  # entries removed by eviction (the cap or evict_to) since the handle opened
+
     def __init__(self, directory: Directory, keeper: IndexKeeper, catalog: Catalog, commits: Commits,
                  settings: Settings, clock: Callable[[], float], warn: Callable[..., None]) -> None:
         self._dir = directory
@@ -189,6 +191,7 @@ class Retention:
                 plan = self.plan(target_bytes)
                 for entry in plan:
                     self._remove_quietly(entry.id)
+                self.evicted += len(plan)
                 if plan:
                     self._sweep_quietly()
         except LockTimeout as exc:

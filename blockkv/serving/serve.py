@@ -5,7 +5,8 @@ flags as usual; blockkv only takes its own flags (``--cache-dir``,
 ``--cache-bytes``, ``--min-restore-tokens``, ``--remote``, ``--remote-option``) off the command line first and, for the duration of the call, replaces the two names
 the server looks up when it starts (``run`` and ``LRUPromptCache``) so the
 prompt cache it builds is a ``PersistentPromptCache`` configured with the
-server's own KV-quantisation and chat-template flags.
+server's own KV-quantisation and chat-template flags; its HTTP server also
+answers ``GET /metrics`` (``metrics.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any, NoReturn
 from blockkv.human import format_size, parse_cap, parse_count, parse_option
 from blockkv.local.directory import default_root
 from blockkv.serving.identity import KVQuant
+from blockkv.serving.metrics import ServeMetrics
+from blockkv.serving.metrics import install as install_metrics
 from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, PersistentPromptCache, check_remote
 
 log = logging.getLogger(__name__)
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         own.exit(2, f"blockkv serve: error: {e}\n")
 
     caches: list[PersistentPromptCache] = []
+    metrics = ServeMetrics(lambda: list(caches))
     original_run: Callable[..., Any] = server.run
     original_cache_class = server.LRUPromptCache
 
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 remote_options=options,
             )
             caches.append(cache)
+            metrics.watch(cache)
             return cache
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
@@ -138,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     saved_argv = sys.argv
     sys.argv = ["blockkv serve", *rest]
     server.run = run
+    without_metrics = install_metrics(server, metrics)  # GET /metrics beside mlx-lm's own paths
     try:
         server.main()
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:
         server.run = original_run
+        without_metrics()
         sys.argv = saved_argv
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
@@ -151,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             cache.close()
             stats = cache.tier_stats
             log.info(
-                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits",
-                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"],
+                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits, %d bucket hits",
+                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"], stats["bucket_hits"],
             )
     return 0
 
