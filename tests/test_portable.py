@@ -42,7 +42,7 @@ def open_store(root: Path, fingerprint: str = "portable") -> BlockStore:
 
 
 def greedy(model: Any, caches: list[Any], last: int) -> list[int]:
-    """Greedy continuation from caches holding the prompt but its last token."""
+    """Greedy tokens after feeding ``last`` to caches that hold a prompt."""
     out, token = [], last
     for _ in range(CONTINUE):
         logits = model(mx.array([[token]]), cache=caches)
