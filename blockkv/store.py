@@ -157,6 +157,11 @@ class BlockStore:
                    tokenizer_hash=ident.tokenizer_hash, max_bytes=max_bytes if max_bytes is not None else 1 << 62,
                    **kwargs)
 
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (f"<BlockStore{state} {str(self.root)!r} model_id={self.identity.model_id!r} "
+                f"config_fingerprint={self.identity.config_fingerprint!r}>")
+
     # -- lifecycle ------------------------------------------------------------
     def close(self) -> None:
         if self._closed:

@@ -561,3 +561,14 @@ def test_restore_with_blocks_of_mixed_sizes(tmp_path: Path) -> None:
         for got, want in zip(loaded.caches, caches):
             n = min(want.offset, want.keys.shape[-2])
             assert np.array_equal(bits(got.keys[..., :n, :]), bits(want.keys[..., :n, :]))
+
+
+def test_reprs_say_what_without_every_token_or_block(tmp_path: Path, llama: Any) -> None:
+    tokens = random_tokens(300, seed=12)
+    with open_store(tmp_path) as s:
+        assert s.store(tokens, caches_for(llama, tokens))
+        (entry,) = s.entries()
+        assert "tokens=300" in repr(entry) and f"blocks={len(entry.blocks)}" in repr(entry)
+        assert entry.blocks[0] not in repr(entry) and len(repr(entry)) < 400
+        assert repr(s).startswith("<BlockStore ") and "config_fingerprint=" in repr(s)
+    assert repr(s).startswith("<BlockStore closed ")
