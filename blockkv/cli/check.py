@@ -77,7 +77,9 @@ def check_one(
     if not repair:
         return check_directory(directory, progress=progress)
     with open_store(fp) as store:
+        opened = list(store.recovery)  # what opening had to fix: rebuilding a lost index deletes corrupt headers
         report: CheckReport = store.check(repair=True, progress=progress)
+    report.actions[0:0] = opened
     if rows is None:
         report.index_missing = True
         report.actions.insert(0, "rebuilt the missing or unusable index from the headers")
