@@ -413,6 +413,12 @@ def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root)
     assert done["disk_bytes_after"] <= target and done["blocks_released"] > 0
     with BlockStore.open_dir(llama_dir) as store:
         assert {e.id for e in store.entries()}.isdisjoint(planned)
+    # the blocks only they used wait out the grace: a plain check names them, their bytes and a gc that works
+    looked = run_json("check", root.path, "-f", root.llama.fingerprint)["fingerprints"][0]
+    assert looked["blocks_awaiting_gc"] == done["blocks_released"] and looked["bytes_awaiting_gc"] > 0
+    hint = re.search(r"'(blockkv gc -f \S+)' deletes them .*they hold", run("check", root.path).stdout)
+    assert hint is not None
+    assert run(*hint.group(1).split()[1:], root.path).returncode == 0  # the command as printed works
 
     (gc,) = run_json("gc", root.path, "-f", root.llama.fingerprint, "--grace", "0")["fingerprints"]
     assert gc["blocks_deleted"] == done["blocks_released"]  # those only the evicted entries used

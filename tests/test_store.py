@@ -572,3 +572,33 @@ def test_reprs_say_what_without_every_token_or_block(tmp_path: Path, llama: Any)
         assert entry.blocks[0] not in repr(entry) and len(repr(entry)) < 400
         assert repr(s).startswith("<BlockStore ") and "config_fingerprint=" in repr(s)
     assert repr(s).startswith("<BlockStore closed ")
+
+
+def held_bytes(root: Path) -> int:
+    """What the fingerprint directory holds in headers and blocks, as the files say."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()
+               and ("blobs" in p.parts or p.suffix == ".bkv"))
+
+
+def test_the_cap_bounds_the_disk_blocks_waiting_out_their_grace_included(tmp_path: Path, llama: Any) -> None:
+    """Distinct entries stored as fast as the store takes them, under a cap that
+    holds about three: the bytes on disk never pass the cap, although every
+    evicted entry's blocks are younger than the 60 s grace."""
+    now = [1000.0]
+    prompts = [random_tokens(128, seed=100 + i) for i in range(10)]
+    size = sum(a.nbytes for c in caches_for(llama, prompts[0]) for a in (c.keys[..., :128, :], c.values[..., :128, :]))
+    cap = 3 * size + 3 * 4096  # three entries' tensors and headers
+    with open_store(tmp_path / "capped", max_bytes=cap, block_tokens=64, clock=lambda: now[0]) as s:
+        held = []
+        for tokens in prompts:
+            assert s.store(tokens, caches_for(llama, tokens))
+            held.append(held_bytes(tmp_path / "capped"))
+            now[0] += 1.0  # a second apart: all within the grace
+        assert max(held) <= cap, (held, cap)
+        assert 2 <= len(s) <= 3
+        # under the cap, a block freed past its grace goes with the next store, no gc run
+        s.remove(s.entries()[0])
+        freed = held_bytes(tmp_path / "capped")
+        now[0] += s.gc_grace + 1
+        assert s.store(prompts[0][:64], caches_for(llama, prompts[0][:64]))
+        assert held_bytes(tmp_path / "capped") < freed
