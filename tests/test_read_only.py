@@ -15,6 +15,7 @@ import pytest
 
 from blockkv import BlockStore, ReadOnlyStore
 from blockkv.format.codec import encode_caches, walk_tensors
+from blockkv.fs import FileLayer
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 
@@ -57,8 +58,9 @@ def test_read_only_store_finds_and_restores_from_a_read_only_mount(read_only_vie
     with BlockStore(src, max_bytes=1 << 30, block_tokens=64, **ident) as store:
         assert store.store(tokens, caches)
     before = {p: p.stat().st_mtime_ns for p in src.rglob("*")}
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as refused:
         BlockStore(mnt, max_bytes=1 << 30, **ident)  # a writer needs to write
+    assert "Read-only file system" in str(refused.value)
     with ReadOnlyStore(mnt, **ident) as reader:
         assert len(reader) == 1 and repr(reader).startswith("<ReadOnlyStore")
         match = reader.find(tokens[:200] + [1, 2])
@@ -68,3 +70,10 @@ def test_read_only_store_finds_and_restores_from_a_read_only_mount(read_only_vie
         full = reader.restore(reader.find_exact(tokens).entry)
         assert raw(full.caches) == raw(caches)
     assert {p: p.stat().st_mtime_ns for p in src.rglob("*")} == before  # nothing written, nothing touched
+
+
+def test_a_failed_write_names_the_file_not_its_temporary(read_only_view: tuple[Path, Path]) -> None:
+    _, mnt = read_only_view
+    with pytest.raises(OSError) as refused:
+        FileLayer().write_atomic(mnt / "entry.bkv", [b"bytes"])
+    assert refused.value.filename == str(mnt / "entry.bkv") and ".tmp" not in str(refused.value)
