@@ -142,6 +142,14 @@ def entry_json(e: Entry) -> dict[str, Any]:
     }
 
 
+def one_entry(entries: Sequence[Entry], wanted: str, where: str) -> Entry:
+    """The entry ``wanted`` names: its id, or a prefix of exactly one id (as ``ls`` shows them)."""
+    hits = [e for e in entries if e.id == wanted] or [e for e in entries if e.id.startswith(wanted)]
+    if len(hits) != 1:
+        raise UsageError(f"{'no' if not hits else 'more than one'} entry {wanted!r} in {where}")
+    return hits[0]
+
+
 def gc_hint(fingerprint: str, blocks: int, grace: float) -> str:
     """What to run for blocks a command left unreferenced (a command that works as shown)."""
     return (f"  {blocks} block(s) no longer referenced: 'blockkv gc -f {fingerprint}' deletes them "

@@ -24,6 +24,7 @@ from blockkv.cli.common import (
     entry_json,
     fp_json,
     label,
+    one_entry,
     select_fingerprints,
 )
 from blockkv.human import format_size, parse_count
@@ -77,7 +78,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from blockkv.serving.portable import export_prompt_cache
 
     with _store_for_export(args) as (store, fp):
-        entry = _entry(store, args.entry)
+        entry = one_entry(store.entries(), args.entry, store.directory.name)
         path = export_prompt_cache(store, entry, args.output, prefix_len=args.prefix_len, model=args.model)
         tokens = args.prefix_len or entry.length
     out = {**fp, "entry": entry_json(entry), "tokens": tokens, "file": str(path), "bytes": path.stat().st_size}
@@ -191,13 +192,6 @@ def _fp_of(store: Any) -> dict[str, Any]:
     name = fingerprint_dirname(store.identity.config_fingerprint)
     (fp,) = [fp for fp in list_fingerprints(store.root) if fp.path.name == name]
     return fp_json(fp)
-
-
-def _entry(store: Any, wanted: str) -> Any:
-    matches = [e for e in store.entries() if e.id == wanted] or [e for e in store.entries() if e.id.startswith(wanted)]
-    if len(matches) != 1:
-        raise UsageError(f"{'no' if not matches else 'more than one'} entry {wanted!r} in {store.directory.name}")
-    return matches[0]
 
 
 def _prompt_tokens(args: argparse.Namespace) -> list[int] | None:

@@ -17,6 +17,7 @@ from blockkv.cli.common import (
     fp_json,
     gc_hint,
     label,
+    one_entry,
     select_fingerprints,
     show_ns,
 )
@@ -44,10 +45,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
         entries = store.entries()
         doomed = [e for e in entries if args.namespace and e.ns in args.namespace]
         for want in wanted:
-            hits = [e for e in entries if e.id == want] or [e for e in entries if e.id.startswith(want)]
-            if len(hits) != 1:
-                raise UsageError(f"{'no' if not hits else 'more than one'} entry {want!r} in {fp.path.name}")
-            doomed += [e for e in hits if e not in doomed]
+            entry = one_entry(entries, want, fp.path.name)
+            doomed += [entry] if entry not in doomed else []
         blocks_before = store.block_count
         for entry in doomed:
             store.remove(entry)
