@@ -27,15 +27,15 @@ import numpy as np
 
 from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
 from blockkv.arguments import open_only as _open_only
-from blockkv.errors import CorruptBlockError, LockTimeout
-from blockkv.format import blocks as blk
+from blockkv.errors import CorruptBlockError, CorruptError, LockTimeout
+from blockkv.format.blocks import CODEC_ID, DEFAULT_BLOCK_TOKENS, KEYED_CODEC_ID, Snapshot
 from blockkv.format.header import Header, Identity
 from blockkv.fs import FileLayer
 from blockkv.local import writers
 from blockkv.local.catalog import Catalog
 from blockkv.local.check import CheckReport
 from blockkv.local.commit import Commits
-from blockkv.local.directory import CODEC_ID, KEYED_CODEC_ID, Directory, fingerprint_dirname, read_identity
+from blockkv.local.directory import Directory, fingerprint_dirname, read_identity
 from blockkv.local.directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
 from blockkv.local.executors import Executors
 from blockkv.local.index import Index
@@ -73,7 +73,7 @@ class BlockStore:
         tokenizer_hash: str,
         max_bytes: int,
         limit: Callable[[], int] | None = None,
-        block_tokens: int = blk.DEFAULT_BLOCK_TOKENS,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
         compression: str | None = None,
         verify: bool | str = True,
         fs: FileLayer | None = None,
@@ -111,7 +111,8 @@ class BlockStore:
         self._pool = self._dir.pool
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
-            ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
+            ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated", "bytes_read",
+             "verify_failures", "bucket_errors"), 0)
         self._executor = Executors()  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
@@ -155,6 +156,11 @@ class BlockStore:
         return cls(d.parent, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                    tokenizer_hash=ident.tokenizer_hash, max_bytes=max_bytes if max_bytes is not None else 1 << 62,
                    **kwargs)
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (f"<BlockStore{state} {str(self.root)!r} model_id={self.identity.model_id!r} "
+                f"config_fingerprint={self.identity.config_fingerprint!r}>")
 
     # -- lifecycle ------------------------------------------------------------
     def close(self) -> None:
@@ -333,6 +339,8 @@ class BlockStore:
                 header, caches, attachments = read.run(cut)
                 break
             except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
+                if isinstance(exc, CorruptError):
+                    self.stats["verify_failures"] += 1
                 culprit = read.culprit(exc)
                 if attempt == 0 and self._heal(entry, exc, culprit):
                     continue  # the bucket's verified copy replaced a rotten local block: read again
@@ -343,6 +351,7 @@ class BlockStore:
         except lmdb.Error:
             pass
         self.stats["restores"] += 1
+        self.stats["bytes_read"] += read.bytes_read
         self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
         if self._remote is not None:
             self._remote.used(entry)
@@ -382,7 +391,7 @@ class BlockStore:
     def remove_generation_checkpoints(self, key: str) -> None:
         self._retention.remove_checkpoints(key)
 
-    def _commit(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot,
+    def _commit(self, tokens: np.ndarray, ns: str, snap: Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
         """One store (``Commits.store``), the seed's rules applied once it is visible (``Retention.landed``)."""
         stored = self._commits.store(tokens, ns, snap, checkpoint, self.max_bytes, self._retention.landed)
@@ -451,9 +460,21 @@ class BlockStore:
         ``LockTimeout`` if the lock is not had within ``lock_timeout``."""
         return self._retention.check(repair, progress)
 
+    def counters(self) -> dict[str, float]:
+        """``stats`` plus the entries eviction removed and the bytes uploaded to
+        the bucket, since the handle opened (what ``blockkv serve``'s /metrics shows)."""
+        uploaded = self._remote.uploads.uploaded_bytes if self._remote is not None else 0
+        return {**self.stats, "evictions": self._retention.evicted, "bytes_uploaded": uploaded}
+
+    def tier_of(self, entry: Entry) -> str:
+        """Where a restore of ``entry`` reads it from: "disk", or "bucket" while only the bucket holds it."""
+        return "bucket" if self._remote is not None and self._remote.is_remote_only(entry.id) else "disk"
+
     # -- helpers ---------------------------------------------------------------------------------
     def _warn(self, kind: str, message: str, *, once: bool = True) -> None:
         """One warning per kind of failure: a full disk must not flood the log."""
+        if kind.startswith("remote"):
+            self.stats["bucket_errors"] += 1
         if once and kind in self._warned:
             log.debug("blockkv: %s", message)
             return

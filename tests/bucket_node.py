@@ -19,9 +19,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import CODEC_ID, Block, EntryLayout, split_entry
+from blockkv.format.descriptor import blocks_for_prefix, parse_descriptor
+from blockkv.format.frame import decode_block, encode_block
 from blockkv.format.header import Header, Identity, encode_header
-from blockkv.local.directory import CODEC_ID, fingerprint_dirname, ns_dirname
+from blockkv.format.rebuild import rebuild
+from blockkv.local.directory import fingerprint_dirname, ns_dirname
 from blockkv.remote.bucket import Bucket
 from blockkv.remote.objects import BucketError
 from blockkv.remote.session import StoreSession, StoreTooSlow
@@ -53,26 +56,26 @@ def make_caches(n_tokens: int, seed: int, shared: int = 0) -> list[KVCache]:
     return caches
 
 
-def entry(n_tokens: int, seed: int, shared: int = 0, ns: str = "") -> tuple[str, bytes, blk.EntryLayout, list]:
+def entry(n_tokens: int, seed: int, shared: int = 0, ns: str = "") -> tuple[str, bytes, EntryLayout, list]:
     """(header name, header bytes, block layout, caches) of one entry."""
     caches = make_caches(n_tokens, seed, shared)
-    layout = blk.split_entry(caches, BLOCK_TOKENS)
+    layout = split_entry(caches, BLOCK_TOKENS)
     tokens = np.arange(n_tokens, dtype=np.uint32) + (0 if shared >= n_tokens else seed)
     header = encode_header(Header(IDENTITY, ns, tokens, layout.descriptor))
     return f"{ns_dirname(ns)}/{uuid.uuid4().hex}.bkv", header, layout, caches
 
 
-def frame_of(block: blk.Block, compression: str | None = "zstd") -> Callable[[], bytes]:
+def frame_of(block: Block, compression: str | None = "zstd") -> Callable[[], bytes]:
     """A block's frame, as a store's local copy hands it to an upload."""
-    return lambda: b"".join(blk.encode_block(block, compression))
+    return lambda: b"".join(encode_block(block, compression))
 
 
-def put_blocks(session: StoreSession, layout: blk.EntryLayout, compression: str | None = "zstd") -> None:
+def put_blocks(session: StoreSession, layout: EntryLayout, compression: str | None = "zstd") -> None:
     for b in layout.blocks:
         session.put_block(b.ref, frame_of(b, compression), new=True)
 
 
-def upload(bucket: Bucket, name: str, header: bytes, layout: blk.EntryLayout) -> StoreSession:
+def upload(bucket: Bucket, name: str, header: bytes, layout: EntryLayout) -> StoreSession:
     """A store's bucket half, in the write order: blocks, then the header."""
     session = bucket.begin_store()
     put_blocks(session, layout)
@@ -83,10 +86,10 @@ def upload(bucket: Bucket, name: str, header: bytes, layout: blk.EntryLayout) ->
 def restore(bucket: Bucket, name: str, vouched: bool = False) -> list:
     """A node's restore from the bucket alone: header, then every block, verified."""
     header = bucket.fetch_header(name).header
-    parsed = blk.parse_descriptor(header.descriptor)
-    sizes = {r.name: r.raw_bytes for r in blk.blocks_for_prefix(parsed, None)}
+    parsed = parse_descriptor(header.descriptor)
+    sizes = {r.name: r.raw_bytes for r in blocks_for_prefix(parsed, None)}
     frames = bucket.fetch_blocks(sizes, None, vouched=vouched)
-    caches, _ = blk.rebuild(parsed, {n: blk.decode_block(n, f) for n, f in frames.items()})
+    caches, _ = rebuild(parsed, {n: decode_block(n, f) for n, f in frames.items()})
     return caches
 
 

@@ -26,7 +26,8 @@ from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import Block
+from blockkv.format.frame import encode_block
 from blockkv.format.header import Identity
 from blockkv.local.directory import ns_dirname
 from blockkv.remote.bucket import Bucket
@@ -209,9 +210,9 @@ def test_a_store_past_its_deadline_rechecks_and_then_refuses(endpoint: str, buck
     name2, header2, layout2, _ = node.entry(32, seed=8)
     slow = bucket.begin_store()
 
-    def stall(b: blk.Block) -> bytes:
+    def stall(b: Block) -> bytes:
         time.sleep(bucket.grace / 2)  # the re-check itself outlasts the deadline
-        return b"".join(blk.encode_block(b))
+        return b"".join(encode_block(b))
 
     for b in layout2.blocks:
         slow.put_block(b.ref, lambda b=b: stall(b) if b is layout2.blocks[0] else node.frame_of(b)())

@@ -111,7 +111,7 @@ def test_ls_stats_and_check_read_the_bucket_and_write_nothing(endpoint: str) -> 
 
 
 def test_check_reports_damage_in_the_bucket_and_repair_acts_only_on_proof(
-        endpoint: str, server_clock: ServerClock) -> None:
+        endpoint: str, server_clock: ServerClock) -> None:  # noqa: F811
     """A flipped block, a deleted one and a header that does not read. Without
     a fleet key a block that does not hash to its name is proven bad only once
     every header reads and it is older than the grace period (no store in

@@ -24,7 +24,8 @@ from test_cli import parsed, run_all
 
 from blockkv import BlockStore
 from blockkv.errors import CorruptBlockError
-from blockkv.format import blocks as blk
+from blockkv.format.descriptor import blocks_for_prefix
+from blockkv.format.frame import decode_block
 from blockkv.format.header import decode_header, encode_header
 from blockkv.local.directory import fingerprint_dirname
 from blockkv.remote.gc import Window, gc_runs_since
@@ -68,7 +69,7 @@ def bucket_blocks_verify(endpoint: str, bucket_name: str, key: bytes | None = No
     for k in keys(endpoint, bucket_name, f"fleet/{FP_DIR}/blobs"):
         name = k.rpartition("/")[2]
         try:
-            blk.decode_block(name, bytes(obstore.get(raw, k).bytes()), key=key)
+            decode_block(name, bytes(obstore.get(raw, k).bytes()), key=key)
         except CorruptBlockError:
             return False
     return True
@@ -156,7 +157,7 @@ def test_a_bad_bucket_copy_is_replaced_in_place_by_a_verified_local_one(
     conv = node.conversation(6)
     with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
         assert a.store(*conv)
-        ref = blk.blocks_for_prefix(decode_header(a.remote.headers.get(
+        ref = blocks_for_prefix(decode_header(a.remote.headers.get(
             header_name("", a.find_exact(conv[0]).entry.id))).descriptor, None)[-1]
         rot_object(endpoint, bucket_name, blob_key(ref.name))
         good = a._remote.local_copy(ref.name)

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockkv.errors import BlockMissingError, OversizedError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import block_key
+from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import Identity
 from blockkv.local.check import CheckReport
-from blockkv.local.directory import block_key
 from blockkv.remote import heal
 from blockkv.remote.bucket import Bucket
 from blockkv.remote.clock import CLOCK_SLACK
@@ -80,7 +80,7 @@ def check_bucket(bucket: Bucket, identity: Identity, progress: Callable[[int, in
         else:
             report.entries += 1
         key = block_key(copy.header.identity, copy.header.ns)
-        for ref in blk.blocks_for_prefix(copy.header.descriptor, None):
+        for ref in blocks_for_prefix(copy.header.descriptor, None):
             claims.setdefault(ref.name, []).append(_Claim(name, key, ref.raw_bytes, copy.sealed))
     # no key known for sure without a seal unless every header was read and the block is old
     # the server's time, at least (a repair asks its clock; a check only reads, so it takes the newest object)

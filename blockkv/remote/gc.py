@@ -17,7 +17,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from blockkv.format import blocks as blk
+from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.remote.clock import CLOCK_SLACK, Reading, no_backward_step, read_clock
 from blockkv.remote.objects import MAX_MARKER_BYTES, BucketError, outage
 
@@ -121,7 +121,7 @@ class Collector:
             else:
                 self._header_blocks[name] = None
         for name, copy in fetched.found.items():
-            refs = blk.blocks_for_prefix(copy.header.descriptor, None)
+            refs = blocks_for_prefix(copy.header.descriptor, None)
             self._header_blocks[name] = tuple(dict.fromkeys(r.name for r in refs))
         return {n: self._header_blocks[n] for n in names if n in self._header_blocks}
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from blockkv.errors import BlockMissingError, CorruptBlockError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import BlockRef
 from blockkv.format.header import decode_header
 from blockkv.local.directory import HEADER_LAYOUT
 from blockkv.pool.protocol import BLOCK_LAYOUT
@@ -53,7 +53,7 @@ class StoreSession:
         self.heal_local: Callable[[str, bytes], None] | None = None
         self.created: set[str] = set()  # blocks this session uploaded (for stats)
         self.refreshed: set[str] = set()
-        self._blocks: dict[str, tuple[blk.BlockRef, Load]] = {}
+        self._blocks: dict[str, tuple[BlockRef, Load]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -63,7 +63,7 @@ class StoreSession:
     def _fresh_after(self) -> float:
         return self.start - self.bucket.grace / 2 + CLOCK_SLACK
 
-    def put_block(self, ref: blk.BlockRef, load: Load, new: bool = False) -> bool:
+    def put_block(self, ref: BlockRef, load: Load, new: bool = False) -> bool:
         """Make block ``ref.name`` (``ref.raw_bytes`` of payload, as the entry's
         header says) present and fresh in the bucket; True if this call uploaded it.
 

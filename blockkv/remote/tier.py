@@ -35,10 +35,11 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptError, OversizedError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import block_key
+from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import SUFFIX, Header, Identity
 from blockkv.local.catalog import Catalog
-from blockkv.local.directory import Directory, block_key, fingerprint_dirname
+from blockkv.local.directory import Directory, fingerprint_dirname
 from blockkv.records import CHECKPOINT_NS, Entry, Match
 from blockkv.remote import heal
 from blockkv.remote.breaker import Breaker
@@ -200,7 +201,7 @@ class RemoteTier:
             return False
         entry_id = name.rpartition("/")[2].removesuffix(SUFFIX)
         record = self.dir.record(entry_id, self.dir.header_path(header.ns, entry_id), header, len(copy.data))
-        refs = blk.blocks_for_prefix(header.descriptor, None)
+        refs = blocks_for_prefix(header.descriptor, None)
         self.catalog.add(record, last_modified, {r.name: r.raw_bytes for r in refs})  # raw: stored sizes unknown
         self._remote_only[entry_id] = name
         self.remote_blocks.update(record.blocks)
@@ -308,7 +309,7 @@ class RemoteTier:
                     or not np.array_equal(record.tokens, entry.token_array) \
                     or (self.bucket.key is not None and not copy.sealed):
                 raise CorruptError(f"remote header {name} changed since it was listed")
-            sizes = {r.name: r.raw_bytes for r in blk.blocks_for_prefix(header.descriptor, None)}
+            sizes = {r.name: r.raw_bytes for r in blocks_for_prefix(header.descriptor, None)}
             proof = {"vouched": self._vouched(copy, key), "other_keys": self._keys_naming, "local": self.local_copy}
             fetches = self.bucket.submit_fetches({b: s for b, s in sizes.items() if not self.dir.pool.exists(b)},
                                                  key, **proof)
@@ -399,7 +400,7 @@ class RemoteTier:
             return False
         try:
             header = self.dir.read_header(self.dir.header_path(entry.ns, entry.id))
-            raw = {r.name: r.raw_bytes for r in blk.blocks_for_prefix(header.descriptor, None)}[block]
+            raw = {r.name: r.raw_bytes for r in blocks_for_prefix(header.descriptor, None)}[block]
             good = self.bucket.fetch_block(block, raw, block_key(self.identity, entry.ns))
             self.write_local(block, good)
         except BucketError as exc:
@@ -408,7 +409,7 @@ class RemoteTier:
         except (BlockKVError, OSError, KeyError) as exc:
             self.warn("remote-heal", f"block {block} of entry {entry.id} could not be healed from the bucket: {exc}")
             return False
-        self.warn("remote-healed", f"block {block} failed its hash locally: replaced by the bucket's verified copy")
+        self.warn("healed-from-bucket", f"block {block} failed its hash locally: replaced by the bucket's verified copy")
         return True
 
     def write_local(self, block: str, frame: bytes) -> None:

@@ -7,13 +7,14 @@ the bucket too (docs/scale-out.md, "Store, and what its return value means").
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from blockkv.errors import BlockKVError
-from blockkv.format import blocks as blk
-from blockkv.local.directory import block_key
+from blockkv.format.blocks import BlockRef, block_key
+from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.records import Entry
 from blockkv.remote.files import Backlog
 from blockkv.remote.objects import BucketError, ObjectInfo, header_name, outage
@@ -33,6 +34,7 @@ class Uploader:
         self._tier = tier
         self._backlog = Backlog(tier.dir.path / "backlog", tier.warn)
         self._uploading: set[str] = set()  # entry ids this handle is uploading now
+        self.uploaded_bytes = 0  # headers and block bodies this handle PUT
         self._io = ThreadPoolExecutor(_UPLOAD_THREADS, thread_name_prefix="blockkv-remote")
         self._background = ThreadPoolExecutor(1, thread_name_prefix="blockkv-remote-sync")
 
@@ -55,7 +57,7 @@ class Uploader:
             pass
 
     # -- store ------------------------------------------------------------------------------
-    def upload(self, entry_id: str, ns: str, encoded: bytes, blocks: Iterable[blk.BlockRef], new: set[str],
+    def upload(self, entry_id: str, ns: str, encoded: bytes, blocks: Iterable[BlockRef], new: set[str],
                replaced: Iterable[Entry] = ()) -> bool:
         """A local store's bucket half: True once its header is in the bucket.
         Otherwise the entry stays local and in the backlog, for a later sync.
@@ -98,7 +100,7 @@ class Uploader:
         except Exception as exc:  # noqa: BLE001 - they stay, harmless: shadowed wherever they are found
             tier.outage("removing replaced entries failed", exc)
 
-    def _upload(self, entry_id: str, ns: str, name: str, encoded: bytes, blocks: Iterable[blk.BlockRef],
+    def _upload(self, entry_id: str, ns: str, name: str, encoded: bytes, blocks: Iterable[BlockRef],
                 new: set[str], exists_ok: bool = False) -> bool:
         tier = self._tier
         pool = tier.dir.pool
@@ -137,6 +139,8 @@ class Uploader:
             with tier.mutex:
                 self._uploading.discard(entry_id)
         tier.breaker.succeeded()
+        with contextlib.suppress(OSError):  # a block evicted meanwhile: uploaded all the same, not counted
+            self.uploaded_bytes += len(sealed) + sum(pool.path(b).stat().st_size for b in session.created)
         with tier.mutex:
             tier.listed[name] = landed
         tier.cache.keep({name: tier.bucket.header_copy(name, sealed, landed.etag)})  # for the MANIFEST
@@ -178,7 +182,7 @@ class Uploader:
                 self._backlog.unmark(entry_id)  # its header is gone: removed meanwhile
                 continue
             name = header_name(entry.ns, entry_id)
-            if self._upload(entry_id, entry.ns, name, encoded, blk.blocks_for_prefix(header.descriptor, None), set(),
+            if self._upload(entry_id, entry.ns, name, encoded, blocks_for_prefix(header.descriptor, None), set(),
                             exists_ok=name in listed):
                 self._backlog.unmark(entry_id)
             elif tier.breaker.is_open():

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from blockkv.errors import CorruptBlockError
-from blockkv.format import blocks as blk
+from blockkv.format.frame import decode_block, frame_name, frame_raw_bytes, max_frame_bytes
 from blockkv.fs import Buffer
 
 
@@ -52,12 +52,12 @@ class Verdict:
 def judge_block(name: str, data: bytes | memoryview, keys: Iterable[bytes | None]) -> Verdict:
     """A copy of block ``name`` judged under each of ``keys`` in turn (each once)."""
     try:
-        payload = blk.decode_block(name, data, verify=False)
+        payload = decode_block(name, data, verify=False)
     except CorruptBlockError:
         return Verdict(Judgement.BROKEN)
-    raw = blk.frame_raw_bytes(data)
+    raw = frame_raw_bytes(data)
     for key in dict.fromkeys(keys):
-        if blk.frame_name(data, payload, key) == name:
+        if frame_name(data, payload, key) == name:
             return Verdict(Judgement.GOOD, key, raw)
     return Verdict(Judgement.UNNAMED, None, raw)
 
@@ -73,11 +73,11 @@ def verified_frame(name: str, frame: bytes | Sequence[Buffer], key: bytes | None
     (CorruptBlockError if they are not the block): what an upload sends is
     exactly what was verified."""
     data = frame if isinstance(frame, bytes) else b"".join(frame)
-    blk.decode_block(name, data, key=key)
+    decode_block(name, data, key=key)
     return data
 
 
 def frame_limit(raw_bytes: int) -> int:
     """The most bytes a copy of a block with ``raw_bytes`` of payload may have:
-    the read limit for it (``blocks.max_frame_bytes``)."""
-    return blk.max_frame_bytes(raw_bytes)
+    the read limit for it (``frame.max_frame_bytes``)."""
+    return max_frame_bytes(raw_bytes)

@@ -19,7 +19,8 @@ import obstore
 
 from blockkv.errors import BlockMissingError, CorruptError, OversizedError
 from blockkv.format.header import SUFFIX, Identity
-from blockkv.local.directory import CODEC_ID, entry_record, fingerprint_dirname
+from blockkv.format.blocks import CODEC_ID
+from blockkv.local.directory import entry_record, fingerprint_dirname
 from blockkv.pool.protocol import Layout
 from blockkv.pool.s3 import S3Pool
 from blockkv.records import Entry, EntryRecord
