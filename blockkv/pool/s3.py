@@ -163,6 +163,12 @@ class S3Pool:
         """(the whole object, its metadata: size, last_modified, e_tag) if it has
         at most ``limit`` bytes: one GET of the range ``[0, limit + 1)``, so
         nothing larger is ever received or allocated; OversizedError if it is larger."""
+        data, meta = self.read_limited(name, limit)
+        return bytes(data), meta
+
+    def read_limited(self, name: str, limit: int) -> tuple[memoryview, dict]:
+        """``get_limited`` without copying the body out of the client's buffer
+        (a block restore reads it once, into its destination)."""
         key = self.layout.location(self.layout.check(name))
         try:
             with self._bucket_must_exist():
@@ -171,7 +177,7 @@ class S3Pool:
                 if meta["size"] > limit:
                     raise OversizedError(f"{name} in {self.url} has {meta['size']} bytes, more than "
                                          f"{limit}: not read")
-                data = bytes(result.bytes())
+                data = memoryview(result.bytes())
         except FileNotFoundError:
             raise BlockMissingError(f"{name} is not in {self.url}") from None
         except (NoSuchBucketError, OversizedError):
@@ -179,8 +185,8 @@ class S3Pool:
         except Exception as exc:
             if " 416 " not in str(exc):
                 raise
-            meta, data = self._head(name), b""  # no byte to range over: an empty object
-        if len(data) != meta["size"]:
+            meta, data = self._head(name), memoryview(b"")  # no byte to range over: an empty object
+        if data.nbytes != meta["size"]:
             raise OversizedError(f"{name} in {self.url} changed size while read: not used")
         return data, meta
 

@@ -27,7 +27,7 @@ from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import Identity
 from blockkv.local.check import CheckReport
 from blockkv.remote import heal
-from blockkv.remote.bucket import Bucket
+from blockkv.remote.bucket_dir import BucketDir
 from blockkv.remote.clock import CLOCK_SLACK
 from blockkv.remote.objects import BucketError, outage
 from blockkv.remote.verify import convicts, frame_limit, judge_block
@@ -58,7 +58,7 @@ class _Claim:
     sealed: bool
 
 
-def check_bucket(bucket: Bucket, identity: Identity, progress: Callable[[int, int], None] | None = None, *,
+def check_bucket(bucket: BucketDir, identity: Identity, progress: Callable[[int, int], None] | None = None, *,
                  repair: bool = False) -> BucketCheckReport:
     """Verify a fingerprint directory in a bucket (see the module docstring).
     A transient failure on one block is ``unreadable``. Without ``repair``
@@ -106,7 +106,7 @@ def check_bucket(bucket: Bucket, identity: Identity, progress: Callable[[int, in
     return report
 
 
-def _judge(bucket: Bucket, name: str, claims: list[_Claim], listed: Listed, settled: float | None,
+def _judge(bucket: BucketDir, name: str, claims: list[_Claim], listed: Listed, settled: float | None,
            report: BucketCheckReport, bad: dict[str, str]) -> None:
     """One referenced block: read (bounded by its headers' sizes) and judged."""
     info = listed.blocks[name]
@@ -136,7 +136,7 @@ def _judge(bucket: Bucket, name: str, claims: list[_Claim], listed: Listed, sett
         report.suspect_blocks.append(name)
 
 
-def _repair(bucket: Bucket, report: BucketCheckReport, listed: Listed, bad: dict[str, str],
+def _repair(bucket: BucketDir, report: BucketCheckReport, listed: Listed, bad: dict[str, str],
             gone: set[str]) -> list[str]:
     """Act on proof only: a bad header goes (it convicts itself; a good block
     stays), a proven-bad block is deleted inside a deleter's window with a
@@ -177,7 +177,7 @@ def _repair(bucket: Bucket, report: BucketCheckReport, listed: Listed, bad: dict
     return actions
 
 
-def _remove_header(bucket: Bucket, name: str) -> None:
+def _remove_header(bucket: BucketDir, name: str) -> None:
     try:
         with outage("repair"):
             bucket.headers.delete(name)

@@ -4,15 +4,12 @@ blocks the rest reference fit; their blocks are freed by a later GC run."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from blockkv.remote.bucket_dir import BucketDir
+from blockkv.remote.gc import Collector
 from blockkv.remote.objects import outage
 
-if TYPE_CHECKING:
-    from blockkv.remote.bucket import Bucket
 
-
-def evict_plan(bucket: Bucket, target_bytes: int) -> list[str]:
+def evict_plan(bucket: BucketDir, collector: Collector, target_bytes: int) -> list[str]:
     """The headers ``evict_to(target_bytes)`` would remove, least recently
     used first: headers plus the blocks the rest reference then fit in
     ``target_bytes``. Only lists and reads headers (a dry run)."""
@@ -22,7 +19,7 @@ def evict_plan(bucket: Bucket, target_bytes: int) -> list[str]:
         listed = bucket.list_headers()
         used = {i.name.removeprefix("used/"): i.last_modified for i in bucket.meta.list_info("used/")}
         sizes = {i.name: i.size for i in bucket.blocks.list_info()}
-    refs = bucket.collector.blocks_of(listed, {n: i.size for n, i in listed.items()})
+    refs = collector.blocks_of(listed, {n: i.size for n, i in listed.items()})
     counts: dict[str, int] = {}
     for names in refs.values():
         for b in names or ():
@@ -42,12 +39,12 @@ def evict_plan(bucket: Bucket, target_bytes: int) -> list[str]:
     return plan
 
 
-def evict_to(bucket: Bucket, target_bytes: int) -> list[str]:
+def evict_to(bucket: BucketDir, collector: Collector, target_bytes: int) -> list[str]:
     """Fleet-wide LRU: remove least recently used entries' headers (and their
     last-use marks) until headers plus the blocks the rest reference fit in
     ``target_bytes``. Blocks are freed by a later ``gc`` after the grace period."""
     evicted = []
-    for name in evict_plan(bucket, target_bytes):
+    for name in evict_plan(bucket, collector, target_bytes):
         with outage("eviction"):
             bucket.headers.delete(name)
             bucket.meta.delete(f"used/{name}")

@@ -11,14 +11,11 @@ import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from blockkv.errors import CorruptError, NewerFormatError
 from blockkv.format.header import MAX_HEADER_BYTES
 from blockkv.fs import DIR_MODE, FILE_MODE, FileLayer, refuse_linked
-
-if TYPE_CHECKING:
-    from blockkv.remote.bucket import HeaderCopy
+from blockkv.remote.bucket_dir import HeaderCopy
 
 _UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog holds
 _COPY_MAGIC = b"BKVRH1 "  # a cached copy: this, the object's ETag, a newline, the header's bytes

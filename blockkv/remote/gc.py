@@ -15,14 +15,11 @@ import time
 import uuid
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from blockkv.format.descriptor import blocks_for_prefix
+from blockkv.remote.bucket_dir import BucketDir
 from blockkv.remote.clock import CLOCK_SLACK, Reading, no_backward_step, read_clock
 from blockkv.remote.objects import MAX_MARKER_BYTES, BucketError, outage
-
-if TYPE_CHECKING:
-    from blockkv.remote.bucket import Bucket
 
 _BATCH = 100
 
@@ -45,7 +42,7 @@ class Window:
     of it and has not stepped back since; ``close`` writes ``.done``. A writer
     whose store overlaps a window waits for it and checks its blocks again."""
 
-    def __init__(self, bucket: Bucket) -> None:
+    def __init__(self, bucket: BucketDir) -> None:
         self._bucket = bucket
         self.marker = f"gc/{uuid.uuid4().hex}"
         with outage("gc marker"):
@@ -100,7 +97,7 @@ class Collector:
     """GC runs on one bucket (``Bucket.gc``, ``gc_mark``, ``gc_sweep``). Keeps
     the block names each header it read references: headers never change."""
 
-    def __init__(self, bucket: Bucket) -> None:
+    def __init__(self, bucket: BucketDir) -> None:
         self._bucket = bucket
         self._header_blocks: dict[str, tuple[str, ...] | None] = {}
         self._ignored: set[str] = set()
@@ -181,7 +178,7 @@ class Collector:
             pass
 
 
-def gc_runs_since(bucket: Bucket, since: float, sealed: dict[str, bool] | None = None) -> dict[str, float | None]:
+def gc_runs_since(bucket: BucketDir, since: float, sealed: dict[str, bool] | None = None) -> dict[str, float | None]:
     """GC runs (and other deleters' windows) whose window was open at or after
     server time ``since``: marker -> the server time its window closes, or None
     if it finished. With a fleet key, only a sealed ``.done`` mark ends a wait
@@ -209,7 +206,7 @@ def gc_runs_since(bucket: Bucket, since: float, sealed: dict[str, bool] | None =
     return out
 
 
-def _sealed_mark(bucket: Bucket, name: str, size: int) -> bool:
+def _sealed_mark(bucket: BucketDir, name: str, size: int) -> bool:
     if size > MAX_MARKER_BYTES:
         return False  # never read: a mark is 64 bytes at most
     try:
@@ -220,7 +217,7 @@ def _sealed_mark(bucket: Bucket, name: str, size: int) -> bool:
     return bucket.key.marker_sealed(name, body)
 
 
-def wait_for_gc_runs(bucket: Bucket, since: float) -> bool:
+def wait_for_gc_runs(bucket: BucketDir, since: float) -> bool:
     """Wait until every GC run whose window was open at or after ``since`` has
     finished or its window has closed; True if there was any such run. Each
     run is waited for at most a window's length of local time from when it

@@ -10,32 +10,31 @@
   mark asks the fleet for a good copy; every node's sync answers the marks
   it holds a verified copy for (``answer_wanted``);
 - a bad local copy and a verified bucket copy: the tier writes the bucket's
-  bytes over it (tier.py, ``heal_local``).
+  bytes over it (tier.py, ``heal_block``).
+
+fetch.py calls the first two on what a fetch proves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from blockkv.errors import BlockMissingError
+from blockkv.remote.bucket_dir import BucketDir
 from blockkv.remote.gc import Window
 from blockkv.remote.objects import BucketError, outage
-
-if TYPE_CHECKING:
-    from blockkv.remote.bucket import Bucket
 
 MAX_WANTED = 256  # marks a node answers per sync: planted ones cost a local lookup each, no more
 
 
-def replace_bad_copy(bucket: Bucket, name: str, bad_etag: str, good: bytes) -> bool:
+def replace_bad_copy(bucket: BucketDir, name: str, bad_etag: str, good: bytes) -> bool:
     """Put verified ``good`` bytes in place of the copy with ``bad_etag``, only
     if that copy is still there; True if this call replaced it."""
     with outage(f"replacing block {name}"):
         return bool(bad_etag) and bucket.blocks.put_if_match(name, [good], bad_etag)
 
 
-def quarantine(bucket: Bucket, bad: Mapping[str, str]) -> list[str]:
+def quarantine(bucket: BucketDir, bad: Mapping[str, str]) -> list[str]:
     """Delete the copies ``bad`` names (block -> the ETag of the copy proven
     bad) that are still those copies, inside a deleter's window, then ask the
     fleet for good copies of them. Returns the names deleted."""
@@ -59,7 +58,7 @@ def quarantine(bucket: Bucket, bad: Mapping[str, str]) -> list[str]:
     return deleted
 
 
-def want(bucket: Bucket, name: str) -> None:
+def want(bucket: BucketDir, name: str) -> None:
     """Ask the fleet for a good copy of block ``name`` (``wanted/<name>``)."""
     try:
         with outage("wanted mark"):
@@ -68,13 +67,13 @@ def want(bucket: Bucket, name: str) -> None:
         pass  # the next reader that meets the gap asks again
 
 
-def wanted_blocks(bucket: Bucket) -> dict[str, float]:
+def wanted_blocks(bucket: BucketDir) -> dict[str, float]:
     """Blocks the fleet asked a good copy of -> when first asked (server time)."""
     with outage("wanted listing"):
         return {i.name.removeprefix("wanted/"): i.last_modified for i in bucket.meta.list_info("wanted/")}
 
 
-def answer_wanted(bucket: Bucket, local: Callable[[str], bytes | None], limit: int = MAX_WANTED) -> list[str]:
+def answer_wanted(bucket: BucketDir, local: Callable[[str], bytes | None], limit: int = MAX_WANTED) -> list[str]:
     """Upload a verified local copy of each wanted block this node holds
     (``local(name)``: verified bytes, or None), with a conditional create,
     and clear the marks of blocks the bucket holds again. Returns the blocks

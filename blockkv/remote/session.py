@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from blockkv.errors import BlockMissingError, CorruptBlockError
 from blockkv.format.blocks import BlockRef
 from blockkv.format.header import decode_header
 from blockkv.local.directory import HEADER_LAYOUT
 from blockkv.pool.protocol import BLOCK_LAYOUT
+from blockkv.remote.bucket_dir import BucketDir
 from blockkv.remote.clock import CLOCK_SLACK, Reading, no_forward_step, read_clock
+from blockkv.remote.fetch import fetch_block
 from blockkv.remote.gc import wait_for_gc_runs
 from blockkv.remote.objects import BucketError, ObjectInfo, outage
 from blockkv.remote.verify import verified_frame
-
-if TYPE_CHECKING:
-    from blockkv.remote.bucket import Bucket
 
 Load = Callable[[], bytes]  # the local copy of a block's frame (verified before it is sent)
 
@@ -46,7 +44,7 @@ class StoreSession:
     with. ``heal_local(name, frame)``, if set, is given the bucket's verified
     bytes of a block whose local copy did not verify."""
 
-    def __init__(self, bucket: Bucket, start: Reading, key: bytes | None = None) -> None:
+    def __init__(self, bucket: BucketDir, start: Reading, key: bytes | None = None) -> None:
         self.bucket = bucket
         self.reading = start
         self.key = key
@@ -98,7 +96,7 @@ class StoreSession:
         try:
             return verified_frame(name, load(), self.key)
         except CorruptBlockError:
-            good = self.bucket.fetch_block(name, raw_bytes, self.key)
+            good = fetch_block(self.bucket, name, raw_bytes, self.key)
             if self.heal_local is not None:
                 self.heal_local(name, good)
             return good

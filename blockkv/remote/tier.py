@@ -43,7 +43,8 @@ from blockkv.local.directory import Directory, fingerprint_dirname
 from blockkv.records import CHECKPOINT_NS, Entry, Match
 from blockkv.remote import heal
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.bucket import Bucket, HeaderCopy
+from blockkv.remote.bucket import Bucket
+from blockkv.remote.bucket_dir import HeaderCopy
 from blockkv.remote.files import HeaderCache
 from blockkv.remote.manifest import (
     MANIFEST_MIN,

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import obstore
 
 from blockkv.errors import BlockMissingError, CorruptError, OversizedError
-from blockkv.format.header import SUFFIX, Identity
 from blockkv.format.blocks import CODEC_ID
+from blockkv.format.header import SUFFIX, Identity
 from blockkv.local.directory import entry_record, fingerprint_dirname
 from blockkv.pool.protocol import Layout
 from blockkv.pool.s3 import S3Pool
 from blockkv.records import Entry, EntryRecord
-from blockkv.remote.bucket import Bucket, HeaderCopy
+from blockkv.remote.bucket_dir import BucketDir, HeaderCopy
 from blockkv.remote.fleet_key import FleetKey
 from blockkv.remote.objects import MAX_IDENTITY_BYTES, ObjectInfo, outage
 
@@ -117,7 +117,7 @@ class Listed:
     sealed_damaged: list[str]  # with a fleet key: headers that do not read but carry a valid seal
 
 
-def list_directory(bucket: Bucket) -> Listed:
+def list_directory(bucket: BucketDir) -> Listed:
     """Headers (each read, bounded, and verified), blocks and last-use marks."""
     headers = bucket.list_headers()
     with outage("listing"):
@@ -141,7 +141,7 @@ def list_directory(bucket: Bucket) -> Listed:
                   sorted(n for n, sealed in fetched.damaged.items() if keyed and sealed))
 
 
-def read_bucket(bucket: Bucket, identity: Identity) -> BucketView:
+def read_bucket(bucket: BucketDir, identity: Identity) -> BucketView:
     """A read-only view of ``bucket``'s fingerprint directory, for ``identity``."""
     listed = list_directory(bucket)
     own = identity.digest()
