@@ -122,7 +122,7 @@ class BlockStore:
                 raise ValueError("remote_options given without remote")
             from blockkv.remote.tier import RemoteTier  # needs obstore: pip install 'blockkv[s3]'
             self._remote = RemoteTier(remote, remote_options, self.identity, self._dir, self._warn,
-                                      self._every_entry, self._adopt)
+                                      self._every_entry, self._adopt, block_tokens)
         self._dir.create(self.root)
         lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
@@ -169,6 +169,8 @@ class BlockStore:
         if os.getpid() != self._pid:  # a forked child's copy: the parent still owns the environment
             self._closed = True
             return
+        if self._remote is not None:
+            self._remote.settle()  # what remote restores fetched is written through the executor's threads
         self._executor.shutdown()  # pending writes finish before the handle closes
         if self._remote is not None:
             self._remote.close()
@@ -221,10 +223,14 @@ class BlockStore:
 
     @_open_only
     def sync_remote(self) -> int:
-        """List the bucket now: learn entries other nodes stored, forget those
-        evicted fleet-wide, upload the backlog. Returns how many entries were
-        learned; an outage is a warning and 0, never an exception."""
-        return self._remote.sync() if self._remote is not None else 0
+        """Keep locally what remote restores fetched, then list the bucket now:
+        learn entries other nodes stored, forget those evicted fleet-wide,
+        upload the backlog. Returns how many entries were learned; an outage is
+        a warning and 0, never an exception."""
+        if self._remote is None:
+            return 0
+        self._remote.settle()
+        return self._remote.sync()
 
     def _every_entry(self) -> list[Entry]:
         self._refresh()
@@ -329,10 +335,25 @@ class BlockStore:
         p = check_prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
-        if self._remote is not None and self._remote.is_remote_only(entry.id):
+        remote = self._remote is not None and self._remote.is_remote_only(entry.id)
+        if remote:
+            self._remote.settle(entry.id)  # a restore of it may be making it local right now
             self._refresh()  # another handle may have materialised it
-            if entry.id not in self._catalog and not self._remote.materialise(entry):
-                return None
+            remote = entry.id not in self._catalog
+        read = self._remote.restore(entry, cut) if remote else self._read(entry, cut)
+        if read is None:
+            return None
+        header, caches, attachments, nbytes = read
+        self.stats["restores"] += 1
+        self.stats["bytes_read"] += nbytes
+        self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
+        if self._remote is not None:
+            self._remote.used(entry)
+        return Loaded(caches, tuple(header.tokens[:p].tolist()), attachments, entry.checkpoint)
+
+    def _read(self, entry: Entry, cut: int | None) -> tuple[Header, list[Any], dict[str, Any], int] | None:
+        """A local entry read back (``EntryRead``), healed from the bucket once if
+        a block fails its hash; None (a miss) on any failure."""
         for attempt in range(2):
             read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
             try:
@@ -350,12 +371,7 @@ class BlockStore:
             self._index.touch(entry.id, self._clock())
         except lmdb.Error:
             pass
-        self.stats["restores"] += 1
-        self.stats["bytes_read"] += read.bytes_read
-        self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
-        if self._remote is not None:
-            self._remote.used(entry)
-        return Loaded(caches, tuple(header.tokens[:p].tolist()), attachments, entry.checkpoint)
+        return header, caches, attachments, read.bytes_read
 
     @_open_only
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
@@ -393,7 +409,11 @@ class BlockStore:
 
     def _commit(self, tokens: np.ndarray, ns: str, snap: Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
-        """One store (``Commits.store``), the seed's rules applied once it is visible (``Retention.landed``)."""
+        """One store (``Commits.store``), the seed's rules applied once it is visible
+        (``Retention.landed``), after what remote restores fetched is kept: an
+        entry this one continues is then local, and superseded."""
+        if self._remote is not None:
+            self._remote.settle()
         stored = self._commits.store(tokens, ns, snap, checkpoint, self.max_bytes, self._retention.landed)
         if stored is None:
             return False

@@ -124,8 +124,9 @@ def _open(root: str, endpoint: str, bucket: str, seconds: float, out: str) -> No
     restored, error = 0, None
     try:
         with open_node(root, endpoint, bucket) as store:
-            for entry in store._remote.catalog.entries():
-                restored += store.restore(entry) is not None
+            for record in store._remote.catalog.entries():
+                entry = store._remote.entry(record.id)
+                restored += entry is not None and store.restore(entry) is not None
     except (ValueError, OSError) as exc:
         error = str(exc)
     with open(out, "w") as f:

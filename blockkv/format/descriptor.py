@@ -29,6 +29,7 @@ from blockkv.format.codec import (
     minimum_reusable_offset,
     records_from_descriptor,
     records_offset,
+    records_to_descriptor,
     tensor_from_descriptor,
     trimmable,
     truncate_records,
@@ -170,3 +171,23 @@ def blocks_for_prefix(descriptor: Any, prefix_len: int | None) -> list[BlockRef]
     entry.records_at(prefix_len)
     token = entry.token_refs if prefix_len is None else [r for r in entry.token_refs if r.start < prefix_len]
     return _unique(token + entry.state_refs)
+
+
+def prefix_descriptor(descriptor: dict[str, Any], prefix_len: int) -> dict[str, Any]:
+    """The descriptor of an entry's first ``prefix_len`` tokens, cut where a
+    token block ends: the same blocks up to there, so a prefix of a trimmable
+    entry is an entry of its own (a node keeps the part of a bucket entry it
+    fetched). ValueError if the entry cannot be cut there."""
+    entry = parse_descriptor(descriptor)
+    records = entry.records_at(prefix_len)  # ValueError for an untrimmable entry or a length out of range
+    kept = [r for r in entry.token_refs if r.start < prefix_len]
+    if not kept or kept[-1].stop != prefix_len:
+        raise ValueError(f"{prefix_len} tokens do not end a token block")
+    cut = {"format": FORMAT, "block_tokens": entry.block_tokens, "records": records_to_descriptor(records),
+           "attachments": descriptor["attachments"], "token_blocks": descriptor["token_blocks"][: len(kept)],
+           "state_blocks": descriptor["state_blocks"]}
+    try:
+        parse_descriptor(cut)
+    except CorruptHeaderError as exc:  # a kind whose state tensors change when it is cut
+        raise ValueError(f"the entry cannot be cut at {prefix_len} tokens: {exc}") from None
+    return cut

@@ -32,13 +32,19 @@ import numpy as np
 from blockkv.errors import CorruptError
 from blockkv.format.blocks import CODEC_ID
 from blockkv.format.descriptor import (
+    ParsedDescriptor,
     blocks_for_prefix,
     descriptor_min_offset,
     descriptor_trimmable,
     parse_descriptor,
-    validate_descriptor,
 )
-from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
+from blockkv.format.header import (
+    MAX_HEADER_BYTES,
+    SUFFIX,
+    Header,
+    Identity,
+    decode_header,
+)
 from blockkv.fs import TMP_SUFFIX, FileLayer, refuse_linked
 from blockkv.pool.local import LocalPool
 from blockkv.pool.protocol import Layout, is_block_name
@@ -128,18 +134,24 @@ def _is_tmp(name: str) -> bool:
 
 def verified_header(name: str, data: bytes) -> Header:
     """What a header's bytes say, verified (checksum, bounds, descriptor); CorruptError otherwise."""
+    return parsed_header(name, data)[0]
+
+
+def parsed_header(name: str, data: bytes) -> tuple[Header, ParsedDescriptor]:
+    """``verified_header``, with the descriptor as the verification parsed it."""
     if len(data) > MAX_HEADER_BYTES:
         raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
     header = decode_header(data)
-    validate_descriptor(header.descriptor)
-    return header
+    return header, parse_descriptor(header.descriptor)
 
 
-def entry_record(entry_id: str, rel: str, header: Header, header_bytes: int) -> EntryRecord:
+def entry_record(entry_id: str, rel: str, header: Header, header_bytes: int,
+                 parsed: ParsedDescriptor | None = None) -> EntryRecord:
     """The index record a header implies (``rel``: where the header lives, a
-    path under the fingerprint directory or a key under the bucket's)."""
+    path under the fingerprint directory or a key under the bucket's;
+    ``parsed``: its descriptor, if already parsed)."""
     attachments = tuple(header.descriptor["attachments"])
-    parsed = parse_descriptor(header.descriptor)  # validate once, not once per question
+    parsed = parse_descriptor(parsed or header.descriptor)  # validate once, not once per question
     return EntryRecord(
         id=entry_id, ns=header.ns, path=rel, header_bytes=header_bytes,
         blocks=tuple(dict.fromkeys(r.name for r in blocks_for_prefix(parsed, None))),

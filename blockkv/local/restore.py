@@ -57,10 +57,7 @@ class EntryRead:
             raise IndexDisagrees("the header on disk is not the one indexed")
         self._key = parsed.key
         caches, attachments = parsed.rebuild(cut, self._fill_all, self._stored_bytes)
-        # materialise here: a lazy array built on a worker thread cannot be
-        # evaluated from the caller's thread (restore_async)
-        mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
-                 if isinstance(v, mx.array)])
+        evaluate(caches, attachments)
         return parsed.header, caches, attachments
 
     def culprit(self, exc: BaseException) -> str:
@@ -104,6 +101,13 @@ class EntryRead:
             raise BlockMissingError(f"block {name} is not a regular file")
         self.bytes_read += st.st_size
         return st.st_size
+
+
+def evaluate(caches: list[Any], attachments: dict[str, Any]) -> None:
+    """Materialise rebuilt caches here: a lazy array built on a worker thread
+    cannot be evaluated from the caller's thread (restore_async)."""
+    mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
+             if isinstance(v, mx.array)])
 
 
 def _feeder(check: Check, skip: memoryview) -> Callable[[Sequence[memoryview]], None]:

@@ -29,8 +29,9 @@ from blockkv.errors import (
     NewerFormatError,
     OversizedError,
 )
+from blockkv.format.descriptor import ParsedDescriptor
 from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header
-from blockkv.local.directory import HEADER_LAYOUT, verified_header
+from blockkv.local.directory import HEADER_LAYOUT, parsed_header
 from blockkv.pool.protocol import BLOCK_LAYOUT
 from blockkv.remote.clock import CLOCK_SLACK, Reading, read_clock
 from blockkv.remote.fleet_key import FleetKey
@@ -55,6 +56,7 @@ class HeaderCopy:
     header: Header
     etag: str  # of the object these bytes are ("" if unknown)
     sealed: bool  # carries a valid fleet seal for its name (False without a key)
+    descriptor: ParsedDescriptor  # the header's, as verifying it parsed it
 
 
 @dataclass
@@ -168,10 +170,10 @@ class BucketDir:
         """``data`` as the header ``name``, verified: checksum, bounds, descriptor,
         and that it is the object its name claims (its namespace's directory).
         CorruptError, or NewerFormatError, otherwise."""
-        header = verified_header(name, data)
+        header, parsed = parsed_header(name, data)
         if header_name(header.ns, name.rpartition("/")[2].removesuffix(SUFFIX)) != name:
             raise CorruptHeaderError(f"{name}: the header is of another namespace's directory")
-        return HeaderCopy(data, header, etag, self.key is not None and self.key.header_sealed(name, data))
+        return HeaderCopy(data, header, etag, self.key is not None and self.key.header_sealed(name, data), parsed)
 
     def fetch_header(self, name: str, size: int | None = None) -> HeaderCopy:
         """A header (``size``: its size as listed, if known), read with the

@@ -28,13 +28,17 @@ _RECORD = struct.Struct("<HHI")  # name length, ETag length, header length; then
 _MD5 = re.compile(r"[0-9a-f]{32}")
 
 
-def pack_manifest(records: Iterable[tuple[str, str, bytes]]) -> bytes:
-    """(header name, its object's ETag, its bytes) records, packed into one object."""
-    parts = [_MAGIC]
+def pack_manifest(records: Iterable[tuple[str, str, bytes]]) -> bytearray:
+    """(header name, its object's ETag, its bytes) records, packed into one
+    object (built in place: only one record is held besides it)."""
+    out = bytearray(_MAGIC)
     for name, etag, data in records:
         raw_name, raw_etag = name.encode(), etag.encode()
-        parts += [_RECORD.pack(len(raw_name), len(raw_etag), len(data)), raw_name, raw_etag, data]
-    return b"".join(parts)
+        out += _RECORD.pack(len(raw_name), len(raw_etag), len(data))
+        out += raw_name
+        out += raw_etag
+        out += data
+    return out
 
 
 def manifest_limit(listed: Mapping[str, ObjectInfo]) -> int:
@@ -84,16 +88,16 @@ class _Stream:
 
 
 def read_manifest(chunks: Iterator[bytes], listed: Mapping[str, ObjectInfo], wanted: Iterable[str]
-                  ) -> dict[str, bytes]:
+                  ) -> Iterator[tuple[str, bytes]]:
     """The records of ``wanted`` names whose ETag and size are the ones
-    ``listed`` shows, up to the first record that does not fit (a torn or
-    foreign object yields what precedes it). Not yet proven: the caller checks
-    each (seal or MD5) and verifies it as a header."""
+    ``listed`` shows, as (name, header bytes), one at a time, up to the first
+    record that does not fit (a torn or foreign object yields what precedes
+    it). Not yet proven: the caller checks each (seal or MD5) and verifies it
+    as a header."""
     want = set(wanted)
-    out: dict[str, bytes] = {}
     stream = _Stream(chunks)
     if stream.read(len(_MAGIC)) != _MAGIC:
-        return out
+        return
     while want:
         fixed = stream.read(_RECORD.size)
         if fixed is None:
@@ -111,17 +115,22 @@ def read_manifest(chunks: Iterator[bytes], listed: Mapping[str, ObjectInfo], wan
             data = stream.read(size)
             if data is None:
                 break
-            out[name] = data
             want.discard(name)
+            yield name, data
         elif not stream.skip(size):
             break
-    return out
+
+
+def manifest_stream(pool: BucketPool, listed: Mapping[str, ObjectInfo], wanted: Iterable[str]
+                    ) -> Iterator[tuple[str, bytes]]:
+    """``read_manifest`` of the MANIFEST object (nothing if there is none), read
+    with the limit ``listed`` implies: a larger one is OversizedError, unread."""
+    try:
+        yield from read_manifest(pool.stream_limited("MANIFEST", manifest_limit(listed)), listed, wanted)
+    except BlockMissingError:
+        return
 
 
 def manifest_records(pool: BucketPool, listed: Mapping[str, ObjectInfo], wanted: Iterable[str]) -> dict[str, bytes]:
-    """``read_manifest`` of the MANIFEST object (empty if there is none), read
-    with the limit ``listed`` implies: a larger one is OversizedError, unread."""
-    try:
-        return read_manifest(pool.stream_limited("MANIFEST", manifest_limit(listed)), listed, wanted)
-    except BlockMissingError:
-        return {}
+    """Every record ``manifest_stream`` yields, at once."""
+    return dict(manifest_stream(pool, listed, wanted))

@@ -87,7 +87,8 @@ class BucketPool(S3Pool):
         """An unconditional PUT; returns the new object's ETag."""
         key = self.layout.location(self.layout.check(name))
         with self._bucket_must_exist():
-            result = obstore.put(self._store, key, b"".join(parts), mode="overwrite", use_multipart=False)
+            body = parts[0] if len(parts) == 1 else b"".join(parts)  # one part (a MANIFEST) is not copied
+            result = obstore.put(self._store, key, body, mode="overwrite", use_multipart=False)
         return _etag(result)
 
     def info(self, name: str) -> ObjectInfo:

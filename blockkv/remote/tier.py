@@ -3,23 +3,24 @@ shared by a fleet of nodes (issue #14, docs/scale-out.md).
 
 The local directory keeps every invariant it has without a bucket: a header
 in ``entries/`` has all its blocks in the local pool, so recovery, check and
-gc never ask the network. What the bucket adds lives here:
+gc never ask the network. What the bucket adds lives here and below:
 
-- the **remote catalog**: entries other nodes committed that this node has
-  not materialised, learned by listing headers (at open, on a timer, on a
-  miss), so that ``find`` stays a lookup in memory. A header is learned only
-  from a copy proven to be the object its name lists (a direct GET, a cached
-  copy of the listed ETag, a MANIFEST record with a seal or an MD5 ETag), and
-  with a fleet key only if it is sealed;
-- **materialising** one on restore: its missing blocks fetched and verified,
-  then blocks and header written locally by the write order of a store
-  (``BlockStore._adopt``), after which it is an ordinary local entry;
+- the **remote catalog** of entries other nodes committed that this node has
+  not made local (catalog.py: a small record and a digest per block, no
+  tokens), learned by listing headers at open, on a timer and on a miss
+  (learn.py: only from a copy proven to be the object its name lists, and
+  with a fleet key only if sealed), so that ``find`` stays a lookup on this
+  node, settled by the candidates' headers (lookup.py);
+- **restoring** one (materialise.py): only the blocks the prefix needs,
+  fetched concurrently and verified, the caches rebuilt from them, and what
+  was fetched kept locally by the write order of a store (``BlockStore._adopt``)
+  in the background: the whole entry, or a prefix entry of the node's own;
 - **healing**: a local block that fails its hash is replaced from a verified
   bucket copy (``heal_block``), and the fleet's requests for good copies of
   blocks proven bad in the bucket are answered from verified local ones;
-- the bucket's **MANIFEST** (manifest.py) and a **header cache** (files.py);
-- uploads and the backlog (uploads.py), and a **circuit breaker** (breaker.py):
-  an outage costs one warning, not a timeout per request.
+- uploads and the backlog (uploads.py), the bucket's MANIFEST (manifest.py),
+  a header cache (files.py) and a **circuit breaker** (breaker.py): an outage
+  costs one warning, not a timeout per request.
 
 Nothing here raises into the serving path: an outage is "not uploaded" /
 "no hit" and a warning (one per kind); only proof of damage forgets an entry.
@@ -29,41 +30,38 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptError, OversizedError
-from blockkv.format.blocks import block_key
-from blockkv.format.descriptor import blocks_for_prefix
-from blockkv.format.header import SUFFIX, Header, Identity
-from blockkv.local.catalog import Catalog
+from blockkv.format.blocks import DEFAULT_BLOCK_TOKENS, block_key
+from blockkv.format.descriptor import blocks_for_prefix, with_xxh3
+from blockkv.format.header import Header, Identity
+from blockkv.format.rebuild import ParsedEntry
 from blockkv.local.directory import Directory, fingerprint_dirname
-from blockkv.records import CHECKPOINT_NS, Entry, Match
+from blockkv.records import Entry, Match
 from blockkv.remote import heal
 from blockkv.remote.breaker import Breaker
 from blockkv.remote.bucket import Bucket
 from blockkv.remote.bucket_dir import HeaderCopy
+from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
+from blockkv.remote.fetch import fetch_block
 from blockkv.remote.files import HeaderCache
-from blockkv.remote.manifest import (
-    MANIFEST_MIN,
-    etag_is_md5_of,
-    manifest_records,
-    pack_manifest,
-)
-from blockkv.remote.objects import (
-    BucketError,
-    BucketMissingError,
-    ObjectInfo,
-    header_name,
-    outage,
-)
+from blockkv.remote.learn import Learner
+from blockkv.remote.listing import Listing
+from blockkv.remote.lookup import Lookup, RecentHeaders
+from blockkv.remote.materialise import Adoption, RemoteRead
+from blockkv.remote.objects import BucketError, BucketMissingError, header_name
 from blockkv.remote.options import split_options
 from blockkv.remote.uploads import Uploader
 from blockkv.remote.verify import verified_frame
 
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
+
+Adopt = Callable[[str, Header, bytes, Callable[[str], Any]], bool]
 
 
 class RemoteTier:
@@ -72,8 +70,8 @@ class RemoteTier:
     frame_of)`` writes a fetched entry locally and says whether it could."""
 
     def __init__(self, url: str, options: Mapping[str, object] | None, identity: Identity, directory: Directory,
-                 warn: Callable[[str, str], None], local_entries: Callable[[], list[Entry]],
-                 adopt: Callable[[str, Header, bytes, Callable[[str], bytes]], bool]) -> None:
+                 warn: Callable[[str, str], None], local_entries: Callable[[], list[Entry]], adopt: Adopt,
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         if not isinstance(url, str):
             raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(url).__name__}")
         opts = split_options(options)
@@ -86,22 +84,26 @@ class RemoteTier:
         self.local_entries = local_entries
         self._adopt = adopt
         self.cache = HeaderCache(directory.path / "remote-headers", directory.fs, warn)
-        self.catalog = Catalog(identity.digest(), time.time)  # remote-only entries: served, never indexed
-        self._remote_only: dict[str, str] = {}  # entry id -> header name, for the catalog's entries
-        self.remote_blocks: Counter[str] = Counter()  # blocks the catalog's entries reference: in the bucket
-        self.listed: dict[str, ObjectInfo] = {}  # headers in the bucket at the last listing (plus our uploads)
-        self._ignored: set[str] = set()  # headers not to learn: damaged, unsealed, another identity, a checkpoint
-        self._unsure: set[str] = set()  # listed headers that name blocks with a key, or do not read
-        self._identity_checked = False
+        self.catalog = RemoteCatalog(block_tokens)  # remote-only entries: served, never indexed
+        self.listing = Listing()
         self.breaker = Breaker()
         self.mutex = threading.Lock()
+        self._recent = RecentHeaders()
+        self._lookup = Lookup(self.catalog, directory, self._copy, self._unusable)
+        self._identity_checked = False
         self._sync_lock = threading.Lock()  # one sync at a time
         self._next_sync = 0.0
         self._last_sync = -MISS_SYNC_INTERVAL
         self._sync_queued = False
-        self.uploads = Uploader(self)
+        self.uploads = Uploader(self.bucket, directory, identity, self.cache, self.listing, self.catalog,
+                                self.breaker, warn, self.outage, local_entries)
+        self._learner = Learner(self.bucket, identity, directory, self.catalog, self.cache, self.listing, warn,
+                                self.uploads.submit)
+        self._adopter = ThreadPoolExecutor(1, thread_name_prefix="blockkv-adopt")
+        self._adopting: dict[str, Future[None]] = {}  # remote entry id -> its adoption in flight
 
     def close(self) -> None:
+        self._adopter.shutdown(wait=True)
         self.uploads.close()
         self.bucket.close()
 
@@ -141,7 +143,7 @@ class RemoteTier:
                         self.breaker.failed()
                         return 0
                 listed = self.bucket.list_headers()
-                learned = self._learn(listed)
+                learned = self._learner.learn(listed, {header_name(e.ns, e.id) for e in self.local_entries()})
                 self.cache.prune(listed)
                 heal.answer_wanted(self.bucket, self.local_copy)
                 self.uploads.send_backlog(listed)
@@ -150,105 +152,6 @@ class RemoteTier:
                 return 0
         self.breaker.succeeded()
         return learned
-
-    def _learn(self, listed: Mapping[str, ObjectInfo]) -> int:
-        local = {header_name(e.ns, e.id) for e in self.local_entries()}
-        with self.mutex:
-            self.listed = dict(listed)
-            self._ignored &= set(listed)  # what left the bucket needs no remembering
-            self._unsure &= set(listed)
-            for entry_id, name in list(self._remote_only.items()):
-                if name not in listed or name in local:  # evicted fleet-wide, or local now
-                    self._forget(entry_id)
-            known = local | set(self._remote_only.values()) | self._ignored
-        new = [n for n in sorted(listed, key=lambda n: (listed[n].last_modified, n)) if n not in known]
-        found = self.cache.get(new, self.bucket.header_copy)
-        stale = [n for n, c in found.items() if c.etag != listed[n].etag]  # a copy of another object
-        self.cache.drop(stale)
-        for name in stale:
-            del found[name]
-        if len(new) - len(found) >= MANIFEST_MIN:  # one GET may hold most of them
-            found.update(self._from_manifest(listed, [n for n in new if n not in found]))
-        fetched = self.bucket.fetch_headers((n for n in new if n not in found), {n: listed[n].size for n in new})
-        self.cache.keep(fetched.found)
-        found.update(fetched.found)
-        if len(fetched.found) >= MANIFEST_MIN:  # the next fresh node should not have to do that
-            self.uploads.submit(self._write_manifest, dict(listed))
-        if fetched.damaged:
-            self.warn("remote-damaged", f"{len(fetched.damaged)} header(s) in {self.bucket.url} do not verify "
-                                        f"(damaged, oversized, or a newer format): not served, e.g. "
-                                        f"{next(iter(fetched.damaged))}")
-        unsealed = [n for n, c in found.items() if self.bucket.key is not None and not c.sealed]
-        if unsealed:
-            self.warn("remote-unsealed", f"{len(unsealed)} header(s) in {self.bucket.url} are not sealed with "
-                                         f"the fleet key: not served, e.g. {unsealed[0]}")
-        learned = 0
-        with self.mutex:
-            self._ignored.update(fetched.damaged)
-            self._unsure.update(fetched.damaged)
-            self._unsure.update(n for n, c in found.items() if block_key(c.header.identity, "") is not None)
-            for name in new:
-                copy = found.get(name)
-                if copy is not None and name not in unsealed and self._add(name, copy, listed[name].last_modified):
-                    learned += 1
-                elif copy is not None:
-                    self._ignored.add(name)
-        return learned
-
-    def _add(self, name: str, copy: HeaderCopy, last_modified: float) -> bool:
-        """Add a verified header to the remote catalog if it is an entry this handle serves."""
-        header = copy.header
-        if header.identity != self.identity or header.ns.startswith(CHECKPOINT_NS):
-            return False
-        entry_id = name.rpartition("/")[2].removesuffix(SUFFIX)
-        record = self.dir.record(entry_id, self.dir.header_path(header.ns, entry_id), header, len(copy.data))
-        refs = blocks_for_prefix(header.descriptor, None)
-        self.catalog.add(record, last_modified, {r.name: r.raw_bytes for r in refs})  # raw: stored sizes unknown
-        self._remote_only[entry_id] = name
-        self.remote_blocks.update(record.blocks)
-        return True
-
-    def _from_manifest(self, listed: Mapping[str, ObjectInfo], names: list[str]) -> dict[str, HeaderCopy]:
-        """Headers of ``names`` from the bucket's MANIFEST, each proven to be the
-        listed object (its seal with a fleet key, else an MD5 ETag) and verified;
-        kept in the cache. Any other record is fetched on its own."""
-        try:
-            with outage("manifest"):
-                records = manifest_records(self.bucket.meta, listed, names)
-        except OversizedError as exc:
-            self.warn("remote-manifest", f"the bucket's MANIFEST is not read: {exc}")
-            return {}
-        found = {}
-        for name, data in records.items():
-            try:
-                copy = self.bucket.header_copy(name, data, listed[name].etag)
-            except (CorruptError, BlockKVError):
-                continue
-            if copy.sealed if self.bucket.key is not None else etag_is_md5_of(copy.etag, data):
-                found[name] = copy
-        self.cache.keep(found)
-        return found
-
-    def _write_manifest(self, listed: dict[str, ObjectInfo]) -> None:
-        """Pack every listed header this node holds a cached copy of, of the
-        listed ETag, into the bucket's MANIFEST (an unconditional PUT: the last
-        writer wins)."""
-        copies = self.cache.get(sorted(listed), self.bucket.header_copy)
-        records = [(n, c.etag, c.data) for n, c in copies.items() if c.etag == listed[n].etag]
-        try:
-            with outage("manifest"):
-                self.bucket.meta.put_overwrite("MANIFEST", [pack_manifest(records)])
-        except BucketError as exc:
-            self.warn("remote-manifest", f"could not write the bucket's MANIFEST ({exc}); nodes fetch headers one by one")
-
-    def _forget(self, entry_id: str) -> None:
-        entry = self.catalog.get(entry_id)
-        for block in entry.blocks if entry is not None else ():
-            self.remote_blocks[block] -= 1
-            if self.remote_blocks[block] <= 0:
-                del self.remote_blocks[block]
-        self._remote_only.pop(entry_id, None)
-        self.catalog.drop(entry_id)
 
     def poke(self, miss: bool = False) -> None:
         """A find or restore happened: list in the background if the interval has
@@ -271,9 +174,21 @@ class RemoteTier:
             with self.mutex:
                 self._sync_queued = False
 
+    def _forget(self, entry_id: str, name: str) -> None:
+        """A remote entry proven unusable: out of the catalog, and not learned
+        again while its header is listed."""
+        self.catalog.drop(entry_id)
+        self._recent.drop(name)
+        self.listing.ignore([name])
+
     # -- lookups ---------------------------------------------------------------------------
     def is_remote_only(self, entry_id: str) -> bool:
-        return entry_id in self._remote_only
+        return entry_id in self.catalog
+
+    def entry(self, entry_id: str) -> Entry | None:
+        """A remote-only entry as ``find`` hands it out (its tokens read from its header)."""
+        record = self.catalog.get(entry_id)
+        return None if record is None or self.breaker.is_open() else self._lookup.entry(record)
 
     def find(self, tokens: np.ndarray, ns: str, local: Match | None, exact: bool = False) -> Match | None:
         """The better of the local match and the remote catalog's (a tie stays
@@ -281,85 +196,129 @@ class RemoteTier:
         its entries could not be restored."""
         if self.breaker.is_open():
             return local
-        remote = self.catalog.find_exact(tokens, ns) if exact else self.catalog.find(tokens, ns)
+        remote = None
+        if len(self.catalog):
+            try:
+                remote = self._lookup.find_exact(tokens, ns) if exact else \
+                    self._lookup.find(tokens, ns, local.prefix_len if local is not None else 0)
+            except BucketError as exc:  # a candidate's header had no copy on disk, and the bucket did not answer
+                self.outage("bucket header fetch failed", exc)
         self.poke(miss=local is None and remote is None)
         if remote is not None and (local is None or remote.prefix_len > local.prefix_len):
             return remote
         return local
 
     def has_durable_prefix(self, tokens: np.ndarray, ns: str) -> bool:
-        return not self.breaker.is_open() and self.catalog.has_durable_prefix(tokens, ns)
+        if self.breaker.is_open() or not len(self.catalog):
+            return False
+        try:
+            return self._lookup.has_durable_prefix(tokens, ns)
+        except BucketError as exc:
+            self.outage("bucket header fetch failed", exc)
+            return False
+
+    def _copy(self, name: str) -> HeaderCopy:
+        """A verified copy of header ``name``: the last ones read are in memory,
+        the rest in the header cache on disk (a copy of an object the listing
+        no longer shows is dropped). One missing there is fetched and cached:
+        the only case where a lookup waits for the bucket (a cache directory
+        that cannot be written, or a copy removed since it was learned)."""
+        copy = self._recent.get(name)
+        if copy is not None:
+            return copy
+        info = self.listing.get(name)
+        copy = self.cache.get([name], self.bucket.header_copy).get(name)
+        if copy is not None and info is not None and copy.etag != info.etag:
+            self.cache.drop([name])
+            copy = None
+        if copy is None:
+            copy = self.bucket.fetch_header(name, info.size if info is not None else None)
+            self.cache.keep({name: copy})
+        self._recent.put(name, copy)
+        return copy
+
+    def _unusable(self, record: RemoteEntry, exc: Exception) -> None:
+        self.warn("remote-gone", f"remote entry {record.id} is a miss and forgotten: {exc}")
+        self._forget(record.id, header_name(record.ns, record.id))
 
     # -- restore -----------------------------------------------------------------------------
-    def materialise(self, entry: Entry) -> bool:
-        """Make a remote-only entry local: the blocks the local pool lacks are
-        fetched concurrently, each verified, and written through ``adopt`` as
-        they arrive, under its header (the cached copy, else fetched).
-        False is a miss; a header or block missing or damaged also forgets it."""
+    def restore(self, entry: Entry, cut: int | None) -> tuple[Header, list[Any], dict[str, Any], int] | None:
+        """A remote-only entry's caches (cut to ``cut`` tokens when given), from
+        the blocks the cut needs (materialise.py): (header, caches,
+        attachments, block bytes read), or None (a miss). What it fetched is
+        kept locally in the background (``settle`` waits for that). A header or
+        block missing or damaged also forgets the entry; an outage keeps it."""
         name = header_name(entry.ns, entry.id)
         if self.breaker.is_open():
             self.warn("remote-miss", "bucket unreachable: entries only it holds are misses for now")
-            return False
+            return None
         key = block_key(self.identity, entry.ns)
-        fetches: dict = {}
+        read: RemoteRead | None = None
         try:
-            copy = self.cache.get([name], self.bucket.header_copy).get(name) or self.bucket.fetch_header(name)
+            copy = self._copy(name)
             header = copy.header
-            record = self.dir.record(entry.id, self.dir.header_path(header.ns, entry.id), header, len(copy.data))
-            if header.identity != self.identity or header.ns != entry.ns or record.blocks != entry.blocks \
-                    or not np.array_equal(record.tokens, entry.token_array) \
+            blocks = tuple(dict.fromkeys(r.name for r in blocks_for_prefix(copy.descriptor, None)))
+            if header.identity != self.identity or header.ns != entry.ns or blocks != entry.blocks \
+                    or not np.array_equal(header.tokens, entry.token_array) \
                     or (self.bucket.key is not None and not copy.sealed):
                 raise CorruptError(f"remote header {name} changed since it was listed")
-            sizes = {r.name: r.raw_bytes for r in blocks_for_prefix(header.descriptor, None)}
-            proof = {"vouched": self._vouched(copy, key), "other_keys": self._keys_naming, "local": self.local_copy}
-            fetches = self.bucket.submit_fetches({b: s for b, s in sizes.items() if not self.dir.pool.exists(b)},
-                                                 key, **proof)
-
-            def frame_of(block: str) -> bytes:  # waits for its fetch; one a local gc took since: fetched now
-                return fetches[block].result() if block in fetches else \
-                    self.bucket.fetch_block(block, sizes[block], key, **proof)
-
-            adopted = self._adopt(entry.id, header, copy.data, frame_of)
-            failure = None if adopted else next(  # what a failed fetch proves, if one made it fail
-                (f.exception() for f in fetches.values() if f.done() and not f.cancelled() and f.exception()), None)
-            if failure is not None:
-                raise failure
+            proof = {"vouched": self.listing.vouches(copy.sealed, key), "other_keys": self._keys_naming,
+                     "local": self.local_copy}
+            parsed = ParsedEntry(header, with_xxh3(copy.descriptor, header.block_xxh3))
+            read = RemoteRead(parsed, cut, self.dir.pool, key,
+                              lambda block, raw: fetch_block(self.bucket, block, raw, key, **proof), self.bucket.submit)
+            adoption = read.adoption(entry.id, copy.data)
+            if adoption is not None:
+                self._adopt_later(entry.id, adoption, read)
+            caches, attachments = read.rebuild()
         except (BlockMissingError, CorruptError, OversizedError) as exc:
             self.warn("remote-gone", f"remote entry {entry.id} is a miss and forgotten: {exc}")
-            with self.mutex:
-                self._forget(entry.id)
-                self._ignored.add(name)  # if its header is still listed, do not learn it again
-            return False
+            self._forget(entry.id, name)
+            return None
         except BucketError as exc:
             self.outage("bucket fetch failed", exc)
-            return False
+            return None
         except Exception as exc:  # noqa: BLE001 - MemoryError, a local OSError: a miss that proves nothing
             self.warn("remote-miss", f"remote entry {entry.id} not fetched ({exc!r}); kept, served as a miss")
-            return False
+            return None
         finally:
-            for f in fetches.values():
-                f.cancel()
-        if not adopted:
-            return False
+            if read is not None and read.failure() is not None:
+                read.cancel()
         self.breaker.succeeded()
-        with self.mutex:
-            self._forget(entry.id)
-        return True
+        return header, caches, attachments, sum(memoryview(read.frame(r.name)).nbytes for r in read.refs)
 
-    def _vouched(self, copy: HeaderCopy, key: bytes | None) -> bool:
-        """Is the key ``copy``'s blocks were named with known for sure (verify.py)?
-        Sealed with the fleet key; or unkeyed, in a directory where every listed
-        header reads and none names blocks with a key (so none can be another
-        key's block that a lying header claims)."""
+    def _adopt_later(self, entry_id: str, adoption: Adoption, read: RemoteRead) -> None:
+        """Keep what a restore fetched (``adopt``), on the adoption thread: each
+        block is written as soon as its frame has arrived."""
+        def adopt() -> None:
+            try:
+                if self._adopt(adoption.entry_id, adoption.header, adoption.encoded, read.frame) and adoption.whole:
+                    self.catalog.drop(entry_id)  # an ordinary local entry from now on
+            finally:
+                with self.mutex:
+                    if self._adopting.get(entry_id) is future:
+                        del self._adopting[entry_id]
+
         with self.mutex:
-            return copy.sealed or (key is None and not self._unsure)
+            try:
+                future = self._adopter.submit(adopt)
+            except RuntimeError:  # closing: the restore is served, nothing kept
+                return
+            self._adopting[entry_id] = future
+
+    def settle(self, entry_id: str | None = None) -> None:
+        """Wait until what restores fetched is kept locally (of ``entry_id``, or of every entry)."""
+        with self.mutex:
+            pending = [f for i, f in self._adopting.items() if entry_id is None or i == entry_id]
+        for future in pending:
+            future.exception()  # adoption failures are warned about where they happen
 
     def _keys_naming(self) -> list[bytes | None]:
         """The namespace keys of the entries this node knows (a block that fails
         under its header's key may be another namespace's: then the header lies)."""
         if block_key(self.identity, "") is None:
             return []
-        namespaces = {e.ns for e in self.local_entries()} | {e.ns for e in self.catalog.entries()}
+        namespaces = {e.ns for e in self.local_entries()} | set(self.catalog.namespaces())
         return [block_key(self.identity, ns) for ns in sorted(namespaces)]
 
     def used(self, entry: Entry) -> None:
@@ -367,7 +326,7 @@ class RemoteTier:
         ``touch_interval`` per entry; in the background)."""
         self.poke()
         name = header_name(entry.ns, entry.id)
-        if name not in self.listed or self.breaker.is_open():
+        if name not in self.listing or self.breaker.is_open():
             return
 
         def touch() -> None:
@@ -403,7 +362,7 @@ class RemoteTier:
             header = self.dir.read_header(self.dir.header_path(entry.ns, entry.id))
             raw = {r.name: r.raw_bytes for r in blocks_for_prefix(header.descriptor, None)}[block]
             good = self.bucket.fetch_block(block, raw, block_key(self.identity, entry.ns))
-            self.write_local(block, good)
+            self.dir.pool.write(block, [good])
         except BucketError as exc:
             self.outage("bucket fetch failed", exc)
             return False
@@ -412,10 +371,6 @@ class RemoteTier:
             return False
         self.warn("healed-from-bucket", f"block {block} failed its hash locally: replaced by the bucket's verified copy")
         return True
-
-    def write_local(self, block: str, frame: bytes) -> None:
-        """Verified bytes over the local copy of ``block`` (tmp, fsync, rename)."""
-        self.dir.pool.write(block, [frame])
 
     def outage(self, what: str, exc: BaseException) -> None:
         self.breaker.failed()

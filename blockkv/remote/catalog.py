@@ -1,0 +1,255 @@
+"""What a node keeps in memory of the entries only the bucket holds: a small
+record each, and a digest per block (issue #23), never their tokens.
+
+Each entry's token prefixes are digested at every multiple of ``block_tokens``
+(chained keyed blake3 rooted in its namespace: ``prefix_digests.py``), and the
+digests of every entry live in one sorted array (8 bytes and a 4-byte slot per
+block), beside the first 8 bytes of each block's name (for the uploader's
+"is this block likely in the bucket already") and one digest of the whole
+token sequence (for ``find_exact``). A lookup digests the prompt the same way
+and finds, deepest first, the levels at which entries share its whole
+blocks: those are the candidates. The exact common prefix, the partial last
+block and every rule that needs tokens are settled from each candidate's
+header, which the tier reads from its cache on disk (tier.py). Nothing here
+reads a file or the network.
+
+The key is this process's own: digests are never published, and a bucket
+writer cannot aim a collision at them (one would only cost a header read).
+Thread-safe: one lock guards every structure; new entries are merged into the
+sorted arrays in batches (``flush``, or the next lookup).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from blake3 import blake3
+
+from blockkv.prefix_digests import DIGEST_BYTES, chain_digests
+
+_COMPACT_FRACTION = 4  # compact the arrays once rows of forgotten entries exceed 1/4 of them
+
+
+@dataclass(slots=True, eq=False)
+class RemoteEntry:
+    """An entry only the bucket holds, as the catalog keeps it: no tokens, no block names."""
+
+    id: str
+    ns: str
+    length: int  # tokens
+    trimmable: bool
+    minimum_reusable_offset: int
+    header_bytes: int
+    nbytes: int  # header + every block's payload, as the header declares them
+    last_modified: float  # its header's, in the bucket
+    slot: int
+
+
+class _Rows:
+    """u64 key -> slots, as two parallel arrays sorted by key (slots in
+    insertion order among equal keys). Rows are added in batches."""
+
+    def __init__(self) -> None:
+        self.keys = np.empty(0, np.uint64)
+        self.slots = np.empty(0, np.uint32)
+        self._pending: list[tuple[np.ndarray, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.keys) + sum(len(k) for k, _ in self._pending)
+
+    def add(self, keys: np.ndarray, slot: int) -> None:
+        self._pending.append((keys, slot))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        keys = np.concatenate([k for k, _ in self._pending])
+        slots = np.concatenate([np.full(len(k), s, np.uint32) for k, s in self._pending])
+        self._pending = []
+        order = np.argsort(keys, kind="stable")
+        keys, slots = keys[order], slots[order]
+        at = np.searchsorted(self.keys, keys, side="right")
+        self.keys = np.insert(self.keys, at, keys)
+        self.slots = np.insert(self.slots, at, slots)
+
+    def present(self, keys: np.ndarray) -> np.ndarray:
+        """Which of ``keys`` have a row (of any slot, forgotten or not)."""
+        at = np.searchsorted(self.keys, keys)
+        inside = at < len(self.keys)
+        found = np.zeros(len(keys), bool)
+        found[inside] = self.keys[at[inside]] == keys[inside]
+        return found
+
+    def slots_of(self, key: np.uint64) -> np.ndarray:
+        lo, hi = np.searchsorted(self.keys, key, side="left"), np.searchsorted(self.keys, key, side="right")
+        return self.slots[lo:hi]
+
+    def drop(self, dead: np.ndarray) -> None:
+        """Remove the rows of the slots ``dead`` names."""
+        keep = ~np.isin(self.slots, dead)
+        self.keys, self.slots = self.keys[keep], self.slots[keep]
+
+
+def _u64(digests: Sequence[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(digests), "<u8").astype(np.uint64) if digests else np.empty(0, np.uint64)
+
+
+def block_key(name: str) -> int:
+    """A block name's first 8 bytes: enough to tell the bucket's blocks apart as a hint."""
+    return int(name[:16], 16)
+
+
+class RemoteCatalog:
+    """The bucket-only entries of one store handle, keyed by entry id; lookups by
+    the digests of a prompt's block-aligned prefixes."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._key = os.urandom(32)
+        self._lock = threading.Lock()
+        self._by_id: dict[str, RemoteEntry] = {}
+        self._slots: list[RemoteEntry | None] = []
+        self._chain = _Rows()  # digest of each whole-block prefix -> the entries that have it
+        self._exact = _Rows()  # digest of (namespace, every token) -> the entries that are it
+        self._blocks = _Rows()  # block name's first 8 bytes -> the entries that reference it
+        self._namespaces: Counter[str] = Counter()
+        self._dead: list[int] = []  # slots forgotten whose rows are still in the arrays
+        self._roots: dict[str, bytes] = {}
+
+    # -- digests --------------------------------------------------------------
+    def _root(self, ns: str) -> bytes:
+        root = self._roots.get(ns)
+        if root is None:
+            root = self._roots[ns] = blake3(b"ns\x00" + ns.encode(), key=self._key).digest(DIGEST_BYTES)
+        return root
+
+    def prompt_digests(self, tokens: np.ndarray, ns: str) -> np.ndarray:
+        """The digest of each whole block-aligned prefix of ``tokens`` in ``ns``."""
+        return _u64(chain_digests(tokens, self._key, self.block_tokens, self._root(ns)))
+
+    def _whole(self, tokens: np.ndarray, ns: str) -> np.uint64:
+        digest = blake3(self._root(ns) + np.asarray(tokens, "<u4").tobytes(), key=self._key).digest(DIGEST_BYTES)
+        return np.frombuffer(digest, "<u8")[0]
+
+    # -- contents --------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, entry_id: str) -> bool:
+        return entry_id in self._by_id
+
+    def get(self, entry_id: str) -> RemoteEntry | None:
+        return self._by_id.get(entry_id)
+
+    def entries(self) -> list[RemoteEntry]:
+        with self._lock:
+            return list(self._by_id.values())
+
+    def namespaces(self) -> list[str]:
+        with self._lock:
+            return sorted(self._namespaces)
+
+    def add(self, entry_id: str, ns: str, tokens: np.ndarray, blocks: Sequence[str], *,
+            trimmable: bool, minimum_reusable_offset: int, header_bytes: int, nbytes: int,
+            last_modified: float) -> RemoteEntry:
+        """Record an entry (its tokens digested here and not kept); merged into
+        the lookups at the next ``flush`` or lookup."""
+        chain = self.prompt_digests(tokens, ns)
+        whole = self._whole(tokens, ns)
+        names = np.fromiter((block_key(b) for b in dict.fromkeys(blocks)), np.uint64)
+        with self._lock:
+            if entry_id in self._by_id:
+                self._forget(entry_id)
+            entry = RemoteEntry(entry_id, ns, len(tokens), trimmable, minimum_reusable_offset,
+                                header_bytes, nbytes, last_modified, len(self._slots))
+            self._slots.append(entry)
+            self._by_id[entry_id] = entry
+            self._namespaces[ns] += 1
+            self._chain.add(chain, entry.slot)
+            self._exact.add(np.array([whole], np.uint64), entry.slot)
+            self._blocks.add(names, entry.slot)
+        return entry
+
+    def drop(self, entry_id: str) -> None:
+        with self._lock:
+            self._forget(entry_id)
+
+    def _forget(self, entry_id: str) -> None:
+        entry = self._by_id.pop(entry_id, None)
+        if entry is None:
+            return
+        self._slots[entry.slot] = None
+        self._namespaces[entry.ns] -= 1
+        if self._namespaces[entry.ns] <= 0:
+            del self._namespaces[entry.ns]
+        self._dead.append(entry.slot)
+
+    def flush(self) -> None:
+        """Merge what was added into the sorted arrays; compact them once enough
+        of their rows belong to forgotten entries."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        for rows in (self._chain, self._exact, self._blocks):
+            rows.flush()
+        if self._dead and len(self._dead) * _COMPACT_FRACTION > len(self._by_id):
+            dead = np.array(self._dead, np.uint32)
+            for rows in (self._chain, self._exact, self._blocks):
+                rows.drop(dead)
+            self._dead = []
+
+    def _live(self, slots: np.ndarray) -> list[RemoteEntry]:
+        found = (self._slots[int(s)] for s in slots)
+        return [e for e in found if e is not None]
+
+    # -- lookups ---------------------------------------------------------------
+    def levels(self, tokens: np.ndarray, ns: str) -> Iterator[tuple[int, list[RemoteEntry]]]:
+        """(k, entries) for each k, deepest first, such that the entries share
+        the first k whole blocks of ``tokens`` (by digest) and not the next:
+        each one's common prefix with ``tokens`` is at least ``k * block_tokens``
+        and less than ``(k + 1) * block_tokens``. Earliest learned first."""
+        digests = self.prompt_digests(tokens, ns)
+        with self._lock:
+            self._flush()
+            present = np.flatnonzero(self._chain.present(digests))
+        deeper: set[int] = set()
+        for i in present[::-1]:
+            with self._lock:
+                slots = self._chain.slots_of(digests[i])
+                found = [e for e in self._live(slots) if e.slot not in deeper]
+            deeper.update(e.slot for e in found)
+            if found:
+                yield int(i) + 1, found
+
+    def exact(self, tokens: np.ndarray, ns: str) -> list[RemoteEntry]:
+        """The entries whose tokens are ``tokens`` in ``ns`` (by digest: the caller compares tokens)."""
+        whole = self._whole(tokens, ns)
+        with self._lock:
+            self._flush()
+            return [e for e in self._live(self._exact.slots_of(whole)) if e.ns == ns]
+
+    def at_depth(self, tokens: np.ndarray, ns: str, k: int) -> list[RemoteEntry]:
+        """The entries that share the first ``k`` whole blocks of ``tokens`` (k >= 1)."""
+        digests = self.prompt_digests(tokens[: k * self.block_tokens], ns)
+        if len(digests) < k:
+            return []
+        with self._lock:
+            self._flush()
+            return self._live(self._chain.slots_of(digests[k - 1]))
+
+    def unknown_blocks(self, names: Sequence[str]) -> set[str]:
+        """Those of ``names`` no entry of the catalog references (a hint: a
+        name sharing its first 8 bytes with another's counts as known)."""
+        if not names:
+            return set()
+        keys = np.fromiter((block_key(n) for n in names), np.uint64, len(names))
+        with self._lock:
+            self._flush()
+            known = self._blocks.present(keys)
+            return {n for n, k, seen in zip(names, keys, known) if not seen or not self._live(self._blocks.slots_of(k))}
