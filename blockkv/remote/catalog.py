@@ -143,6 +143,14 @@ class RemoteCatalog:
     def __contains__(self, entry_id: str) -> bool:
         return entry_id in self._by_id
 
+    @property
+    def rows(self) -> int:
+        """Rows of the digest arrays (12 bytes each): per entry, one per whole
+        block of its tokens, one for all of them, one per distinct block it names."""
+        with self._lock:
+            self._flush()
+            return len(self._chain) + len(self._exact) + len(self._blocks)
+
     def get(self, entry_id: str) -> RemoteEntry | None:
         return self._by_id.get(entry_id)
 
