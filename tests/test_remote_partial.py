@@ -79,14 +79,14 @@ def test_a_bucket_entry_is_held_as_digests_and_its_matches_are_settled_by_its_he
         assert a.store(long_tokens, node.conversation(2, tail=440)[1])
         assert a.store(short, node.prefill(node.model(), short)[0])
         ids = {len(e.token_array): e.id for e in a.entries()}
-        rows = sum(e.length // node.BLOCK_TOKENS + 1 + len(set(e.blocks)) for e in a.entries())
+        rows = sum(e.length // node.BLOCK_TOKENS + 1 + len(set(e.blocks)) + 1 for e in a.entries())
     with node.open_node(tmp_path / "b", endpoint, bucket_name) as b:
         catalog = b._remote.catalog
         for entry_id in ids.values():
             record = catalog.get(entry_id)
             values = [getattr(record, f.name) for f in dataclasses.fields(record)]
             assert all(isinstance(v, (str, int, float, bool)) for v in values), values  # no tokens, no block names
-        assert catalog.rows == rows  # a digest per whole block, one of every token, 8 bytes per block name
+        assert catalog.rows == rows  # a digest per whole block, one of every token, 8 bytes per block name and id
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="werkzeug"):
             for p in (1, 63, 64, 65, 300, 639):  # the common prefix anywhere, in a block or at its edge

@@ -6,6 +6,7 @@ code lives here."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -60,8 +61,12 @@ def bad_descriptor(what: str) -> CorruptHeaderError:
     return CorruptHeaderError(f"bad entry descriptor: {what}")
 
 
+_NAME = re.compile(r"[0-9a-f]{64}")
+_CHECKSUM = re.compile(r"[0-9a-f]{32}")
+
+
 def _is_name(v: Any) -> bool:
-    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+    return isinstance(v, str) and _NAME.fullmatch(v) is not None
 
 
 def _is_count(v: Any, high: int = MAX_RAW_BYTES) -> bool:
@@ -129,7 +134,7 @@ def with_xxh3(descriptor: Any, block_xxh3: Any) -> ParsedDescriptor:
         return entry
     n = len(entry.token_refs)
     if not (isinstance(block_xxh3, list) and len(block_xxh3) == n + len(entry.state_refs)
-            and all(isinstance(c, str) and len(c) == 32 and all(ch in "0123456789abcdef" for ch in c)
+            and all(isinstance(c, str) and _CHECKSUM.fullmatch(c) is not None
                     for c in block_xxh3)):
         raise bad_descriptor("block_xxh3 must hold one 32-hex checksum per block")
     return replace(entry, token_refs=[replace(r, xxh3=c) for r, c in zip(entry.token_refs, block_xxh3)],

@@ -60,15 +60,39 @@ class HeaderCache:
             raise CorruptError(f"{path.name} is not a cached header")
         return data, head[len(_COPY_MAGIC):].decode("ascii", "replace")
 
+    def read(self, name: str) -> tuple[bytes, str] | None:
+        """A copy's bytes and ETag, unverified (the caller verifies), or None if
+        there is none; one that is not a cached copy at all is removed."""
+        try:
+            return self._read(self.directory / name)
+        except CorruptError:
+            self.drop([name])
+        except (OSError, MemoryError):
+            pass
+        return None
+
+    def spool(self) -> Path | None:
+        """Where a MANIFEST may be spooled (unnamed files): the cache's
+        directory when it is ours, else the system's temporary directory."""
+        try:
+            refuse_linked(self.directory)
+            os.makedirs(self.directory, DIR_MODE, exist_ok=True)
+        except OSError:
+            return None
+        return self.directory
+
     def keep(self, copies: Mapping[str, HeaderCopy]) -> None:
         """Cache verified copies: tmp then rename, no fsync (a copy lost or torn
         by a power cut fails its checksum or is missing, and is fetched again)."""
         try:
             refuse_linked(self.directory)
+            made: set[Path] = set()
             for name, copy in copies.items():
                 path = self.directory / name
-                refuse_linked(path.parent)
-                os.makedirs(path.parent, DIR_MODE, exist_ok=True)
+                if path.parent not in made:
+                    refuse_linked(path.parent)
+                    os.makedirs(path.parent, DIR_MODE, exist_ok=True)
+                    made.add(path.parent)
                 tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
                 with open(fd, "wb") as f:

@@ -34,7 +34,7 @@ from blockkv.remote.manifest import (
 )
 from blockkv.remote.objects import BucketError, ObjectInfo, header_name, outage
 
-BATCH = 256  # headers handled at a time
+BATCH = 64  # headers handled at a time
 
 
 def _batches(names: Iterable[str]) -> Iterator[list[str]]:
@@ -78,6 +78,7 @@ class Learner:
             self._cache.drop(stale)
             learned += self._record({n: c for n, c in found.items() if n not in stale}, listed, unsealed)
             missing += [n for n in batch if n not in found or n in stale]
+            self._catalog.flush()
         if len(missing) >= MANIFEST_MIN:  # one GET may hold most of them
             got, from_manifest = self._from_manifest(listed, missing, unsealed)
             learned += from_manifest
@@ -91,6 +92,7 @@ class Learner:
             self._listing.ignore(result.damaged)
             self._listing.doubt(result.damaged)
             learned += self._record(result.found, listed, unsealed)
+            self._catalog.flush()
         self._catalog.flush()
         if fetched >= MANIFEST_MIN:  # the next fresh node should not have to do that
             self._background(self.write_manifest, dict(listed))
@@ -147,10 +149,11 @@ class Learner:
             learned += self._record(batch, listed, unsealed)
             taken.update(batch)
             batch.clear()
+            self._catalog.flush()
 
         try:
             with outage("manifest"):
-                for name, data in manifest_stream(self._bucket.meta, listed, names):
+                for name, data in manifest_stream(self._bucket.meta, listed, names, self._cache.spool()):
                     try:
                         copy = self._bucket.header_copy(name, data, listed[name].etag)
                     except (CorruptError, BlockKVError):

@@ -3,13 +3,13 @@
 The catalog knows, by digest, which entries share a prompt's whole blocks
 (catalog.py); how many tokens each really shares — the partial block, the
 exact common prefix, whether it can be cut there — is in its header. A
-lookup reads the headers of the deepest candidates (at most ``READ_LIMIT``)
-from the node's header cache on disk and applies the store's ``find`` rules
-to their tokens, exactly as the local trie does: the longest usable prefix,
-capped at all but the last token; never one an entry cannot be cut to; the
-earliest learned on a tie. The candidates beyond the limit at the deepest
-level share the same whole blocks and could be longer by less than one
-block; they are not read.
+lookup reads the headers of the deepest candidates (at most ``READ_LIMIT``,
+of at most ``SCAN_LIMIT`` looked at) from the node's header cache on disk
+and applies the store's ``find`` rules to their tokens, exactly as the local
+trie does: the longest usable prefix, capped at all but the last token; never
+one an entry cannot be cut to; the earliest learned on a tie. Candidates
+beyond the limits share the same whole blocks as those read and could be
+longer by less than one block; they are not read.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from blockkv.errors import BlockMissingError, CorruptError, NewerFormatError
-from blockkv.local.directory import Directory, entry_record
+from blockkv.errors import BlockMissingError, CorruptError, CorruptHeaderError, NewerFormatError
+from blockkv.format.header import Header
+from blockkv.local.directory import Directory
 from blockkv.local.prefix_index import common_prefix_length
 from blockkv.records import Entry, Match
 from blockkv.remote.bucket_dir import HeaderCopy
@@ -29,6 +30,7 @@ from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
 from blockkv.remote.objects import header_name
 
 READ_LIMIT = 4  # headers one lookup reads, at most
+SCAN_LIMIT = 64  # candidates one lookup looks at, at most
 RECENT_COPIES = 64  # header copies kept in memory: the node's working set of remote entries
 RECENT_BYTES = 64 << 20
 
@@ -65,35 +67,45 @@ class RecentHeaders:
 
 class Lookup:
     """``find``, ``find_exact`` and ``has_durable_prefix`` over the remote catalog.
-    ``copy(name)`` is a verified copy of a header (raising what reading it
-    proves or an outage); ``unusable(entry, exc)`` is told of one that proved bad."""
+    ``header(name)`` is header ``name`` with its checksum verified (the whole
+    header is verified, descriptor and all, before a restore uses it);
+    ``unusable(entry, exc)`` is told of one that proved bad."""
 
-    def __init__(self, catalog: RemoteCatalog, directory: Directory, copy: Callable[[str], HeaderCopy],
+    def __init__(self, catalog: RemoteCatalog, directory: Directory, header: Callable[[str], Header],
                  unusable: Callable[[RemoteEntry, Exception], None]) -> None:
-        self._catalog, self._dir, self._copy, self._unusable = catalog, directory, copy, unusable
+        self._catalog, self._dir, self._header, self._unusable = catalog, directory, header, unusable
 
     def entry(self, record: RemoteEntry) -> Entry | None:
-        """The entry as ``find`` hands it out (its tokens from its header), or
-        None if its header proves unusable."""
-        name = header_name(record.ns, record.id)
+        """The entry as ``find`` hands it out (its tokens and block names from
+        its header), or None if its header proves unusable."""
         try:
-            copy = self._copy(name)
+            header = self._header(header_name(record.ns, record.id))
+            d = header.descriptor
+            blocks = tuple(dict.fromkeys([r[0] for r in d["token_blocks"]] + [r[0] for r in d["state_blocks"]]))
+            attachments = tuple(d["attachments"])
+            if not all(isinstance(b, str) for b in blocks) or header.ns != record.ns:
+                raise CorruptHeaderError("its descriptor does not name its blocks")
         except (BlockMissingError, CorruptError, NewerFormatError) as exc:
             self._unusable(record, exc)
             return None
-        rel = self._dir.rel(self._dir.header_path(record.ns, record.id))
-        return Entry.of(entry_record(record.id, rel, copy.header, len(copy.data), copy.descriptor), record.nbytes,
-                        record.last_modified)
+        except (KeyError, TypeError, IndexError) as exc:
+            self._unusable(record, CorruptHeaderError(f"its descriptor does not name its blocks ({exc!r})"))
+            return None
+        return Entry(record.id, record.ns, header.tokens, record.nbytes, record.header_bytes, blocks,
+                     record.last_modified, record.trimmable, record.minimum_reusable_offset, None, attachments)
 
     def find(self, tokens: np.ndarray, ns: str, floor: int = 0) -> Match | None:
         """The longest usable match longer than ``floor`` tokens (the local one's)."""
         cap, size = len(tokens) - 1, self._catalog.block_tokens
         best: Entry | None = None
-        best_p, reads = floor, 0
+        best_p, reads, scanned = floor, 0, 0
         for k, candidates in self._catalog.levels(tokens, ns):
-            if min(cap, (k + 1) * size - 1) <= best_p or reads >= READ_LIMIT:
+            if min(cap, (k + 1) * size - 1) <= best_p or reads >= READ_LIMIT or scanned >= SCAN_LIMIT:
                 break
             for record in candidates:
+                scanned += 1
+                if scanned > SCAN_LIMIT:
+                    break
                 upper = min(cap, (k + 1) * size - 1, record.length)
                 if upper <= best_p or upper < record.minimum_reusable_offset:
                     continue

@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
 from blockkv.errors import BlockMissingError
 from blockkv.remote.objects import BucketPool, ObjectInfo
@@ -55,35 +57,38 @@ def etag_is_md5_of(etag: str, data: bytes) -> bool:
 
 
 class _Stream:
-    """``read``/``skip`` over an iterator of chunks, holding at most one read."""
+    """``read``/``skip`` over an iterator of chunks, holding at most one read
+    and the chunk it is in (a position in it, not a copy of its rest)."""
 
     def __init__(self, chunks: Iterator[bytes]) -> None:
         self._chunks = chunks
-        self._buf = b""
+        self._buf = memoryview(b"")
+        self._at = 0
 
     def _fill(self) -> bool:
         chunk = next(self._chunks, None)
         if chunk is None:
             return False
-        self._buf = self._buf + chunk if self._buf else chunk
+        self._buf, self._at = memoryview(chunk), 0
         return True
 
     def read(self, n: int) -> bytes | None:
         parts, need = [], n
         while need:
-            if not self._buf and not self._fill():
+            if self._at == len(self._buf) and not self._fill():
                 return None
-            take, self._buf = self._buf[:need], self._buf[need:]
+            take = self._buf[self._at : self._at + need]
+            self._at += len(take)
             parts.append(take)
             need -= len(take)
         return b"".join(parts)
 
     def skip(self, n: int) -> bool:
         while n:
-            if not self._buf and not self._fill():
+            if self._at == len(self._buf) and not self._fill():
                 return False
-            drop = min(n, len(self._buf))
-            self._buf, n = self._buf[drop:], n - drop
+            drop = min(n, len(self._buf) - self._at)
+            self._at, n = self._at + drop, n - drop
         return True
 
 
@@ -121,12 +126,21 @@ def read_manifest(chunks: Iterator[bytes], listed: Mapping[str, ObjectInfo], wan
             break
 
 
-def manifest_stream(pool: BucketPool, listed: Mapping[str, ObjectInfo], wanted: Iterable[str]
-                    ) -> Iterator[tuple[str, bytes]]:
+def manifest_stream(pool: BucketPool, listed: Mapping[str, ObjectInfo], wanted: Iterable[str],
+                    spool: Path | None = None) -> Iterator[tuple[str, bytes]]:
     """``read_manifest`` of the MANIFEST object (nothing if there is none), read
-    with the limit ``listed`` implies: a larger one is OversizedError, unread."""
+    with the limit ``listed`` implies: a larger one is OversizedError, unread.
+    The object is copied into an unnamed file in ``spool`` (a directory; the
+    system's temporary one by default) as fast as it arrives, and the records
+    are read from there: the request ends however long the caller takes over
+    each record, and memory holds one record at a time."""
     try:
-        yield from read_manifest(pool.stream_limited("MANIFEST", manifest_limit(listed)), listed, wanted)
+        chunks = pool.stream_limited("MANIFEST", manifest_limit(listed))
+        with tempfile.TemporaryFile(dir=spool) as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.seek(0)
+            yield from read_manifest(iter(lambda: f.read(1 << 20), b""), listed, wanted)
     except BlockMissingError:
         return
 

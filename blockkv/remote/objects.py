@@ -66,7 +66,7 @@ def outage(what: str) -> Iterator[None]:
         raise BucketError(f"bucket {what} failed: {first_line}") from exc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObjectInfo:
     name: str
     size: int

@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from blockkv.errors import BlockKVError, BlockMissingError, CorruptError, OversizedError
+from blockkv.errors import BlockKVError, BlockMissingError, CorruptError, NewerFormatError, OversizedError
 from blockkv.format.blocks import DEFAULT_BLOCK_TOKENS, block_key
 from blockkv.format.descriptor import blocks_for_prefix, with_xxh3
-from blockkv.format.header import Header, Identity
+from blockkv.format.header import Header, Identity, decode_header
 from blockkv.format.rebuild import ParsedEntry
 from blockkv.local.directory import Directory, fingerprint_dirname
 from blockkv.records import Entry, Match
@@ -50,7 +50,7 @@ from blockkv.remote.bucket_dir import HeaderCopy
 from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
 from blockkv.remote.fetch import fetch_block
 from blockkv.remote.files import HeaderCache
-from blockkv.remote.learn import Learner
+from blockkv.remote.learn import Learner, entry_id_of
 from blockkv.remote.listing import Listing
 from blockkv.remote.lookup import Lookup, RecentHeaders
 from blockkv.remote.materialise import Adoption, RemoteRead
@@ -89,7 +89,7 @@ class RemoteTier:
         self.breaker = Breaker()
         self.mutex = threading.Lock()
         self._recent = RecentHeaders()
-        self._lookup = Lookup(self.catalog, directory, self._copy, self._unusable)
+        self._lookup = Lookup(self.catalog, directory, self._header, self._unusable)
         self._identity_checked = False
         self._sync_lock = threading.Lock()  # one sync at a time
         self._next_sync = 0.0
@@ -236,6 +236,25 @@ class RemoteTier:
             self.cache.keep({name: copy})
         self._recent.put(name, copy)
         return copy
+
+    def _header(self, name: str) -> Header:
+        """Header ``name`` for a lookup: its checksum verified, its descriptor
+        not yet (a restore verifies the whole header before it uses any of it).
+        From memory or the header cache, else as ``_copy``."""
+        copy = self._recent.get(name)
+        if copy is not None:
+            return copy.header
+        info = self.listing.get(name)
+        cached = self.cache.read(name)
+        if cached is not None and (info is None or cached[1] == info.etag):
+            try:
+                header = decode_header(cached[0])
+            except (CorruptError, NewerFormatError):
+                self.cache.drop([name])
+            else:
+                if header_name(header.ns, entry_id_of(name)) == name:
+                    return header
+        return self._copy(name).header
 
     def _unusable(self, record: RemoteEntry, exc: Exception) -> None:
         self.warn("remote-gone", f"remote entry {record.id} is a miss and forgotten: {exc}")
