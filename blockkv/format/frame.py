@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterable
 
 import numpy as np
 import zstandard
@@ -105,6 +106,25 @@ def decode_block(name: str, data: bytes | memoryview, verify: bool = True, key: 
     if finish_name(hasher(key, payload), bytes(layout_raw)) != name:
         raise corrupt_block(name, "content does not hash to the name")
     return payload
+
+
+def verifying_key(name: str, data: bytes | memoryview, keys: Iterable[bytes | None]) -> bytes | None:
+    """The first of ``keys`` under which the frame ``data`` hashes to ``name``
+    (None: unkeyed; see ``namespace_key``); CorruptBlockError if none does. A
+    block is named with the key of the namespace that stored it, so one header
+    naming it under another key proves nothing against it."""
+    payload, layout = decode_block(name, data, verify=False), frame_layout(data)
+    for key in dict.fromkeys(keys):
+        if finish_name(hasher(key, payload), layout) == name:
+            return key
+    raise corrupt_block(name, "content does not hash to the name")
+
+
+def frame_layout(data: bytes | memoryview) -> bytes:
+    """The layout bytes of a frame ``decode_block`` accepted: with the payload,
+    what its name was hashed from."""
+    layout_len = _HEADER.unpack_from(data)[-1]
+    return bytes(memoryview(data)[_HEADER.size : _HEADER.size + layout_len])
 
 
 def _part_nbytes(part: Part) -> int:

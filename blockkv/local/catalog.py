@@ -114,6 +114,11 @@ class Catalog:
         with self._mutex:
             return [*self._entries.values(), *self._foreign.values()]
 
+    def foreign(self) -> list[Entry]:
+        """Other identities' entries: never served."""
+        with self._mutex:
+            return list(self._foreign.values())
+
     def eviction_plan(self, index: Index, total: int, target: int) -> list[Entry]:
         """The entries whose removal brings ``total`` bytes down to ``target``,
         least recently used first, of every identity (they share the cap). An

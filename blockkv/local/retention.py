@@ -22,12 +22,14 @@ import lmdb
 
 from blockkv.arguments import check_size
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
+from blockkv.format.blocks import block_key
 from blockkv.local.catalog import Catalog
 from blockkv.local.check import CheckReport, inspect, verify_blocks
 from blockkv.local.check import repair as repair_directory
 from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory
 from blockkv.local.index_keeper import IndexKeeper
+from blockkv.local.verdicts import Finding, judge_block, keys_naming
 from blockkv.records import Entry
 
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
@@ -158,20 +160,40 @@ class Retention:
         if not proof:
             self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc!r}); kept, served as a miss")
             return
-        corrupt_block = reading if isinstance(exc, CorruptBlockError) and reading != "header" else ""
-        self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
+        block = reading if isinstance(exc, (CorruptBlockError, BlockMissingError)) and reading != "header" else ""
         try:
             with self.locked(timeout=_SERVING_WAIT):
                 self.refresh()
-                doomed = {entry.id} if entry.id in self._catalog else set()
-                if corrupt_block:  # quarantine: every entry that needs it is damaged too;
-                    # the next store of this block writes a good copy
-                    self._dir.pool.delete(corrupt_block)
-                    doomed |= {e.id for e in self._catalog.entries() if corrupt_block in e.blocks}
-                for entry_id in doomed:
+                for entry_id in self._convicted(entry, exc, block):
                     self._remove_locked(entry_id)
         except (OSError, lmdb.Error, BlockKVError) as exc2:  # LockTimeout included: the next restore retries
             self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
+
+    def _convicted(self, entry: Entry, exc: BaseException, block: str) -> set[str]:
+        """Under the lock: the entries a failed restore of ``entry`` proves
+        damaged. A failure of ``block`` is decided again first, on the copy
+        there now and under every key that names it (``verdicts.judge_block``):
+        a corrupt block is quarantined with every entry that needs it (the
+        next store of it writes a good copy); a block good under another
+        entry's key convicts only this entry's header; a block that verifies
+        or cannot be read now proves nothing."""
+        finding = None
+        if block:
+            own, key = self._catalog.entries(), block_key(self._dir.identity, entry.ns)
+            others = keys_naming(block, self._dir.identity, [e for e in own if e.id != entry.id],
+                                 self._catalog.foreign())
+            finding = judge_block(self._dir.pool, block, key, others)
+        if finding in (Finding.GOOD, Finding.UNREADABLE):
+            self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc}), but block {block} "
+                       f"{finding.value}: kept, served as a miss")
+            return set()
+        self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}"
+                   + (f"; the block {finding.value}" if finding is not None else ""))
+        doomed = {entry.id} if entry.id in self._catalog else set()
+        if finding is Finding.CORRUPT:
+            self._dir.pool.delete(block)
+            doomed |= {e.id for e in own if block in e.blocks}
+        return doomed
 
     # -- the cap ----------------------------------------------------------------------------
     def plan(self, target_bytes: int) -> list[Entry]:
