@@ -4,7 +4,8 @@ each taken under the directory lock.
 ``Retention`` applies the seed's rules once an entry is visible (an
 identical entry replaced, trimmable prefixes superseded, older checkpoints
 of a key dropped once the new one is durable), the byte cap (LRU eviction
-over every identity's entries), gc, check/repair, and what a failed restore
+over the handle's own identity's entries: another identity's are never ours
+to delete), gc, check/repair, and what a failed restore
 proves (only proof of corruption drops an entry). It also holds the lock
 discipline: the lock is taken with the index checked current
 (``IndexKeeper.locked``), and the stores a recovery found dead after their
@@ -198,11 +199,23 @@ class Retention:
     # -- the cap ----------------------------------------------------------------------------
     def plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first."""
-        total = self._keeper.index.total_bytes()
+        total = self.footprint()
         if total <= target_bytes:  # the common case: every store checks the cap
             return []
-        self.refresh()
         return self._catalog.eviction_plan(self._keeper.index, total, target_bytes)
+
+    def footprint(self) -> int:
+        """What the cap counts: the handle's own identity's headers and blocks
+        (``Catalog.footprint``). Another identity in the directory is a
+        configuration mistake, warned about once; its entries are its own.
+        The catalog is brought current first: which entries are ours decides
+        what the total is."""
+        self.refresh()
+        if self._catalog.foreign():
+            self._warn("identities", "entries of another identity (another tokenizer or chat template) share "
+                       f"the fingerprint directory {self._dir.path.name}: give each its own config_fingerprint; "
+                       "each handle's cap counts and evicts only its own identity's entries")
+        return self._catalog.footprint(self._keeper.index)
 
     def evict_to(self, target_bytes: int) -> list[Entry]:
         """Remove least recently used entries until the total is at most ``target_bytes``."""
