@@ -42,7 +42,7 @@ class CheckReport:
     corrupt_blocks: list[str] = field(default_factory=list)
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
     newer_headers: list[str] = field(default_factory=list)  # a newer blockkv's format: kept, never served
-    unreadable: list[str] = field(default_factory=list)  # headers and blocks a transient error kept us from reading
+    unreadable: list[str] = field(default_factory=list)  # headers, blocks and live intent files not read
     stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
     in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
     index_missing: bool = False
@@ -235,9 +235,10 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     )
     if report.newer_headers or any(u.startswith("entries/") for u in report.unreadable):
         return report  # a header we could not read may reference any block: no orphans, no refcounts
+    report.unreadable += [f"writers/{token}" for token in live.unread]  # may want any block: no orphans
     waiting_for_gc = {n for n, row in (rows or {}).items() if row.refs == 0}
     report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc
-                                  and n not in live.names)
+                                  and n not in live.names) if live.complete else []
     if rows is not None:
         report.refcount_mismatches = sorted(
             (n, rows[n].refs if n in rows else 0, truth[n])
