@@ -34,9 +34,10 @@ class DirectoryView:
     foreign: Counter[Identity]  # entries of other identities sharing the directory: kept, never served
     corrupt_headers: list[str]  # relative paths; a store would delete these on open
     dangling: list[str]  # entry ids missing a block; a store would delete these on open
-    disk_bytes: int  # headers plus each referenced block once (what the store calls total_bytes)
+    disk_bytes: int  # headers plus each referenced block once, of every identity
     blocks: int  # distinct blocks referenced
     index_used: bool  # a trusted index stood in for the headers it lists
+    block_bytes: dict[str, int]  # every referenced block's size on disk
 
     @property
     def logical_bytes(self) -> int:
@@ -88,6 +89,7 @@ def read_directory(path: Path) -> DirectoryView:
     return DirectoryView(
         identity=identity, entries=entries, foreign=foreign, corrupt_headers=corrupt, dangling=dangling,
         disk_bytes=header_bytes + sum(sizes.values()), blocks=len(sizes), index_used=indexed is not None,
+        block_bytes=sizes,
     )
 
 
