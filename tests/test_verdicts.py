@@ -143,14 +143,19 @@ def _heal_while_paused(root: Path, tokens: list[int], cache: list[Any], paused: 
     return out.get("result")
 
 
-def test_a_slow_restores_stale_verdict_deletes_no_good_block(tmp_path: Path, model: Any) -> None:
-    tokens = random_tokens(40, seed=1)
+def _rotten_entry(root: Path, model: Any, seed: int) -> tuple[list[int], list[Any], PausedAfterReading]:
+    """An entry whose last block has rotted, and a file layer that pauses after reading that block."""
+    tokens = random_tokens(40, seed=seed)
     cache = caches(model, tokens)
-    with open_store(tmp_path) as s:
+    with open_store(root) as s:
         assert s.store(tokens, cache)
         victim = block_of(s, tokens, 2)
         rot(s, victim)
-    paused = PausedAfterReading(victim)
+    return tokens, cache, PausedAfterReading(victim)
+
+
+def test_a_slow_restores_stale_verdict_deletes_no_good_block(tmp_path: Path, model: Any) -> None:
+    tokens, cache, paused = _rotten_entry(tmp_path, model, 1)
     with open_store(tmp_path, fs=paused) as slow:
         entry = slow.find_exact(tokens).entry
         assert _heal_while_paused(tmp_path, tokens, cache, paused, lambda: slow.restore(entry)) is None
@@ -159,13 +164,8 @@ def test_a_slow_restores_stale_verdict_deletes_no_good_block(tmp_path: Path, mod
 
 
 def test_a_slow_repairs_stale_verdict_deletes_no_good_block(tmp_path: Path, model: Any) -> None:
-    tokens = random_tokens(40, seed=2)
-    cache = caches(model, tokens)
-    with open_store(tmp_path) as s:
-        assert s.store(tokens, cache)
-        victim = block_of(s, tokens, 2)
-        rot(s, victim)
-    paused = PausedAfterReading(victim)
+    tokens, cache, paused = _rotten_entry(tmp_path, model, 2)
+    victim = paused.name
     with open_store(tmp_path, fs=paused) as slow:
         report = _heal_while_paused(tmp_path, tokens, cache, paused, lambda: slow.check(repair=True))
         assert victim not in report.corrupt_blocks and report.dangling == []
