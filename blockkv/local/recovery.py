@@ -172,9 +172,10 @@ class Recovery:
 
     def sweep_orphans(self, index: Index, gc_grace: float, files: set[str] | None = None, live: writers.Writers | None = None) -> int:
         """Under the lock: delete blocks nothing references and no live writer
-        may still reference (its intent file names them; none while a live
-        writer's intents are unread), and the temp files of dead writers. ``files``/``live``: a pool listing and writer survey the
-        caller already has. A block freed less than ``gc_grace`` ago by this
+        may still reference (its intent file names them; none at all while a
+        live writer's intents are unread), and the temp files of dead writers.
+        ``files``/``live``: a pool listing and writer survey the caller
+        already has. A block freed less than ``gc_grace`` ago by this
         clock is kept for reuse; that is policy, not safety (design.md, "Block
         lifetime"), so a block stamped in our future is not kept."""
         if not self._index_unread_headers(index):

@@ -5,8 +5,8 @@ each taken under the directory lock.
 identical entry replaced, trimmable prefixes superseded, older checkpoints
 of a key dropped once the new one is durable), the byte cap (LRU eviction
 over the handle's own identity's entries: another identity's are never ours
-to delete), gc, check/repair, and what a failed restore
-proves (only proof of corruption drops an entry). It also holds the lock
+to delete), gc, check/repair, and what a failed restore proves (only fresh
+proof of corruption drops an entry, ``verdicts.py``). It also holds the lock
 discipline: the lock is taken with the index checked current
 (``IndexKeeper.locked``), and the stores a recovery found dead after their
 header landed get the rules and cap their store would have applied. The
@@ -178,12 +178,11 @@ class Retention:
         next store of it writes a good copy); a block good under another
         entry's key convicts only this entry's header; a block that verifies
         or cannot be read now proves nothing."""
-        finding = None
+        own, finding = self._catalog.entries(), None
         if block:
-            own, key = self._catalog.entries(), block_key(self._dir.identity, entry.ns)
             others = keys_naming(block, self._dir.identity, [e for e in own if e.id != entry.id],
                                  self._catalog.foreign())
-            finding = judge_block(self._dir.pool, block, key, others)
+            finding = judge_block(self._dir.pool, block, block_key(self._dir.identity, entry.ns), others)
         if finding in (Finding.GOOD, Finding.UNREADABLE):
             self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc}), but block {block} "
                        f"{finding.value}: kept, served as a miss")
