@@ -102,7 +102,9 @@ def test_planted_giant_intent_files_are_not_read_and_spare_every_block(
                 tracemalloc.stop()
         assert peak < 64 << 20, f"gc allocated {peak} bytes: a planted intent file was read"
         assert sum(1 for p in (s.directory / "blobs").rglob("*") if p.is_file()) == blocks  # spared
-        assert s.check().orphan_blocks == []  # its names are unknown: no block is called an orphan
+        report = s.check()  # the unread writers are named, and no block is called an orphan
+        assert sorted(report.unreadable) == sorted(f"writers/{p.name}" for p in planted)
+        assert report.orphan_blocks == [] and not report.clean
         assert len([w for w in warnings_of(caplog) if "intent" in w]) == 1
     finally:
         holder.kill()
