@@ -25,6 +25,7 @@ from blockkv.cli.common import (
     emit_json,
     entry_json,
     fp_json,
+    gc_hint,
     label,
     select_fingerprints,
     show_ns,
@@ -125,10 +126,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
             )
         )
         if fp_out["blocks_released"]:
-            print(
-                f"  {fp_out['blocks_released']} block(s) no longer referenced: 'blockkv gc' "
-                f"deletes them once unreferenced for {fp_out['gc_grace']:g} s"
-            )
+            print(gc_hint(fp_out["fingerprint"], fp_out["blocks_released"], fp_out["gc_grace"]))
     return EXIT_OK
 
 
@@ -138,9 +136,9 @@ def planned_eviction(fp: FingerprintDir, target: int) -> tuple[int, list[Entry]]
     the directory identity's entries (``catalog.lru_plan``); and the bytes it
     counts now. Changes nothing."""
     view = read_directory(fp.path)
-    total = footprint(view.entries, view.block_bytes)
+    total = footprint(view.entries, view.block_sizes)
     last_use = {e.id: e.last_use for e in view.entries}
-    return total, lru_plan(view.entries, last_use, view.block_bytes, total, target)
+    return total, lru_plan(view.entries, last_use, view.block_sizes, total, target)
 
 
 def gc_remote(args: argparse.Namespace) -> int:
