@@ -97,8 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = dict(args.remote_option) if args.remote_option else None
         check_remote(args.remote, options)
-    except (ValueError, TypeError, ImportError) as e:
+        # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
+        # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
+        unreachable = None
+        if args.remote is not None:
+            from blockkv.remote.options import probe_bucket
+
+            unreachable = probe_bucket(args.remote, options)
+    except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
         own.exit(2, f"blockkv serve: error: {e}\n")
+    if unreachable:
+        log.warning("blockkv: %s; serving from the local cache until it answers", unreachable)
 
     caches: list[PersistentPromptCache] = []
     metrics = ServeMetrics(lambda: list(caches))
