@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
+from blockkv.errors import BlockMissingError, CorruptError, NewerFormatError
 from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
-from blockkv.format.frame import decode_block, verifying_key
+from blockkv.format.frame import Judgement, Verdict, judge_block
 from blockkv.local import writers
 from blockkv.local.directory import Directory
 from blockkv.local.index import BlockRow, read_only_block_rows
@@ -61,17 +61,6 @@ class CheckReport:
 Keys = dict[str, "list[bytes | None]"]  # block name -> every key a referencing header names it with
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """What hashing one block file found: ``corrupt``, or else the key it
-    verifies under (``named``: a header named it, so its hash was checked
-    under that header's key, not only its frame)."""
-
-    corrupt: bool
-    named: bool = False
-    key: bytes | None = None
-
-
 Verified = tuple[dict[str, Verdict], list[str]]  # block -> verdict, and the blocks that could not be read
 
 
@@ -95,26 +84,21 @@ def _add_keys(keys: Keys, key: bytes | None, names: Iterable[str]) -> None:
             known.append(key)
 
 
-def _verify(name: str, data: bytes, keys: Keys) -> Verdict:
-    """Check a block's frame and, when headers name it, its hash under their
-    keys: it is corrupt only if it fails under every one of them (a header
-    naming it under another namespace's key proves nothing against it). A
-    block no header references has no known key (isolation keys blocks by
-    namespace), so only its frame is checked."""
-    try:
-        if keys.get(name):
-            return Verdict(False, True, verifying_key(name, data, keys[name]))
-        decode_block(name, data, verify=False)
-        return Verdict(False)
-    except CorruptBlockError:
-        return Verdict(True)
+def _corrupt(verdict: Verdict, keys: Keys, name: str) -> bool:
+    """Proof that a block is bad: its frame does not decode, or it hashes to
+    its name under none of the keys the headers referencing it name it with (a
+    header naming it under another namespace's key proves nothing against it).
+    A block no header references has no known key (isolation keys blocks by
+    namespace): only its frame counts."""
+    return verdict.judgement is Judgement.BROKEN or (verdict.judgement is Judgement.UNNAMED and bool(keys.get(name)))
 
 
 def _verdict(directory: Directory, name: str, keys: Keys) -> Verdict | None:
-    """One block file's verdict; None if it is gone. Any other error (EMFILE,
-    EIO, MemoryError) is raised: it proves nothing about the block."""
+    """One block file judged under the keys its headers name it with
+    (``frame.judge_block``); None if it is gone. Any other error (EMFILE, EIO,
+    MemoryError) is raised: it proves nothing about the block."""
     try:
-        return _verify(name, directory.pool.read(name), keys)
+        return judge_block(name, directory.pool.read(name), keys.get(name, []))
     except BlockMissingError:
         return None
 
@@ -198,8 +182,7 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
         _add_keys(keys, key, record.blocks)
     known, unread = verified or ({}, [])
     rest = {n: known[n] for n in files if n in known}
-    fresh = [n for n in sorted(files) if n not in unread and (
-        n not in rest or rest[n].corrupt or (keys.get(n) and not rest[n].named))]
+    fresh = [n for n in sorted(files) if n not in unread and (n not in rest or _corrupt(rest[n], keys, n))]
     report.unreadable += [directory.rel(directory.pool.path(n)) for n in unread if n in files]
     for done, name in enumerate(fresh, 1):
         try:
@@ -215,11 +198,11 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
                 rest[name] = verdict
         if progress is not None and verified is None:
             progress(done, len(fresh))
-    corrupt = {n for n, v in rest.items() if v.corrupt and n in files}
+    corrupt = {n for n, v in rest.items() if _corrupt(v, keys, n) and n in files}
     truth: Counter[str] = Counter()
     referencing: dict[str, tuple[str, ...]] = {}
     for entry_id, h in read.items():
-        if any(n in rest and rest[n].named and rest[n].key != h.key for n in h.record.blocks):
+        if any(n in rest and rest[n].good and rest[n].key != h.key for n in h.record.blocks):
             report.corrupt_headers.append(h.rel)  # it names a good block under a key the block is not named with
             continue
         if h.own:
@@ -281,7 +264,7 @@ def repair(directory: Directory, report: CheckReport) -> None:
     corrupt = []
     for name in report.corrupt_blocks:
         try:
-            if _verify(name, directory.pool.read(name), keys).corrupt:
+            if _corrupt(judge_block(name, directory.pool.read(name), keys.get(name, [])), keys, name):
                 corrupt.append(name)
         except Exception:  # noqa: BLE001 - gone, or unreadable now: not proof
             continue

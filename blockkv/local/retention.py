@@ -30,7 +30,7 @@ from blockkv.local.check import repair as repair_directory
 from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory
 from blockkv.local.index_keeper import IndexKeeper
-from blockkv.local.verdicts import Finding, judge_block, keys_naming
+from blockkv.local.verdicts import Finding, judge_now, keys_naming
 from blockkv.records import Entry
 
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
@@ -175,7 +175,7 @@ class Retention:
     def _convicted(self, entry: Entry, exc: BaseException, block: str) -> set[str]:
         """Under the lock: the entries a failed restore of ``entry`` proves
         damaged. A failure of ``block`` is decided again first, on the copy
-        there now and under every key that names it (``verdicts.judge_block``):
+        there now and under every key that names it (``verdicts.judge_now``):
         a corrupt block is quarantined with every entry that needs it (the
         next store of it writes a good copy); a block good under another
         entry's key convicts only this entry's header; a block that verifies
@@ -184,7 +184,7 @@ class Retention:
         if block:
             others = keys_naming(block, self._dir.identity, [e for e in own if e.id != entry.id],
                                  self._catalog.foreign())
-            finding = judge_block(self._dir.pool, block, block_key(self._dir.identity, entry.ns), others)
+            finding = judge_now(self._dir.pool, block, block_key(self._dir.identity, entry.ns), others)
         if finding in (Finding.GOOD, Finding.UNREADABLE):
             self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc}), but block {block} "
                        f"{finding.value}: kept, served as a miss")

@@ -17,9 +17,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from blockkv.errors import BlockMissingError, CorruptBlockError
+from blockkv.errors import BlockMissingError
 from blockkv.format.blocks import block_key, namespace_key
-from blockkv.format.frame import verifying_key
+from blockkv.format.frame import judge_block
 from blockkv.format.header import Identity
 from blockkv.pool.local import LocalPool
 from blockkv.records import Entry
@@ -33,20 +33,21 @@ class Finding(enum.Enum):
     UNREADABLE = "cannot be read now"  # EIO, EMFILE, MemoryError: nothing is proven
 
 
-def judge_block(pool: LocalPool, name: str, key: bytes | None, others: Iterable[bytes | None]) -> Finding:
+def judge_now(pool: LocalPool, name: str, key: bytes | None, others: Iterable[bytes | None]) -> Finding:
     """Block ``name`` as it is now, for a header that names it with ``key``;
-    ``others``: the keys the other entries referencing it name it with."""
+    ``others``: the keys the other entries referencing it name it with. Under
+    the lock those are all the keys an indexed entry names it with, so a block
+    that verifies under none of them is corrupt for every entry that needs it."""
     try:
         data = pool.read(name)
     except BlockMissingError:
         return Finding.GONE
     except Exception:  # noqa: BLE001 - not proof of anything
         return Finding.UNREADABLE
-    try:
-        found = verifying_key(name, data, [key, *others])
-    except CorruptBlockError:
+    verdict = judge_block(name, data, [key, *others])
+    if not verdict.good:
         return Finding.CORRUPT
-    return Finding.GOOD if found == key else Finding.NOT_ITS_KEY
+    return Finding.GOOD if verdict.key == key else Finding.NOT_ITS_KEY
 
 
 def keys_naming(name: str, identity: Identity, own: Iterable[Entry], foreign: Iterable[Entry]) -> list[bytes | None]:
