@@ -2,15 +2,19 @@
 
 Nothing of mlx-lm's server is copied. Its ``main`` parses every one of its
 flags as usual; blockkv only takes its own flags (``--cache-dir``,
-``--cache-bytes``, ``--min-restore-tokens``, ``--remote``, ``--remote-option``) off the command line first and, for the duration of the call, replaces the two names
-the server looks up when it starts (``run`` and ``LRUPromptCache``) so the
-prompt cache it builds is a ``PersistentPromptCache`` configured with the
-server's own KV-quantisation and chat-template flags.
+``--cache-bytes``, ``--min-restore-tokens``, ``--remote``, ``--remote-option``,
+``--fleet-salt``) off the command line first and, for the duration of the call,
+replaces the names the server looks up when it starts (``run``,
+``LRUPromptCache`` and ``_run_http_server``) so the prompt cache it builds is a
+``PersistentPromptCache`` configured with the server's own KV-quantisation and
+chat-template flags, whose residency the server publishes for ``blockkv route``
+(publish.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -22,8 +26,11 @@ from types import FrameType
 from typing import Any
 
 from blockkv.human import format_size, parse_count, parse_option, parse_size
+from blockkv.serving.digests import SALT_ENV, fleet_key
 from blockkv.serving.identity import KVQuant
-from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, PersistentPromptCache, check_remote
+from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, check_remote
+from blockkv.serving.publish import ResidentPromptCache, after_default_load, residency_handler
+from blockkv.serving.residency import Journal
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +81,12 @@ def _own_parser() -> argparse.ArgumentParser:
         help="remote_options (repeatable): endpoint_url, access_key_id, secret_access_key, session_token, "
         "region, and the bucket settings grace, timeout, sync_interval... (docs/scale-out.md)",
     )
+    parser.add_argument(
+        "--fleet-salt",
+        metavar="SECRET",
+        help=f"salt of the prefix digests this server publishes for blockkv route; the same on every node "
+        f"and the router (default: ${SALT_ENV}, else none)",
+    )
     return parser
 
 
@@ -96,9 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError) as e:
         own.exit(2, f"blockkv serve: error: {e}\n")
 
-    caches: list[PersistentPromptCache] = []
+    caches: list[ResidentPromptCache] = []
     original_run: Callable[..., Any] = server.run
     original_cache_class = server.LRUPromptCache
+    original_http_server = server._run_http_server
+    journal = Journal(fleet_key(args.fleet_salt))
 
     def run(host: str, port: int, model_provider: Any, *more: Any, **kw: Any) -> Any:
         # Only now, with every flag parsed: --help or a typo must not create directories.
@@ -109,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         cli = model_provider.cli_args
         kv = KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start)
 
-        def make_cache(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
-            cache = PersistentPromptCache(
+        def make_cache(max_size: int = 10, max_bytes: int = 1 << 63) -> ResidentPromptCache:
+            cache = ResidentPromptCache(
                 max_size,
                 max_bytes,
+                journal=journal,
+                model_key=(cli.model, cli.adapter_path, cli.draft_model),  # mlx-lm's key of the default model
                 cache_dir=args.cache_dir,
                 cache_bytes=args.cache_bytes,
                 min_restore_tokens=args.min_restore_tokens,
@@ -125,10 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             return cache
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
+        handler = residency_handler(server.APIHandler, journal)
+        setattr(server, "_run_http_server", functools.partial(original_http_server, handler_class=handler))
+        after_default_load(model_provider, lambda: caches[0] if caches else None)
         try:
             return original_run(host, port, model_provider, *more, **kw)
         finally:
             setattr(server, "LRUPromptCache", original_cache_class)
+            setattr(server, "_run_http_server", original_http_server)
 
     # SIGTERM (systemd, docker stop) shuts down like Ctrl-C, so pending spills are flushed.
     in_main_thread = threading.current_thread() is threading.main_thread()
