@@ -19,7 +19,7 @@ error (bad arguments, missing or foreign root, unknown fingerprint).
 
 This module is the parser and ``main``; a module per command family does the
 work: ``reads`` (``stats``, ``ls``), ``check``, ``maintenance`` (``gc``,
-``rebuild-index``, ``evict``) and ``passthrough`` (``demo``, ``serve``,
+``rebuild-index``, ``evict``) and ``passthrough`` (``demo``, ``serve``, ``route``,
 ``bench``), over what they share: ``common`` (exit codes, output, choosing
 fingerprints), ``remote`` (reaching a bucket) and ``stores`` (opening a local
 store, the one module that imports ``blockkv.store``).
