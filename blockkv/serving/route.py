@@ -127,7 +127,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.startswith("/v1/models"):
             self._relay("GET", None, None)
         elif self.path == "/health":
-            self._reply(200, {"status": "ok", "nodes": {n.url: n.up for n in self.router.nodes}})
+            self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0}
+                                                        for n in self.router.nodes}})
         else:
             self._reply(404, {"error": "Not Found"})
 
