@@ -13,13 +13,7 @@ restored from the bucket rather than prefilled."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,57 +23,18 @@ import bucket_node
 import openai
 import pytest
 from test_bucket import endpoint, make_bucket, server  # noqa: F401 - moto's server fixtures
-from test_serve import START_BOUND_S, _free_port
 
 from blockkv.remote.bucket import Bucket
 from blockkv.remote.view import list_bucket_fingerprints
 from blockkv.serving.digests import fleet_key, prefix_digests
 from blockkv.serving.route import NODE_HEADER
 from blockkv.serving.route_tokens import PromptTokenizer
+from blockkv.testing.fleet import Process
 from blockkv.testing.model_dir import build_model_dir, sample_text
 
 SALT = "fleet test"
 MAX_TOKENS = 6
 BOUND_S = 60.0  # safety bound for waits (not a timing assertion)
-
-
-class Process:
-    """A ``blockkv`` subprocess on 127.0.0.1 serving HTTP, logging to a file."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        hub = log.parent / "hf-hub"  # mlx-lm's /v1/models lists the Hugging Face cache: an empty one
-        hub.mkdir(exist_ok=True)
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "blockkv", *args, "--host", "127.0.0.1",
-                                          "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "HF_HUB_CACHE": str(hub)})
-
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=10) as response:
-            return json.loads(response.read())
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_BOUND_S
-        while True:
-            try:
-                self.get("/health")
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.proc.kill()
-                    pytest.fail(f"{self.url} did not come up:\n{self.log.read_text()}")
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=BOUND_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 @dataclass
@@ -126,6 +81,8 @@ def fleet(server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fle
     host, port = server.get_host_and_port()
     moto = f"http://{host}:{port}"
     model = build_model_dir(tmp / "model", "llama")
+    hub = tmp / "hf-hub"  # mlx-lm's /v1/models lists the Hugging Face cache: an empty one
+    hub.mkdir()
     url = f"s3://{make_bucket(moto)}/fleet"
     s3 = {"endpoint_url": moto, **bucket_node.CREDENTIALS}
     remote = ["--remote", url, "--remote-option", "sync_interval=1",
@@ -135,7 +92,7 @@ def fleet(server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fle
     for i in range(3):
         root = tmp / f"node{i}"
         node = Process(["serve", "--model", str(model), "--cache-dir", str(root), "--fleet-salt", SALT,
-                        "--log-level", "INFO", *remote], tmp / f"node{i}.log")
+                        "--log-level", "INFO", *remote], tmp / f"node{i}.log", {"HF_HUB_CACHE": str(hub)})
         nodes.append(node)
         roots[node.url] = root
     for node in nodes:
