@@ -24,7 +24,17 @@ from blockkv.serving.digests import fleet_key, prefix_digests, salt_check
 from blockkv.serving.fleet import Follower, Node, read_json
 from blockkv.serving.route import NODE_HEADER, Router, serve
 from blockkv.serving.route_tokens import PromptTokenizer
-from blockkv.serving.scoring import ACTIVE_COST, BUCKET_COST, DISK_COST, Matches, start_cost
+from blockkv.serving.scoring import (
+    ACTIVE_COST,
+    BUCKET_COST,
+    DISK_COST,
+    MOVE_MARGIN,
+    Matches,
+    Option,
+    Start,
+    order,
+    start_cost,
+)
 from blockkv.testing.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import random_tokens
 
@@ -91,12 +101,10 @@ def test_ranking_follows_residency_then_leaves_a_buried_hot_node() -> None:
         c.begin(i, 3000.0, [])
     assert router.rank(prompt)[0][0] is b
     for i in range(3):
-        c.started(i)  # their first tokens came back: ACTIVE_COST each remains, over what b's restore costs
-    assert router.rank(prompt)[0][0] is b
-    c.end(0)
-    c.end(1)  # one decoding request costs less than restoring the system prompt on b
-    assert ACTIVE_COST + 200 < 64 * 32 * DISK_COST + 200 and router.rank(prompt)[0][0] is c
-    c.end(2)
+        c.started(i)  # their first tokens came back: ACTIVE_COST each remains, less than b's restore
+    assert 3 * ACTIVE_COST + 200 < 64 * 32 * DISK_COST + 200 and router.rank(prompt)[0][0] is c
+    for i in range(3):
+        c.end(i)
     assert c.queue() == (0.0, 0)
     c.failed("refused")  # down: skipped; its disk is not the bucket unless it has one
     assert c not in [n for n, *_ in router.rank(prompt)]
@@ -108,6 +116,17 @@ def test_ranking_follows_residency_then_leaves_a_buried_hot_node() -> None:
     assert (best.tier, best.reused) == ("bucket", len(digests) * 32)
 
 
+def test_a_conversation_stays_unless_moving_saves_more_than_the_margin() -> None:
+    def option(reused: int, cost: float, queue: float = 0.0) -> Option:
+        return Option(Start(cost, "ram" if reused else "cold", reused), queue, 0, 0)
+
+    assert order([option(0, 100), option(0, 90), option(0, 95)]) == [1, 2, 0]
+    holder, cheaper = option(900, 50, queue=100), option(800, 100)
+    assert order([cheaper, holder]) == [1, 0]  # 150 against 100: within the margin, it stays
+    assert order([option(800, 100), option(900, 50, queue=100 + MOVE_MARGIN)]) == [0, 1]
+    assert order([]) == []
+
+
 def test_a_routed_prompt_counts_as_hot_until_events_confirm_it() -> None:
     router = _router(2)
     a, b = router.nodes
@@ -117,7 +136,10 @@ def test_a_routed_prompt_counts_as_hot_until_events_confirm_it() -> None:
     node, start, ds = router.rank(prompt)[0]
     assert node is a and start.tier == "cold"
     a.begin(7, start.cost, ds)
-    assert router.rank(prompt + [1])[0][0] is b  # a's queue holds the whole prefill
+    assert router.rank(prompt + [1])[0][0] is a  # the same prompt waits for it rather than prefill it again
+    a.begin(6, 3000.0, [])
+    assert router.rank(prompt + [1])[0][0] is b  # not behind another long prefill too
+    a.end(6)
     a.end(7)
     assert router.rank(prompt + [1])[0][0] is a and router.rank(prompt + [1])[0][1].tier == "ram"
     a.epoch = "e"

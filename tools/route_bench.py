@@ -172,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model_dir(work / "model", "llama", overrides=DEMO_MODEL)
         tokenizer = PromptTokenizer(str(model))
         results: dict[str, Any] = {}
+        requests: dict[str, list[dict[str, Any]]] = {}
         with moto_bucket() as (url, options, received):
             for way in WAYS:
                 read = received()["blob_bytes_read"]
                 sent = run_way(way, args, model, tokenizer, url, options, work)
                 results[way] = summary(sent, received()["blob_bytes_read"] - read)
+                requests[way] = [asdict(s) for s in sent]
                 load.append(os.getloadavg())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print("load average (1, 5, 15 min) at start and after each way: "
           + "; ".join(", ".join(f"{x:.1f}" for x in la) for la in load))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        args.json.write_text(json.dumps({**report, "requests": requests}, indent=2) + "\n")
     return 0
 
 

@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from blockkv.serving.digests import SALT_ENV, fleet_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
 from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
-from blockkv.serving.scoring import Matches, Start, queue_cost, start_cost
+from blockkv.serving.scoring import Matches, Option, Start, order, queue_cost, start_cost
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Router:
         self._key = fleet_key(salt)
         self._followers = [Follower(node, self._key) for node in self.nodes]
         self._ids = itertools.count()
+        self._choosing = threading.Lock()
 
     def start(self) -> None:
         for follower in self._followers:
@@ -85,7 +87,7 @@ class Router:
             return None
 
     def rank(self, tokens: list[int] | None) -> list[tuple[Node, Start, list[str]]]:
-        """Usable nodes, cheapest start first, each with its start and the prompt's digests in its block size."""
+        """Usable nodes, best first (scoring.order), each with its start and the prompt's digests in its block size."""
         now = time.monotonic()
         usable = [n for n in self.nodes if n.usable(now)] or list(self.nodes)  # none usable: try them all anyway
         length = len(tokens) if tokens is not None else 0
@@ -104,15 +106,27 @@ class Router:
         held = {n.url: n.matched_blocks(digests(n.block_size), now) for n in self.nodes}
         bucket = {size: max((held[n.url][1] for n in self.nodes if n.remote and n.block_size == size), default=0)
                   for size in {n.block_size for n in self.nodes}}
-        scored = []
+        options = []
         for node in usable:
             ram, disk = held[node.url]
             size = node.block_size
             start = start_cost(length, Matches(capped(ram, size), capped(disk, size), capped(bucket[size], size)))
             work, in_flight = node.queue()
-            scored.append((start.cost + queue_cost(work, in_flight), in_flight, node.routed, node, start))
-        scored.sort(key=lambda s: s[:3])
-        return [(node, start, digests(node.block_size)) for *_, node, start in scored]
+            options.append(Option(start, queue_cost(work, in_flight), in_flight, node.routed))
+        return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
+
+    def candidates(self, tokens: list[int] | None, request_id: int) -> Iterator[tuple[Node, Start]]:
+        """The nodes to try, best first, each already charged with the request when
+        yielded: ranking and charging the first are one step, so requests arriving
+        together see each other's queue."""
+        with self._choosing:
+            ranked = self.rank(tokens)
+            if ranked:
+                ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2])
+        for i, (node, start, digests) in enumerate(ranked):
+            if i:
+                node.begin(request_id, start.cost, digests)
+            yield node, start
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -151,8 +165,7 @@ class Handler(BaseHTTPRequestHandler):
         """Send the request to the best node that answers; relay its answer."""
         router = self.router
         request_id = router.next_id()
-        for node, start, digests in router.rank(tokens):
-            node.begin(request_id, start.cost, digests)  # queued there from now: its prefill may start any time
+        for node, start in router.candidates(tokens, request_id):  # queued there from now: its prefill may start
             try:
                 conn, response = self._send(node, method, body)
             except (OSError, http.client.HTTPException) as e:

@@ -12,7 +12,9 @@ token, plus the work already queued on it:
   prefill, until its first token streams back) plus ``ACTIVE_COST``.
 
 The cheapest option per node is taken; the cheapest node wins, ties going to
-the node with fewer requests in flight, then fewer routed so far. This is
+the node with fewer requests in flight, then fewer routed so far; except that
+the node reusing the most of the prompt keeps it unless another is cheaper by
+more than ``MOVE_MARGIN``. This is
 Dynamo's KV router (prefill blocks a worker would compute, plus its active
 blocks) with llm-d's tiers weighted by what reading them costs instead of a
 weighted sum of normalised scores: every term is in the same unit, so a hot
@@ -29,8 +31,16 @@ from dataclasses import dataclass
 DISK_COST = 1 / 16
 BUCKET_COST = 1 / 4
 # A request in flight past its prefill still takes a share of every batch step
-# (mlx-lm decodes requests together): charged as this many prompt tokens.
-ACTIVE_COST = 64.0
+# (mlx-lm decodes requests together): charged as this many prompt tokens. A
+# decode step costs what prefilling about one token does on a CPU (measured
+# with the demo model) and a few tens on a GPU, where decoding is bound by
+# memory; a new prompt shares a few of those steps with each such request.
+ACTIVE_COST = 16.0
+# Below this many tokens of estimated gain, a conversation stays on the node
+# that holds most of it: the queue terms are estimates (a request's prefill is
+# taken to end when its first token streams back), and a conversation that
+# moves leaves its history behind, so its next turn finds less on either node.
+MOVE_MARGIN = 128.0
 
 
 @dataclass(frozen=True)
@@ -65,3 +75,29 @@ def start_cost(length: int, m: Matches) -> Start:
 def queue_cost(unstarted_work: float, in_flight: int) -> float:
     """What the requests in flight on a node add: their unfinished start cost plus ``ACTIVE_COST`` each."""
     return unstarted_work + ACTIVE_COST * in_flight
+
+
+@dataclass(frozen=True)
+class Option:
+    """One node's prospects for a prompt."""
+
+    start: Start
+    queue: float  # queue_cost of the node
+    in_flight: int
+    routed: int  # requests routed to it so far
+
+    @property
+    def cost(self) -> float:
+        return self.start.cost + self.queue
+
+
+def order(options: list[Option]) -> list[int]:
+    """Indices of ``options``, best first (see the module's docstring)."""
+    best = sorted(range(len(options)), key=lambda i: (options[i].cost, options[i].in_flight, options[i].routed))
+    if not best:
+        return best
+    holder = max(best, key=lambda i: options[i].start.reused)  # the first of the longest, by cost
+    if options[holder].start.reused > 0 and options[holder].cost <= options[best[0]].cost + MOVE_MARGIN:
+        best.remove(holder)
+        best.insert(0, holder)
+    return best
