@@ -213,18 +213,19 @@ def _snapshot(**over: Any) -> bytes:
     return json.dumps(snap).encode()
 
 
-@pytest.mark.parametrize("answer", [
-    _snapshot(media={"RAM": ["not hex at all!!"], "DISK": []}),
-    _snapshot(media={"RAM": [{"a": 1}]}),
-    _snapshot(block_size=0),
-    _snapshot(seq=-1),
-    _snapshot(epoch="x" * 65),
-    b"[" * 100_000,  # nested past the JSON parser's recursion limit
-    b"{not json",
+@pytest.mark.parametrize("status, answer", [
+    (200, _snapshot(media={"RAM": ["not hex at all!!"], "DISK": []})),
+    (200, _snapshot(media={"RAM": [{"a": 1}]})),
+    (200, _snapshot(block_size=0)),
+    (200, _snapshot(seq=-1)),
+    (200, _snapshot(epoch="x" * 65)),
+    (200, b"[" * 100_000),  # nested past the JSON parser's recursion limit
+    (200, b"{not json"),
+    (404, b"Not Found"),  # a plain mlx_lm server
 ])
 def test_a_node_whose_residency_is_not_as_published_is_routed_without_it(
-        answer: bytes, fakes: list[FakeNode]) -> None:
-    fake = FakeNode({"/blockkv/residency": (200, answer)})
+        status: int, answer: bytes, fakes: list[FakeNode]) -> None:
+    fake = FakeNode({"/blockkv/residency": (status, answer)})
     fakes.append(fake)
     node = Node(fake.url)
     follower = Follower(node, KEY)
