@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import Snapshot, snapshot
 from blockkv.format.codec import record_offsets
 from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint
 
@@ -122,7 +122,7 @@ def check_prefix_len(entry: Entry, prefix_len: int | None) -> int:
 
 
 def prepare_store(tokens: Sequence[int], caches: Sequence[Any], ns: str, attachments: Mapping[str, Any] | None,
-                  checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, blk.Snapshot, GenerationCheckpoint | None]:
+                  checkpoint: GenerationCheckpoint | None) -> tuple[np.ndarray, str, Snapshot, GenerationCheckpoint | None]:
     """Validate arguments and capture the tensors on the caller's thread (bad
     input raises here). Capturing is cheap; the host copy and hashing happen
     in ``Commits.store``, which ``store_async`` runs on its worker thread."""
@@ -136,7 +136,7 @@ def prepare_store(tokens: Sequence[int], caches: Sequence[Any], ns: str, attachm
         raise ValueError("caches is empty: pass the model's cache list (one per layer)")
     if attachments is not None and not isinstance(attachments, Mapping):
         raise TypeError("attachments must be a mapping of name to mx.array")
-    snap = blk.snapshot(list(caches), attachments)
+    snap = snapshot(list(caches), attachments)
     counts = record_offsets(snap.records)
     if counts and counts != {len(arr)}:  # restoring it would hand mlx-lm a cache that is not the prompt's
         raise ValueError(f"{len(arr)} tokens but the caches hold {' / '.join(map(str, sorted(counts)))} "

@@ -28,14 +28,14 @@ import numpy as np
 from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
 from blockkv.arguments import open_only as _open_only
 from blockkv.errors import LockTimeout
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import CODEC_ID, DEFAULT_BLOCK_TOKENS, KEYED_CODEC_ID, Snapshot
 from blockkv.format.header import Header, Identity
 from blockkv.fs import FileLayer
 from blockkv.local import writers
 from blockkv.local.catalog import Catalog
 from blockkv.local.check import CheckReport
 from blockkv.local.commit import Commits
-from blockkv.local.directory import CODEC_ID, KEYED_CODEC_ID, Directory, fingerprint_dirname, read_identity
+from blockkv.local.directory import Directory, fingerprint_dirname, read_identity
 from blockkv.local.directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
 from blockkv.local.executors import Executors
 from blockkv.local.index import Index
@@ -73,7 +73,7 @@ class BlockStore:
         tokenizer_hash: str,
         max_bytes: int,
         limit: Callable[[], int] | None = None,
-        block_tokens: int = blk.DEFAULT_BLOCK_TOKENS,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
         compression: str | None = None,
         verify: bool | str = True,
         fs: FileLayer | None = None,
@@ -392,7 +392,7 @@ class BlockStore:
     def remove_generation_checkpoints(self, key: str) -> None:
         self._retention.remove_checkpoints(key)
 
-    def _commit(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot,
+    def _commit(self, tokens: np.ndarray, ns: str, snap: Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
         """One store (``Commits.store``), the seed's rules applied once it is visible (``Retention.landed``)."""
         stored = self._commits.store(tokens, ns, snap, checkpoint, self.max_bytes, self._retention.landed)

@@ -19,9 +19,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import CODEC_ID, EntryLayout, split_entry
+from blockkv.format.descriptor import blocks_for_prefix, parse_descriptor
+from blockkv.format.frame import decode_block, encode_block
 from blockkv.format.header import Header, Identity, encode_header
-from blockkv.local.directory import CODEC_ID, fingerprint_dirname, ns_dirname
+from blockkv.format.rebuild import rebuild
+from blockkv.local.directory import fingerprint_dirname, ns_dirname
 from blockkv.remote.bucket import Bucket
 from blockkv.remote.objects import BucketError
 from blockkv.remote.session import StoreSession, StoreTooSlow
@@ -53,18 +56,18 @@ def make_caches(n_tokens: int, seed: int, shared: int = 0) -> list[KVCache]:
     return caches
 
 
-def entry(n_tokens: int, seed: int, shared: int = 0, ns: str = "") -> tuple[str, bytes, blk.EntryLayout, list]:
+def entry(n_tokens: int, seed: int, shared: int = 0, ns: str = "") -> tuple[str, bytes, EntryLayout, list]:
     """(header name, header bytes, block layout, caches) of one entry."""
     caches = make_caches(n_tokens, seed, shared)
-    layout = blk.split_entry(caches, BLOCK_TOKENS)
+    layout = split_entry(caches, BLOCK_TOKENS)
     tokens = np.arange(n_tokens, dtype=np.uint32) + (0 if shared >= n_tokens else seed)
     header = encode_header(Header(IDENTITY, ns, tokens, layout.descriptor))
     return f"{ns_dirname(ns)}/{uuid.uuid4().hex}.bkv", header, layout, caches
 
 
-def upload(bucket: Bucket, name: str, header: bytes, layout: blk.EntryLayout) -> StoreSession:
+def upload(bucket: Bucket, name: str, header: bytes, layout: EntryLayout) -> StoreSession:
     """A store's bucket half, in the write order: blocks, then the header."""
-    frames = {b.ref.name: blk.encode_block(b, "zstd") for b in layout.blocks}
+    frames = {b.ref.name: encode_block(b, "zstd") for b in layout.blocks}
     session = bucket.begin_store()
     for block_name, frame in frames.items():
         session.put_block(block_name, frame)
@@ -75,9 +78,9 @@ def upload(bucket: Bucket, name: str, header: bytes, layout: blk.EntryLayout) ->
 def restore(bucket: Bucket, name: str) -> list:
     """A node's restore from the bucket alone: header, then every block, verified."""
     _, header = bucket.fetch_header(name)
-    parsed = blk.parse_descriptor(header.descriptor)
-    frames = bucket.fetch_blocks(r.name for r in blk.blocks_for_prefix(parsed, None))
-    caches, _ = blk.rebuild(parsed, {n: blk.decode_block(n, f) for n, f in frames.items()})
+    parsed = parse_descriptor(header.descriptor)
+    frames = bucket.fetch_blocks(r.name for r in blocks_for_prefix(parsed, None))
+    caches, _ = rebuild(parsed, {n: decode_block(n, f) for n, f in frames.items()})
     return caches
 
 
@@ -102,7 +105,7 @@ def _store_loop(endpoint: str, bucket_name: str, seconds: float, out: str) -> No
     for garbage in range(1000, 1004):  # abandoned at once: old enough for the GC runs to sweep
         session = bucket.begin_store()
         for b in entry(48, garbage)[2].blocks:
-            session.put_block(b.ref.name, blk.encode_block(b, "zstd"))
+            session.put_block(b.ref.name, encode_block(b, "zstd"))
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         seed += 1
@@ -113,7 +116,7 @@ def _store_loop(endpoint: str, bucket_name: str, seconds: float, out: str) -> No
             if seed % 3 == 0:  # an abandoned store: blocks without a header
                 session = bucket.begin_store()
                 for b in layout.blocks:
-                    session.put_block(b.ref.name, blk.encode_block(b, "zstd"))
+                    session.put_block(b.ref.name, encode_block(b, "zstd"))
                 continue
             refreshed += len(upload(bucket, name, header, layout).refreshed)
         except (StoreTooSlow, BucketError):

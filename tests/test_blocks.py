@@ -13,19 +13,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
-from blockkv.format.blocks import (
-    _HEADER,
-    EntryLayout,
+from blockkv.format.blocks import EntryLayout, split_entry
+from blockkv.format.descriptor import (
     blocks_for_prefix,
-    decode_block,
     descriptor_min_offset,
     descriptor_tokens,
     descriptor_trimmable,
-    encode_block,
-    rebuild,
-    split_entry,
     validate_descriptor,
 )
+from blockkv.format.frame import _HEADER, decode_block, encode_block
+from blockkv.format.rebuild import rebuild
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 

@@ -25,7 +25,7 @@ from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
 from blockkv.errors import BlockMissingError, CorruptBlockError
-from blockkv.format import blocks as blk
+from blockkv.format.frame import encode_block
 from blockkv.format.header import Identity
 from blockkv.local.directory import ns_dirname
 from blockkv.remote.bucket import Bucket
@@ -104,7 +104,7 @@ def test_the_header_is_written_after_its_blocks_and_listed_by_other_handles(
     name, header, layout, _ = node.entry(64, seed=2)
     session = bucket.begin_store()
     for b in layout.blocks:
-        session.put_block(b.ref.name, blk.encode_block(b))
+        session.put_block(b.ref.name, encode_block(b))
     other = node.open_bucket(endpoint, bucket_name)
     assert other.list_headers() == {}  # blocks alone are no entry
     session.commit(name, header, lambda n: pytest.fail("no block went missing"))
@@ -184,7 +184,7 @@ def test_a_store_past_its_deadline_rechecks_and_then_refuses(endpoint: str, buck
     # whole seconds of Last-Modified): room for a loaded machine, and less than the stall below
     bucket = node.open_bucket(endpoint, bucket_name, grace=11.0, timeout=1.0, sweep_window=3.0)
     name, header, layout, _ = node.entry(32, seed=7)
-    frames = {b.ref.name: blk.encode_block(b) for b in layout.blocks}
+    frames = {b.ref.name: encode_block(b) for b in layout.blocks}
     session = bucket.begin_store()
     for n, f in frames.items():
         session.put_block(n, f)
@@ -196,11 +196,11 @@ def test_a_store_past_its_deadline_rechecks_and_then_refuses(endpoint: str, buck
     name2, header2, layout2, _ = node.entry(32, seed=8)
     slow = bucket.begin_store()
     for b in layout2.blocks:
-        slow.put_block(b.ref.name, blk.encode_block(b))
+        slow.put_block(b.ref.name, encode_block(b))
 
     def stall(n: str) -> list:
         time.sleep(bucket.grace / 2)  # the re-check itself outlasts the deadline
-        return [blk.encode_block(b) for b in layout2.blocks if b.ref.name == n][0]
+        return [encode_block(b) for b in layout2.blocks if b.ref.name == n][0]
 
     slow.start -= bucket.grace
     bucket.blocks.delete(layout2.blocks[0].ref.name)
@@ -264,10 +264,10 @@ def test_an_outage_raises_bucket_error_promptly_and_recovers_on_the_same_port() 
     b = node.open_bucket(endpoint, name)
     entry_name, header, layout, _ = node.entry(48, seed=30)
     session = b.begin_store()
-    session.put_block(layout.blocks[0].ref.name, blk.encode_block(layout.blocks[0]))
+    session.put_block(layout.blocks[0].ref.name, encode_block(layout.blocks[0]))
     server.stop()  # mid-store
     calls: list[Any] = [
-        lambda: session.put_block(layout.blocks[1].ref.name, blk.encode_block(layout.blocks[1])),
+        lambda: session.put_block(layout.blocks[1].ref.name, encode_block(layout.blocks[1])),
         lambda: session.commit(entry_name, header, lambda n: []),
         b.list_headers, b.gc, lambda: b.evict_to(0), lambda: b.fetch_blocks([layout.blocks[0].ref.name]),
         lambda: b.touch(entry_name),
@@ -314,7 +314,7 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     kept_name, kept_header, kept, _ = node.entry(48, seed=41)
     node.upload(writer, kept_name, kept_header, kept)  # old, but referenced
     name, header, layout, caches = node.entry(48, seed=40)
-    frames = {b.ref.name: blk.encode_block(b) for b in layout.blocks}
+    frames = {b.ref.name: encode_block(b) for b in layout.blocks}
     abandoned = writer.begin_store()
     for n, f in frames.items():
         abandoned.put_block(n, f)  # garbage: no header names these blocks yet
@@ -332,7 +332,7 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     _, _, young, _ = node.entry(48, seed=42)
     young_store = writer.begin_store()
     for b in young.blocks:
-        young_store.put_block(b.ref.name, blk.encode_block(b))
+        young_store.put_block(b.ref.name, encode_block(b))
     junk = f"{ns_dirname('')}/{uuid.uuid4().hex}.bkv"  # a header no one can read: its blocks are unknown
     collector.headers.put_if_absent(junk, [b"BKVHDR\x00\x00 from a future version"])
     found, damaged = collector.fetch_headers([junk, kept_name])

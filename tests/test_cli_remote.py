@@ -15,7 +15,7 @@ import obstore
 from test_bucket import endpoint, make_bucket, raw_store, server  # noqa: F401 - moto's server fixtures
 from test_cli import parsed, run_all
 
-from blockkv.format import blocks as blk
+from blockkv.format.frame import encode_block
 from blockkv.local.directory import ns_dirname
 from blockkv.remote.bucket import Bucket
 
@@ -55,7 +55,7 @@ def fill(bucket: Bucket) -> dict[str, Any]:
     abandoned = bucket.begin_store()
     garbage = node.entry(32, seed=99)[2]
     for b in garbage.blocks:
-        abandoned.put_block(b.ref.name, blk.encode_block(b, "zstd"))
+        abandoned.put_block(b.ref.name, encode_block(b, "zstd"))
     return dict(entries=entries, first=first, garbage=sorted(b.ref.name for b in garbage.blocks))
 
 

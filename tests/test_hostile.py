@@ -17,17 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from blockkv.errors import CorruptError
-from blockkv.format.blocks import _HEADER as _BLOCK_HEADER
-from blockkv.format.blocks import (
-    _ZSTD_MAX_RATIO,
-    COMPRESSIONS,
-    FRAME_VERSION,
-    decode_block,
-    encode_block,
-    split_entry,
-    validate_descriptor,
-)
-from blockkv.format.blocks import MAGIC as BLOCK_MAGIC
+from blockkv.format.blocks import split_entry
+from blockkv.format.descriptor import validate_descriptor
+from blockkv.format.frame import _HEADER as _BLOCK_HEADER
+from blockkv.format.frame import _ZSTD_MAX_RATIO, COMPRESSIONS, FRAME_VERSION, decode_block, encode_block
+from blockkv.format.frame import MAGIC as BLOCK_MAGIC
 from blockkv.format.header import MAGIC, VERSION, Header, Identity, decode_header, encode_header
 
 _FIXED = struct.Struct("<8sHHII")

@@ -18,8 +18,10 @@ import pytest
 
 from blockkv.errors import CorruptHeaderError
 from blockkv.format import unfilled
-from blockkv.format.blocks import Target, rebuild, split_entry, validate_descriptor
+from blockkv.format.blocks import split_entry
 from blockkv.format.codec import device_buffers
+from blockkv.format.descriptor import validate_descriptor
+from blockkv.format.rebuild import Target, rebuild
 from blockkv.store import BlockStore
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 from blockkv.testing.stateful import live_bits

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from blockkv.errors import CorruptBlockError, CorruptHeaderError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import chunks, split_entry
+from blockkv.format.descriptor import with_xxh3
 from blockkv.format.header import Header, encode_header
+from blockkv.format.rebuild import Target, rebuild
 from blockkv.store import BlockStore
 from blockkv.testing.stateful import live_bits
 from blockkv.testing.strategies import CACHE_KINDS, make_caches
@@ -30,7 +32,7 @@ def _open(root: Path, verify: bool | str) -> BlockStore:
                       max_bytes=1 << 40, block_tokens=4, verify=verify)
 
 
-def _verify(target: blk.Target, verify: bool | str) -> None:
+def _verify(target: Target, verify: bool | str) -> None:
     """The check a restore runs, over the target's pieces as they are now."""
     check = target.check(full=verify == "full")
     for piece in target.pieces:
@@ -46,18 +48,18 @@ def _bits(caches: list) -> tuple:
 def test_every_payload_byte_flip_fails_the_check(verify: bool | str) -> None:
     """A target's check over every byte of every block of an entry."""
     caches = make_caches("llama", list(range(1, 10)))
-    layout = blk.split_entry(caches, block_tokens=4)
-    payloads = {b.ref.name: b"".join(bytes(c) for p in b.parts for c in blk._chunks(p)) for b in layout.blocks}
-    entry = blk.with_xxh3(layout.descriptor, layout.block_xxh3)
-    targets: list[blk.Target] = []
+    layout = split_entry(caches, block_tokens=4)
+    payloads = {b.ref.name: b"".join(bytes(c) for p in b.parts for c in chunks(p)) for b in layout.blocks}
+    entry = with_xxh3(layout.descriptor, layout.block_xxh3)
+    targets: list[Target] = []
 
-    def fill(made: Iterator[blk.Target]) -> Iterator[blk.Target]:
+    def fill(made: Iterator[Target]) -> Iterator[Target]:
         for target in made:
             target.scatter(payloads[target.ref.name])
             targets.append(target)
             yield target
 
-    blk.rebuild(entry, None, None, fill)
+    rebuild(entry, None, None, fill)
     for target in targets:
         _verify(target, verify)  # intact: passes
         for piece in target.pieces:
@@ -126,7 +128,7 @@ def test_headers_without_xxh3_verify_blake3(tmp_path: Path) -> None:
         loaded = store.restore(entry)
         assert loaded is not None and _bits(loaded.caches) == _bits(caches)
         with pytest.raises(CorruptHeaderError):
-            blk.with_xxh3(h.descriptor, h.block_xxh3[:-1])
+            with_xxh3(h.descriptor, h.block_xxh3[:-1])
     with pytest.raises(ValueError, match="verify"):
         _open(tmp_path / "x", "fast")
     assert np.array_equal(h.tokens, np.array(tokens, np.uint32))

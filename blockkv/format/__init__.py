@@ -1,3 +1,7 @@
-"""What is on disk, with no file system: mlx-lm caches as records (``codec``),
-records as content-addressed blocks and their frame (``blocks``), the header
+"""What is on disk, with no file system: mlx-lm caches as records (``codec``,
+the built-in cache ``kinds``), records cut into content-addressed blocks
+(``blocks``), the descriptor that lists an entry's blocks (``descriptor``), a
+block's frame (``frame``), caches rebuilt from blocks (``rebuild``), the header
 file (``header``), and the unfilled arrays a restore reads into (``unfilled``)."""
+
+from blockkv.format import kinds  # noqa: F401 - registers the built-in cache kinds

@@ -3,7 +3,11 @@
 A record keeps only the live part of a cache (never the pre-allocated tail past
 ``offset``) and marks which tensors have a token axis (axis -2), so the block
 layer can cut them at absolute token positions and share common prefixes.
-Decoding goes back through each class's own ``from_state``/state protocol."""
+Decoding goes back through each class's own ``from_state``/state protocol.
+
+Here: the record types, the registry of cache codecs and the API over it, and
+records to and from their JSON descriptors; the built-in codecs are in
+``kinds``."""
 
 from __future__ import annotations
 
@@ -15,15 +19,6 @@ from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ChunkedKVCache,
-    ConcatenateKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
 
 from blockkv.errors import CorruptHeaderError
 from blockkv.format.unfilled import unfilled_arrays
@@ -112,6 +107,18 @@ def device_buffers(specs: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[m
             raise RuntimeError("mlx did not expose a writable contiguous buffer")
         out.append((bits.view(DTYPES[dtype][0]) if dtype in _BITS_VIEW else bits, view))
     return out
+
+
+def capture(a: mx.array, data: Data) -> np.ndarray | mx.array | None:
+    """What a record keeps of ``a``: host bits, a device snapshot, or nothing.
+
+    ``"device"`` is a new array object of the host dtype (free to make, shares
+    the buffer): mlx-lm updates caches in place, and an update rebinds the
+    cache's array, never this one, nor donates a buffer this one holds."""
+    if data == "device":
+        bits = _BITS_VIEW.get(dtype_name(a.dtype))
+        return a.view(bits) if bits is not None else mx.stop_gradient(a)
+    return to_host(a) if data else None
 
 
 @dataclass(frozen=True)
@@ -215,306 +222,12 @@ def codec_for(cache: Any) -> tuple[str, CacheCodec]:
         raise TypeError(f"no blockkv codec registered for cache class {type(cache).__name__}") from None
 
 
-def _codec_named(kind: str) -> CacheCodec:
+def codec_named(kind: str) -> CacheCodec:
+    """The codec registered under a record's ``kind``; ValueError if none."""
     try:
         return _BY_NAME[kind]
     except KeyError:
         raise ValueError(f"unknown cache kind {kind!r}") from None
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def capture(a: mx.array, data: Data) -> np.ndarray | mx.array | None:
-    """What a record keeps of ``a``: host bits, a device snapshot, or nothing.
-
-    ``"device"`` is a new array object of the host dtype (free to make, shares
-    the buffer): mlx-lm updates caches in place, and an update rebinds the
-    cache's array, never this one, nor donates a buffer this one holds."""
-    if data == "device":
-        bits = _BITS_VIEW.get(dtype_name(a.dtype))
-        return a.view(bits) if bits is not None else mx.stop_gradient(a)
-    return to_host(a) if data else None
-
-
-def _tensor(a: mx.array, token_axis: bool, data: Data, token_start: int = 0) -> TensorRecord:
-    """A TensorRecord of ``a``; batch must be 1 so blocks stay shareable."""
-    if a.ndim >= 1 and a.shape[0] != 1:
-        raise ValueError(f"batch size {a.shape[0]} > 1 is not supported (tensor shape {a.shape})")
-    if token_axis and a.ndim < 2:
-        raise ValueError(f"token-axis tensor needs >= 2 dims, got shape {a.shape}")
-    return TensorRecord(
-        dtype=dtype_name(a.dtype),
-        shape=tuple(a.shape),
-        token_axis=token_axis,
-        token_start=token_start,
-        data=capture(a, data),
-    )
-
-
-def _opt_array(t: TensorRecord | None) -> mx.array | None:
-    return None if t is None else t.array()
-
-
-def _rows(a: mx.array, stop: int) -> mx.array:
-    return a[..., :stop, :]
-
-
-def _require(cond: bool, what: str) -> None:
-    if not cond:
-        raise ValueError(what)
-
-
-def _check_tokens(record: CacheRecord, count: int, start: int = 0) -> None:
-    """Token tensors are all present or all absent and hold rows [start, offset)."""
-    _require(len(record.tensors) == count, f"{record.kind} needs {count} tensors")
-    present = [t for t in record.tensors if t is not None]
-    _require(len(present) in (0, count), f"{record.kind} has partial tensors")
-    for t in present:
-        _require(t.token_axis, f"{record.kind} tensors must be token-axis")
-        _require(t.token_start == start, f"{record.kind} token_start {t.token_start} != {start}")
-        _require(
-            t.token_stop == record.meta["offset"],
-            f"{record.kind} holds tokens up to {t.token_stop}, offset is {record.meta['offset']}",
-        )
-
-
-def _int_meta(record: CacheRecord, *keys: str) -> None:
-    for k in keys:
-        v = record.meta.get(k)
-        _require(type(v) is int and 0 <= v <= MAX_INT, f"{record.kind} meta {k!r} must be a non-negative int")
-
-
-def _truncate_offset(record: CacheRecord, offset: int, **meta: int) -> CacheRecord:
-    tensors = tuple(None if t is None else t.cut(offset) for t in record.tensors)
-    return dataclasses.replace(record, meta={**record.meta, "offset": offset, **meta}, tensors=tensors)
-
-
-# ---------------------------------------------------------------- built-in codecs
-
-
-class _KVLike:
-    """Shared rules of caches whose keys/values grow along the token axis from 0."""
-
-    kind = ""
-
-    def encode(self, cache: Any, data: Data = True) -> CacheRecord:
-        """keys/values[..., :offset, :] and the offset (rows past it are never stored)."""
-        off = cache.offset
-        if cache.keys is None:
-            return CacheRecord(self.kind, {"offset": off}, (None, None))
-        return CacheRecord(
-            self.kind,
-            {"offset": off},
-            (_tensor(_rows(cache.keys, off), True, data), _tensor(_rows(cache.values, off), True, data)),
-        )
-
-    def check(self, record: CacheRecord) -> None:
-        _int_meta(record, "offset")
-        _check_tokens(record, 2)
-
-    def trimmable(self, record: CacheRecord) -> bool:
-        return True
-
-    def minimum_reusable_offset(self, record: CacheRecord) -> int:
-        return 0
-
-    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
-        return _truncate_offset(record, offset)
-
-    def offset(self, record: CacheRecord) -> int | None:
-        return record.meta["offset"]
-
-
-class KVCacheCodec(_KVLike):
-    """KVCache: keys/values[..., :offset, :] (the 256-step tail is dropped)."""
-
-    kind = "KVCache"
-
-    def decode(self, record: CacheRecord) -> KVCache:
-        k, v = record.tensors
-        return KVCache.from_state((_opt_array(k), _opt_array(v), record.meta["offset"]))
-
-
-class ConcatenateKVCacheCodec(_KVLike):
-    """ConcatenateKVCache: its arrays may hold rows past ``offset`` after a trim."""
-
-    kind = "ConcatenateKVCache"
-
-    def decode(self, record: CacheRecord) -> ConcatenateKVCache:
-        k, v = record.tensors
-        if k is None or v is None:
-            return ConcatenateKVCache()
-        return ConcatenateKVCache.from_state((k.array(), v.array()))
-
-
-class QuantizedKVCacheCodec(_KVLike):
-    """QuantizedKVCache: each of keys/values is a tuple (w, scales[, biases])."""
-
-    def encode(self, cache: QuantizedKVCache, data: Data = True) -> CacheRecord:
-        off = cache.offset
-        meta = {"offset": off, "group_size": cache.group_size, "bits": cache.bits}
-        if cache.keys is None:
-            return CacheRecord("QuantizedKVCache", {**meta, "parts": 0}, ())
-        parts = [*cache.keys, *cache.values]
-        meta["parts"] = len(cache.keys)
-        return CacheRecord("QuantizedKVCache", meta, tuple(_tensor(_rows(a, off), True, data) for a in parts))
-
-    def check(self, record: CacheRecord) -> None:
-        _int_meta(record, "offset", "group_size", "bits", "parts")
-        _require(record.meta["parts"] <= 3, "QuantizedKVCache has at most 3 parts per tensor")
-        _check_tokens(record, 2 * record.meta["parts"])
-        _require(None not in record.tensors, "QuantizedKVCache tensors cannot be empty slots")
-
-    def decode(self, record: CacheRecord) -> QuantizedKVCache:
-        m = record.meta
-        n = m["parts"]
-        arrays = [t.array() for t in record.tensors if t is not None]
-        keys, values = (tuple(arrays[:n]), tuple(arrays[n:])) if n else (None, None)
-        return QuantizedKVCache.from_state((keys, values, m["offset"], m["group_size"], m["bits"]))
-
-
-class RotatingKVCacheCodec:
-    """RotatingKVCache: token-axis while ``offset < max_size`` (buffer still in
-    temporal order), the whole ring as state tensors once it has wrapped."""
-
-    def encode(self, cache: RotatingKVCache, data: Data = True) -> CacheRecord:
-        off = cache.offset
-        meta = {"offset": off, "keep": cache.keep, "max_size": cache.max_size, "_idx": cache._idx}
-        if cache.keys is None:
-            return CacheRecord("RotatingKVCache", meta, (None, None))
-        if off < cache.max_size:
-            pair = (_rows(cache.keys, off), _rows(cache.values, off))
-            return CacheRecord("RotatingKVCache", meta, tuple(_tensor(a, True, data) for a in pair))
-        pair = (cache.keys, cache.values)
-        return CacheRecord("RotatingKVCache", meta, tuple(_tensor(a, False, data) for a in pair))
-
-    def decode(self, record: CacheRecord) -> RotatingKVCache:
-        k, v = record.tensors
-        m = record.meta
-        state = (_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"], m["_idx"])
-        return RotatingKVCache.from_state(state)
-
-    def check(self, record: CacheRecord) -> None:
-        _int_meta(record, "offset", "keep", "max_size", "_idx")
-        if self.trimmable(record):
-            _require(record.meta["_idx"] == record.meta["offset"], "unwrapped RotatingKVCache needs _idx == offset")
-            _check_tokens(record, 2)
-        else:
-            _require(len(record.tensors) == 2, "RotatingKVCache needs 2 tensors")
-            _require(all(t is not None and not t.token_axis for t in record.tensors), "wrapped ring is state")
-
-    def trimmable(self, record: CacheRecord) -> bool:
-        return record.meta["offset"] < record.meta["max_size"]
-
-    def minimum_reusable_offset(self, record: CacheRecord) -> int:
-        return 0
-
-    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
-        return _truncate_offset(record, offset, _idx=offset)
-
-    def offset(self, record: CacheRecord) -> int | None:
-        return record.meta["offset"]
-
-
-class ChunkedKVCacheCodec(_KVLike):
-    """ChunkedKVCache: rows [start_position, offset); the dropped front is gone."""
-
-    def encode(self, cache: ChunkedKVCache, data: Data = True) -> CacheRecord:
-        off, start = cache.offset, cache.start_position
-        meta = {"offset": off, "chunk_size": cache.chunk_size, "start_position": start}
-        if cache.keys is None:
-            return CacheRecord("ChunkedKVCache", meta, (None, None))
-        pair = (_rows(cache.keys, off - start), _rows(cache.values, off - start))
-        return CacheRecord("ChunkedKVCache", meta, tuple(_tensor(a, True, data, start) for a in pair))
-
-    def decode(self, record: CacheRecord) -> ChunkedKVCache:
-        k, v = record.tensors
-        m = record.meta
-        state = (_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"], m["start_position"])
-        return ChunkedKVCache.from_state(state)
-
-    def check(self, record: CacheRecord) -> None:
-        _int_meta(record, "offset", "chunk_size", "start_position")
-        _require(record.meta["chunk_size"] > 0, "ChunkedKVCache chunk_size must be positive")
-        _require(record.meta["start_position"] <= record.meta["offset"], "start_position past offset")
-        _check_tokens(record, 2, record.meta["start_position"])
-
-    def minimum_reusable_offset(self, record: CacheRecord) -> int:
-        # The next token attends to its whole chunk [p//C*C, p]: that chunk must
-        # not begin before the first position still held.
-        m = record.meta
-        return min(m["offset"], -(-m["start_position"] // m["chunk_size"]) * m["chunk_size"])
-
-
-class ArraysCacheCodec:
-    """ArraysCache: recurrent state tensors (None slots kept), then left_padding
-    and lengths. No token axis, so it can never be cut back."""
-
-    def encode(self, cache: ArraysCache, data: Data = True) -> CacheRecord:
-        slots = [None if a is None else _tensor(a, False, data) for a in cache.cache]
-        for extra in (cache.left_padding, cache.lengths):
-            if extra is not None and extra.size != 1:
-                raise ValueError(f"batch size {extra.size} > 1 is not supported (ArraysCache padding)")
-            slots.append(None if extra is None else _tensor(extra, False, data))
-        return CacheRecord("ArraysCache", {"size": len(cache.cache)}, tuple(slots))
-
-    def decode(self, record: CacheRecord) -> ArraysCache:
-        arrays = [_opt_array(t) for t in record.tensors]
-        return ArraysCache.from_state((arrays[:-2], arrays[-2], arrays[-1]))
-
-    def check(self, record: CacheRecord) -> None:
-        _int_meta(record, "size")
-        _require(len(record.tensors) == record.meta["size"] + 2, "ArraysCache needs size + 2 slots")
-        _require(all(t is None or not t.token_axis for t in record.tensors), "ArraysCache holds state only")
-
-    def trimmable(self, record: CacheRecord) -> bool:
-        return False
-
-    def minimum_reusable_offset(self, record: CacheRecord) -> int:
-        return 0
-
-    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
-        raise ValueError("ArraysCache cannot be cut back")
-
-    def offset(self, record: CacheRecord) -> int | None:
-        return None
-
-
-class CacheListCodec:
-    """CacheList: no tensors of its own; each child is a nested record."""
-
-    def encode(self, cache: CacheList, data: Data = True) -> CacheRecord:
-        return CacheRecord("CacheList", {}, (), tuple(encode_cache(c, data) for c in cache.caches))
-
-    def decode(self, record: CacheRecord) -> CacheList:
-        return CacheList(*(decode_cache(c) for c in record.children))
-
-    def check(self, record: CacheRecord) -> None:
-        _require(not record.tensors and record.children, "CacheList needs children and no tensors")
-
-    def trimmable(self, record: CacheRecord) -> bool:
-        return all(_codec_named(c.kind).trimmable(c) for c in record.children)
-
-    def minimum_reusable_offset(self, record: CacheRecord) -> int:
-        return max(_codec_named(c.kind).minimum_reusable_offset(c) for c in record.children)
-
-    def truncate(self, record: CacheRecord, offset: int) -> CacheRecord:
-        children = tuple(_codec_named(c.kind).truncate(c, offset) for c in record.children)
-        return dataclasses.replace(record, children=children)
-
-    def offset(self, record: CacheRecord) -> int | None:
-        offsets = [o for c in record.children if (o := _codec_named(c.kind).offset(c)) is not None]
-        return max(offsets, default=None)
-
-
-register_codec(KVCache, KVCacheCodec())
-register_codec(ConcatenateKVCache, ConcatenateKVCacheCodec())
-register_codec(QuantizedKVCache, QuantizedKVCacheCodec())
-register_codec(RotatingKVCache, RotatingKVCacheCodec())
-register_codec(ChunkedKVCache, ChunkedKVCacheCodec())
-register_codec(ArraysCache, ArraysCacheCodec())
-register_codec(CacheList, CacheListCodec())
 
 
 # ---------------------------------------------------------------- public API
@@ -529,7 +242,7 @@ def encode_cache(cache: Any, data: Data = True) -> CacheRecord:
 
 def decode_cache(record: CacheRecord) -> Any:
     """A real mlx-lm cache object from a record with data."""
-    return _codec_named(record.kind).decode(record)
+    return codec_named(record.kind).decode(record)
 
 
 def encode_caches(caches: Sequence[Any]) -> list[CacheRecord]:
@@ -551,24 +264,24 @@ def _as_records(items: Sequence[Any]) -> list[CacheRecord]:
 
 def trimmable(caches_or_records: Sequence[Any]) -> bool:
     """Whether every cache can be cut back to a shorter prefix (True for [])."""
-    return all(_codec_named(r.kind).trimmable(r) for r in _as_records(caches_or_records))
+    return all(codec_named(r.kind).trimmable(r) for r in _as_records(caches_or_records))
 
 
 def minimum_reusable_offset(caches_or_records: Sequence[Any]) -> int:
     """The smallest prefix length all caches can be cut back to together."""
     records = _as_records(caches_or_records)
-    return max((_codec_named(r.kind).minimum_reusable_offset(r) for r in records), default=0)
+    return max((codec_named(r.kind).minimum_reusable_offset(r) for r in records), default=0)
 
 
 def records_offset(records: Sequence[CacheRecord]) -> int:
     """Tokens the caches have seen (max offset; 0 if none counts tokens, e.g. SSM only)."""
-    offsets = [o for r in records if (o := _codec_named(r.kind).offset(r)) is not None]
+    offsets = [o for r in records if (o := codec_named(r.kind).offset(r)) is not None]
     return max(offsets, default=0)
 
 
 def record_offsets(records: Sequence[CacheRecord]) -> set[int]:
     """The token counts of the caches that keep one (empty if none does, e.g. SSM only)."""
-    return {o for r in records if (o := _codec_named(r.kind).offset(r)) is not None}
+    return {o for r in records if (o := codec_named(r.kind).offset(r)) is not None}
 
 
 def truncate_records(records: Sequence[CacheRecord], offset: int) -> list[CacheRecord]:
@@ -578,7 +291,7 @@ def truncate_records(records: Sequence[CacheRecord], offset: int) -> list[CacheR
     low, high = minimum_reusable_offset(records), records_offset(records)
     if type(offset) is not int or not low <= offset <= high:
         raise ValueError(f"prefix length {offset!r} outside the reusable range [{low}, {high}]")
-    return [_codec_named(r.kind).truncate(r, offset) for r in records]
+    return [codec_named(r.kind).truncate(r, offset) for r in records]
 
 
 def walk_tensors(records: Sequence[CacheRecord]) -> list[TensorRecord | None]:

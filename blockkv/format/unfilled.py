@@ -9,7 +9,7 @@ same buffer cache and heap as any mlx array.
 
 Two things make that safe:
 
-- **Every byte is written before an array is used.** ``blocks.rebuild``
+- **Every byte is written before an array is used.** ``rebuild.rebuild``
   counts the bytes its targets cover per destination and refuses an entry
   whose blocks do not cover every byte; a restore that fails part-way drops
   its arrays. Memory reused from another array is never served.

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import block_key
+from blockkv.format.descriptor import blocks_for_prefix
+from blockkv.format.frame import decode_block
 from blockkv.local import writers
-from blockkv.local.directory import Directory, block_key
+from blockkv.local.directory import Directory
 from blockkv.local.index import BlockRow, read_only_block_rows
 from blockkv.local.locks import DirLock
 
@@ -69,7 +71,7 @@ def block_keys(directory: Directory) -> Keys:
         except Exception:  # noqa: BLE001 - reported by inspect, which reads every header again
             continue
         key = block_key(header.identity, header.ns)
-        keys.update((r.name, key) for r in blk.blocks_for_prefix(header.descriptor, None))
+        keys.update((r.name, key) for r in blocks_for_prefix(header.descriptor, None))
     return keys
 
 
@@ -78,9 +80,9 @@ def _verify(name: str, data: bytes, keys: Keys) -> None:
     header's key; a block no header references has no known key (isolation
     keys blocks by namespace), so only its frame is checked."""
     if name in keys:
-        blk.decode_block(name, data, key=keys[name])
+        decode_block(name, data, key=keys[name])
     else:
-        blk.decode_block(name, data, verify=False)
+        decode_block(name, data, verify=False)
 
 
 def _verdict(directory: Directory, name: str, keys: dict[str, bytes | None]) -> bool | None:

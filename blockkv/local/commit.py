@@ -27,11 +27,13 @@ import lmdb
 import numpy as np
 
 from blockkv.errors import BlockKVError, CorruptError, LockTimeout
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import Block, EntryLayout, Snapshot, block_key, split_entry
+from blockkv.format.descriptor import blocks_for_prefix
+from blockkv.format.frame import encode_block
 from blockkv.format.header import Header, Identity, encode_header
 from blockkv.fs import FileLayer, refuse_linked
 from blockkv.local import writers
-from blockkv.local.directory import Directory, block_key
+from blockkv.local.directory import Directory
 from blockkv.local.index import Index
 from blockkv.local.writers import IntentFile
 from blockkv.pool.local import LocalPool
@@ -45,7 +47,7 @@ class Stored:
 
     entry_id: str
     encoded: bytes  # its header
-    layout: blk.EntryLayout
+    layout: EntryLayout
     new: set[str]  # the blocks it wrote (the others were deduplicated)
     written: int  # bytes
     replaced: list[Entry]  # what the rules removed for it
@@ -74,7 +76,7 @@ class Commits:
         self._block_tokens = block_tokens
         self._compression = compression
 
-    def store(self, tokens: np.ndarray, ns: str, snap: blk.Snapshot, checkpoint: GenerationCheckpoint | None,
+    def store(self, tokens: np.ndarray, ns: str, snap: Snapshot, checkpoint: GenerationCheckpoint | None,
               cap: int, landed: Callable[[str], list[Entry]]) -> Stored | None:
         """One entry in write order: blocks, then (refused past ``cap`` bytes)
         under the lock ``publish`` and ``landed(entry_id)``, the store's rules
@@ -85,7 +87,7 @@ class Commits:
         writer = BlockWriter(self._pool, self._index(), self._intents, self._executor("io"), self._compression)
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
-            layout = blk.split_entry(snap, self._block_tokens, on_block=writer.submit,
+            layout = split_entry(snap, self._block_tokens, on_block=writer.submit,
                                      key=block_key(self._identity, ns), hashers=self._executor("hash"))
             header = Header(self._identity, ns, tokens, layout.descriptor,
                             checkpoint.to_json() if checkpoint else None, layout.block_xxh3)
@@ -155,7 +157,7 @@ class Commits:
         except (OSError, lmdb.Error, BlockKVError):
             pass  # left as garbage: the next gc reclaims it
 
-    def publish(self, index: Index, writer: BlockWriter, layout: blk.EntryLayout, header: Header, encoded: bytes,
+    def publish(self, index: Index, writer: BlockWriter, layout: EntryLayout, header: Header, encoded: bytes,
                 entry_id: str, path: Path) -> int:
         """Under the lock, once ``writer``'s blocks are durable: references, then
         the header (``encoded``), then the entry in the index, recorded from
@@ -232,7 +234,7 @@ class BlockWriter:
         self._writes: list[Future[Staged]] = []
         self._header: tuple[Path, int] | None = None  # the header's durable tmp file and its size
 
-    def submit(self, block: blk.Block) -> None:
+    def submit(self, block: Block) -> None:
         name = block.ref.name
         self._intents.add([name])
         self._declared.append(name)
@@ -287,7 +289,7 @@ class BlockWriter:
         if header is not None:
             self._pool.fs.unlink_tmp(header[0])
 
-    def ensure_present(self, layout: blk.EntryLayout) -> int:
+    def ensure_present(self, layout: EntryLayout) -> int:
         """Under the lock, right before taking references: every block of the
         entry, new or reused, is in the pool; any that a deleter took since
         ``submit`` is written again. Returns the bytes that took."""
@@ -298,9 +300,9 @@ class BlockWriter:
                 written += self._pool.write(name, self._frame(block), tag=self._intents.token)
         return written
 
-    def _frame(self, block: blk.Block) -> list[bytes | memoryview]:
+    def _frame(self, block: Block) -> list[bytes | memoryview]:
         """The block's stored bytes; it counts as written by this store, at that size."""
-        frame = blk.encode_block(block, self._compression)
+        frame = encode_block(block, self._compression)
         self.sizes[block.ref.name] = sum(memoryview(p).nbytes for p in frame)
         self.new.add(block.ref.name)
         return frame
@@ -339,7 +341,7 @@ class AdoptedBlocks(BlockWriter):
         super().__init__(pool, index, intents, io, None)
         self._frame_of = frame_of
 
-    def _frame(self, block: blk.Block) -> list[bytes | memoryview]:
+    def _frame(self, block: Block) -> list[bytes | memoryview]:
         name = block.ref.name
         frame = self._frame_of(name)
         self.sizes[name] = len(frame)
@@ -347,9 +349,9 @@ class AdoptedBlocks(BlockWriter):
         return [frame]
 
 
-def adopted_layout(header: Header) -> blk.EntryLayout:
+def adopted_layout(header: Header) -> EntryLayout:
     """An entry's layout as its header states it: the block names without their
     bytes (``AdoptedBlocks`` fetches those), for ``Commits.publish``."""
-    refs = blk.blocks_for_prefix(header.descriptor, None)
+    refs = blocks_for_prefix(header.descriptor, None)
     unique = {r.name: r for r in refs}
-    return blk.EntryLayout(header.descriptor, [blk.Block(r, [], []) for r in unique.values()])
+    return EntryLayout(header.descriptor, [Block(r, [], []) for r in unique.values()])

@@ -8,7 +8,7 @@ to other models and is never read, counted or deleted)::
         IDENTITY                          JSON: model_id, config_fingerprint, tokenizer_hash
         LOCK                              flock(2) target for every mutation
         entries/<ns hash>/<uuid>.bkv      header files (see header.py) — the entries
-        blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py)
+        blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py, frame.py)
         index/                            LMDB accelerator (see index.py)
 
 Mechanism only (python-diskcache's ``Disk``): naming, listing, reading and
@@ -25,13 +25,19 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import blake3
 import numpy as np
 
 from blockkv.errors import CorruptError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import CODEC_ID
+from blockkv.format.descriptor import (
+    blocks_for_prefix,
+    descriptor_min_offset,
+    descriptor_trimmable,
+    parse_descriptor,
+    validate_descriptor,
+)
 from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header, Identity, decode_header
 from blockkv.fs import TMP_SUFFIX, FileLayer, refuse_linked
 from blockkv.pool.local import LocalPool
@@ -41,8 +47,6 @@ from blockkv.records import EntryRecord
 log = logging.getLogger("blockkv")
 
 ROOT_MARKER = ".blockkv"  # "this is a blockkv root": tools refuse a directory without it
-CODEC_ID = f"blockkv-blocks-{blk.FORMAT}"
-KEYED_CODEC_ID = f"{CODEC_ID}+ns-keyed"  # isolate_namespaces: blocks named with their namespace's key
 _UUID = re.compile(r"[0-9a-f]{32}")
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
 _HEADER_REL = re.compile(rf"entries/[0-9a-f]{{16}}/([0-9a-f]{{32}}){re.escape(SUFFIX)}")
@@ -61,12 +65,6 @@ def fingerprint_dirname(config_fingerprint: str) -> str:
 def ns_dirname(ns: str) -> str:
     # surrogatepass: an ns read back from a damaged index still names a directory
     return blake3.blake3(ns.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def block_key(identity: Identity, ns: str) -> bytes | None:
-    """The key an entry's blocks are named with: its namespace's under isolation, else none.
-    The header records both, so every reader can verify every block it reads."""
-    return blk.namespace_key(ns) if identity.codec == KEYED_CODEC_ID else None
 
 
 def read_identity(path: Path, fs: FileLayer | None = None) -> Identity:
@@ -125,7 +123,7 @@ def verified_header(name: str, data: bytes) -> Header:
     if len(data) > MAX_HEADER_BYTES:
         raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
     header = decode_header(data)
-    blk.validate_descriptor(header.descriptor)
+    validate_descriptor(header.descriptor)
     return header
 
 
@@ -133,12 +131,12 @@ def entry_record(entry_id: str, rel: str, header: Header, header_bytes: int) -> 
     """The index record a header implies (``rel``: where the header lives, a
     path under the fingerprint directory or a key under the bucket's)."""
     attachments = tuple(header.descriptor["attachments"])
-    parsed = blk.parse_descriptor(header.descriptor)  # validate once, not once per question
+    parsed = parse_descriptor(header.descriptor)  # validate once, not once per question
     return EntryRecord(
         id=entry_id, ns=header.ns, path=rel, header_bytes=header_bytes,
-        blocks=tuple(dict.fromkeys(r.name for r in blk.blocks_for_prefix(parsed, None))),
-        trimmable=not attachments and blk.descriptor_trimmable(parsed),
-        minimum_reusable_offset=blk.descriptor_min_offset(parsed),
+        blocks=tuple(dict.fromkeys(r.name for r in blocks_for_prefix(parsed, None))),
+        trimmable=not attachments and descriptor_trimmable(parsed),
+        minimum_reusable_offset=descriptor_min_offset(parsed),
         checkpoint=header.checkpoint, attachments=attachments,
         owner=header.identity.digest(), tokens=np.array(header.tokens, dtype=np.uint32),
     )
@@ -210,11 +208,10 @@ class Directory:
         """Read and verify a header (checksum, bounds, descriptor); CorruptError otherwise."""
         return verified_header(path.name, self._header_bytes(path))
 
-    def read_for_restore(self, path: Path) -> tuple[Header, Any]:
-        """``read_header``, and its descriptor parsed with each block's xxh3: what a
-        restore needs, parsed once (a 34-block descriptor took 7 ms a parse)."""
-        header = decode_header(self._header_bytes(path))
-        return header, blk.with_xxh3(header.descriptor, header.block_xxh3)
+    def header_bytes(self, ns: str, entry_id: str) -> bytes:
+        """The header file of ``entry_id`` in ``ns`` as bytes, unverified: a restore
+        parses them once (``ParsedEntry``). One too large to be a header is not read."""
+        return self._header_bytes(self.header_path(ns, entry_id))
 
     def _header_bytes(self, path: Path) -> bytes:
         """A header file's bytes; one too large to be a header is not read."""

@@ -17,10 +17,11 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError
-from blockkv.format import blocks as blk
+from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError
+from blockkv.format.frame import decode_block
 from blockkv.format.header import Header, Identity
-from blockkv.local.directory import Directory, block_key
+from blockkv.format.rebuild import Check, ParsedEntry, Target
+from blockkv.local.directory import Directory
 from blockkv.records import Entry
 
 
@@ -40,32 +41,31 @@ class EntryRead:
         self._entry = entry
         self._verify = verify
         self._io = io
-        self._key = block_key(identity, entry.ns)
+        self._key: bytes | None = None  # the header's (``ParsedEntry.key``), once it is read
         self._reading = ""  # "header" while the header is read: its file gone is proof too
         self._corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
 
     def run(self, cut: int | None) -> tuple[Header, list[Any], dict[str, Any]]:
         """The header and the caches (cut to ``cut`` tokens when given), materialised."""
         self._reading = "header"
-        header, descriptor = self._dir.read_for_restore(self._dir.header_path(self._entry.ns, self._entry.id))
+        data = self._dir.header_bytes(self._entry.ns, self._entry.id)
+        parsed = ParsedEntry.parse(data)
         self._reading = ""
-        if header.identity != self._identity or header.ns != self._entry.ns:
+        if parsed.header.identity != self._identity or parsed.header.ns != self._entry.ns:
             raise IndexDisagrees("the header on disk is not the one indexed")
-        # every array rebuild allocates is bounded by the bytes actually on disk, never by a
-        # size the header declares: a planted header cannot force a huge allocation
-        self._stored_sizes(blk.blocks_for_prefix(descriptor, cut))
-        caches, attachments = blk.rebuild(descriptor, None, cut, self._fill_all)
+        self._key = parsed.key
+        caches, attachments = parsed.rebuild(cut, self._fill_all, self._stored_bytes)
         # materialise here: a lazy array built on a worker thread cannot be
         # evaluated from the caller's thread (restore_async)
         mx.eval([v for _, v in tree_flatten([c.state for c in caches] + list(attachments.values()))
                  if isinstance(v, mx.array)])
-        return header, caches, attachments
+        return parsed.header, caches, attachments
 
     def culprit(self, exc: BaseException) -> str:
         """What ``exc`` was raised reading: "header", a block's name, or ""."""
         return self._reading or next((name for e, name in self._corrupt if e is exc), "")
 
-    def _fill(self, target: blk.Target) -> blk.Target:
+    def _fill(self, target: Target) -> Target:
         """Read a block straight into its destination and verify it there; a
         frame that is not the expected uncompressed one (zstd, or damage)
         is read whole and decoded, which names what is wrong."""
@@ -79,38 +79,31 @@ class EntryRead:
                 if check is not None:
                     check.finish()
             else:
-                target.scatter(blk.decode_block(name, self._pool.read(name), verify=bool(self._verify), key=self._key))
+                target.scatter(decode_block(name, self._pool.read(name), verify=bool(self._verify), key=self._key))
         except CorruptBlockError as exc:
             self._corrupt.append((exc, name))
             raise
         return target
 
-    def _fill_all(self, targets: Iterator[blk.Target]) -> Iterator[blk.Target]:
+    def _fill_all(self, targets: Iterator[Target]) -> Iterator[Target]:
         # every target made before the first read: made beside the reading threads, the
         # slicing fought them for the GIL (272 MiB warm, alternating: 70-87 ms -> 58-74 ms);
         # two threads: one block's read overlaps another's check
         return self._io.map(self._fill, list(targets))
 
-    def _stored_sizes(self, refs: Sequence[blk.BlockRef]) -> dict[str, int]:
-        """Bytes on disk of each block a restore needs. A block whose file could not
-        hold the raw bytes the header declares is a corrupt entry, found before
-        anything of the declared size is allocated."""
-        sizes: dict[str, int] = {}
-        for ref in refs:
-            try:
-                st = os.lstat(self._pool.path(ref.name))
-            except FileNotFoundError:
-                raise BlockMissingError(f"block {ref.name} is not in the pool") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise BlockMissingError(f"block {ref.name} is not a regular file")
-            if ref.raw_bytes > blk.max_raw_bytes(st.st_size):
-                raise CorruptError(f"the header declares {ref.raw_bytes} bytes for block {ref.name}, "
-                                   f"whose {st.st_size}-byte file cannot hold them")
-            sizes[ref.name] = st.st_size
-        return sizes
+    def _stored_bytes(self, name: str) -> int:
+        """Bytes on disk of a block the restore needs, for ``ParsedEntry.rebuild``
+        to bound what it allocates; a block that is not a regular file is missing."""
+        try:
+            st = os.lstat(self._pool.path(name))
+        except FileNotFoundError:
+            raise BlockMissingError(f"block {name} is not in the pool") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise BlockMissingError(f"block {name} is not a regular file")
+        return st.st_size
 
 
-def _feeder(check: blk.Check, skip: memoryview) -> Callable[[Sequence[memoryview]], None]:
+def _feeder(check: Check, skip: memoryview) -> Callable[[Sequence[memoryview]], None]:
     """What ``read_exact`` hands each run of filled buffers to: the block's
     check, fed every buffer but ``skip`` (the frame's header) while the
     bytes are still in the CPU cache."""

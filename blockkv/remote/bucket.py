@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
-from blockkv.format import blocks as blk
+from blockkv.format.frame import decode_block
 from blockkv.format.header import Header, Identity
 from blockkv.local.directory import HEADER_LAYOUT, verified_header
 from blockkv.pool.protocol import BLOCK_LAYOUT
@@ -165,13 +165,13 @@ class Bucket:
 
     def fetch_block(self, name: str, key: bytes | None = None) -> bytes:
         """A block's frame, verified against its name (``key``: the namespace key
-        it was named with, ``directory.block_key``). A frame that does not hash
+        it was named with, ``blocks.block_key``). A frame that does not hash
         to its name is proof of damage: it is deleted from the bucket (unless it
         changed meanwhile) so the next store of the block uploads a good copy."""
         with outage(f"fetch of block {name}"):
             data = self.blocks.get(name)
         try:
-            blk.decode_block(name, data, key=key)
+            decode_block(name, data, key=key)
         except CorruptBlockError:
             self._quarantine(name, data)
             raise

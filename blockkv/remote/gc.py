@@ -15,7 +15,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from blockkv.format import blocks as blk
+from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.remote.objects import CLOCK_SLACK, BucketError, outage
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class Collector:
         for name in damaged:
             self._header_blocks[name] = None
         for name, (_, header) in found.items():
-            refs = blk.blocks_for_prefix(header.descriptor, None)
+            refs = blocks_for_prefix(header.descriptor, None)
             self._header_blocks[name] = tuple(dict.fromkeys(r.name for r in refs))
         return {n: self._header_blocks[n] for n in names if n in self._header_blocks}
 

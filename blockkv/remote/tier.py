@@ -35,10 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import block_key
+from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import SUFFIX, Header, Identity
 from blockkv.local.catalog import Catalog
-from blockkv.local.directory import Directory, block_key, fingerprint_dirname
+from blockkv.local.directory import Directory, fingerprint_dirname
 from blockkv.records import CHECKPOINT_NS, Entry, Match
 from blockkv.remote.breaker import Breaker
 from blockkv.remote.bucket import Bucket
@@ -171,7 +172,7 @@ class RemoteTier:
                 or name != header_name(header.ns, entry_id)):
             return False
         record = self._dir.record(entry_id, self._dir.header_path(header.ns, entry_id), header, len(data))
-        refs = blk.blocks_for_prefix(header.descriptor, None)
+        refs = blocks_for_prefix(header.descriptor, None)
         self.catalog.add(record, last_modified, {r.name: r.raw_bytes for r in refs})  # raw: stored sizes unknown
         self._remote_only[entry_id] = name
         self._remote_blocks.update(record.blocks)

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import obstore
 
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError
-from blockkv.format import blocks as blk
+from blockkv.format.blocks import CODEC_ID, block_key
+from blockkv.format.frame import decode_block
 from blockkv.format.header import SUFFIX, Header, Identity
 from blockkv.local.check import CheckReport
-from blockkv.local.directory import CODEC_ID, block_key, entry_record, fingerprint_dirname
+from blockkv.local.directory import entry_record, fingerprint_dirname
 from blockkv.pool.protocol import Layout
 from blockkv.pool.s3 import S3Pool
 from blockkv.records import Entry, EntryRecord
@@ -196,9 +197,9 @@ def check_bucket(bucket: Bucket, identity: Identity,
             with outage(f"fetch of block {name}"):
                 data = bucket.blocks.get(name)
             if name in keys:
-                blk.decode_block(name, data, key=keys[name])
+                decode_block(name, data, key=keys[name])
             else:
-                blk.decode_block(name, data, verify=False)
+                decode_block(name, data, verify=False)
         except CorruptBlockError:
             report.corrupt_blocks.append(name)
         except BlockMissingError:

@@ -1,0 +1,138 @@
+"""A block's frame on disk: a fixed header (magic, version, compression, raw
+length, layout length), the canonical layout JSON, then the payload, raw or
+zstd over byte-shuffled parts. Decoding bounds every declared size by the bytes
+present and checks the payload against the block's name. No file-system code
+lives here."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import numpy as np
+import zstandard
+
+from blockkv.errors import CorruptBlockError, CorruptHeaderError
+from blockkv.format.blocks import MAX_RAW_BYTES, Block, Part, chunks, finish_name, hasher, layout_bytes
+from blockkv.format.codec import DTYPES, tensor_from_descriptor
+
+# Frame: magic, version u8, compression u8, reserved u16, raw length u64, layout length u32.
+MAGIC = b"BKVB"
+FRAME_VERSION = 1
+_HEADER = struct.Struct("<4sBBHQI")
+COMPRESSIONS: dict[str | None, int] = {None: 0, "zstd": 1}
+ZSTD_LEVEL = 2
+MAX_LAYOUT_BYTES = 1 << 16
+# zstd cannot expand more than this (a 3-byte RLE block yields 128 KiB).
+_ZSTD_MAX_RATIO = 1 << 16
+
+
+def encode_block(block: Block, compression: str | None = None) -> list[bytes | memoryview]:
+    """The block's on-disk frame as buffers to write in order (raw parts are not copied)."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {list(COMPRESSIONS)}, got {compression!r}")
+    layout = layout_bytes(block.layout)
+    header = frame_head(block.ref.raw_bytes, layout, compression)
+    if compression is None:
+        return [header, layout, *(c for p in block.parts for c in chunks(p))]
+    shuffled = np.empty(block.ref.raw_bytes, np.uint8)
+    offset = 0
+    for part, p in zip(block.layout, block.parts):
+        n, size = p.nbytes, DTYPES[part[0]][1].itemsize
+        shuffled[offset : offset + n].reshape(size, -1)[:] = np.ascontiguousarray(p).reshape(-1).view(np.uint8).reshape(-1, size).T
+        offset += n
+    return [header, layout, zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(shuffled)]
+
+
+def frame_head(raw_bytes: int, layout: bytes, compression: str | None = None) -> bytes:
+    """The fixed header of a block's frame: the layout follows it, then the payload."""
+    return _HEADER.pack(MAGIC, FRAME_VERSION, COMPRESSIONS[compression], 0, raw_bytes, len(layout))
+
+
+def corrupt_block(name: str, what: str) -> CorruptBlockError:
+    """The error that proves a block's own bytes wrong: a reader may quarantine the block."""
+    return CorruptBlockError(f"block {name[:64]}: {what}")
+
+
+def _parse_layout(name: str, raw: memoryview) -> list[Part]:
+    try:
+        obj = json.loads(bytes(raw))
+    except (ValueError, RecursionError):
+        raise corrupt_block(name, "layout is not JSON") from None
+    if not isinstance(obj, list) or len(obj) > MAX_LAYOUT_BYTES:
+        raise corrupt_block(name, "layout must be a list")
+    layout = []
+    for item in obj:
+        if not isinstance(item, list) or len(item) != 2:
+            raise corrupt_block(name, "bad layout part")
+        try:
+            t = tensor_from_descriptor({"dtype": item[0], "shape": item[1], "token_axis": False, "token_start": 0})
+        except CorruptHeaderError as e:
+            raise corrupt_block(name, f"bad layout part: {e}") from None
+        layout.append((t.dtype, t.shape))
+    return layout
+
+
+def decode_block(name: str, data: bytes | memoryview, verify: bool = True, key: bytes | None = None) -> memoryview:
+    """The canonical payload of a framed block, verified against ``name``
+    (``verify=False`` skips only the hash, for stores that opt out of it;
+    ``key``: the block was named with keyed blake3, see ``namespace_key``).
+
+    Every declared size is bounded by the data actually present, so garbage
+    raises CorruptBlockError without a large allocation."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < _HEADER.size:
+        raise corrupt_block(name, "shorter than its header")
+    magic, version, comp, reserved, raw, layout_len = _HEADER.unpack_from(view)
+    if magic != MAGIC or version != FRAME_VERSION or reserved != 0 or comp not in COMPRESSIONS.values():
+        raise corrupt_block(name, "bad magic, version or compression id")
+    body = _HEADER.size + layout_len
+    if layout_len > MAX_LAYOUT_BYTES or body > view.nbytes or raw > MAX_RAW_BYTES:
+        raise corrupt_block(name, "declared sizes exceed the data")
+    layout_raw, stored = view[_HEADER.size : body], view[body:]
+    layout = _parse_layout(name, layout_raw)
+    if sum(_part_nbytes(p) for p in layout) != raw:
+        raise corrupt_block(name, "layout does not add up to the raw length")
+    if comp == COMPRESSIONS[None]:
+        if stored.nbytes != raw:
+            raise corrupt_block(name, "payload length differs from the raw length")
+        payload = stored
+    else:
+        payload = _unshuffle(name, stored, raw, layout)
+    if not verify:
+        return payload
+    if finish_name(hasher(key, payload), bytes(layout_raw)) != name:
+        raise corrupt_block(name, "content does not hash to the name")
+    return payload
+
+
+def _part_nbytes(part: Part) -> int:
+    return math.prod(part[1]) * DTYPES[part[0]][1].itemsize
+
+
+def max_raw_bytes(stored: int) -> int:
+    """The most payload bytes a block file of ``stored`` bytes can decode to:
+    what a reader may allocate for it, whatever a header declares."""
+    return stored * _ZSTD_MAX_RATIO
+
+
+def _unshuffle(name: str, stored: memoryview, raw: int, layout: list[Part]) -> memoryview:
+    if raw > stored.nbytes * _ZSTD_MAX_RATIO:
+        raise corrupt_block(name, "raw length impossible for this much zstd data")
+    try:
+        if zstandard.frame_content_size(stored) != raw:
+            raise corrupt_block(name, "zstd frame size differs from the raw length")
+        plain = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise corrupt_block(name, f"zstd: {e}") from None
+    if len(plain) != raw:
+        raise corrupt_block(name, "zstd output differs from the raw length")
+    src = np.frombuffer(plain, np.uint8)
+    out = np.empty(raw, np.uint8)
+    offset = 0
+    for part in layout:
+        n, size = _part_nbytes(part), DTYPES[part[0]][1].itemsize
+        out[offset : offset + n].reshape(-1, size)[:] = src[offset : offset + n].reshape(size, -1).T
+        offset += n
+    return memoryview(out)
