@@ -9,7 +9,9 @@ shared through a bucket.
 - ``DiskWatcher``: follows the store's index change log (``BlockStore.changes``,
   one LMDB read when nothing changed) on a thread, so the disk tier, its
   evictions and what other processes on the same root did are journalled
-  without a scan per request.
+  without a scan per request. It starts when the store opens, at the node's
+  first request (not earlier: opening a store with a bucket lists the bucket,
+  and a listing at start would be stale by the first request).
 - ``residency_handler``: mlx-lm's ``APIHandler`` plus ``GET /blockkv/events``
   (``?since=SEQ&wait=SECONDS``, a long poll) and ``GET /blockkv/residency``
   (the snapshot).
@@ -24,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -50,6 +51,8 @@ class ResidentPromptCache(PersistentPromptCache):
         self._watcher: DiskWatcher | None = None
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        if model == self.model_key and self._watcher is None:
+            self.store_for(model)  # the disk is published from the first request on, whatever its length
         found = super().fetch_nearest_cache(model, tokens)  # a disk hit is also inserted into the RAM tier
         self._ram_changed()
         return found
@@ -170,19 +173,3 @@ def residency_handler(base: type, journal: Journal) -> type:
             self.wfile.write(data)
 
     return ResidencyHandler
-
-
-def after_default_load(model_provider: Any, cache_of: Callable[[], ResidentPromptCache | None]) -> None:
-    """Open the default model's store as soon as mlx-lm has loaded it (in its
-    generation thread, where every other store lookup runs), so a restarted
-    node publishes its disk before its first request. Not earlier: a model
-    still to download has no identity yet."""
-    load_default = model_provider.load_default
-
-    def load_then_open() -> None:
-        load_default()
-        cache = cache_of()
-        if cache is not None:
-            cache.store_for(cache.model_key)
-
-    model_provider.load_default = load_then_open

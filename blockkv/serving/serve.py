@@ -29,7 +29,7 @@ from blockkv.human import format_size, parse_count, parse_option, parse_size
 from blockkv.serving.digests import SALT_ENV, fleet_key
 from blockkv.serving.identity import KVQuant
 from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, check_remote
-from blockkv.serving.publish import ResidentPromptCache, after_default_load, residency_handler
+from blockkv.serving.publish import ResidentPromptCache, residency_handler
 from blockkv.serving.residency import Journal
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
         handler = residency_handler(server.APIHandler, journal)
         setattr(server, "_run_http_server", functools.partial(original_http_server, handler_class=handler))
-        after_default_load(model_provider, lambda: caches[0] if caches else None)
         try:
             return original_run(host, port, model_provider, *more, **kw)
         finally:
