@@ -22,6 +22,7 @@ resync, and reads the snapshot.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -52,7 +53,7 @@ class Journal:
         self._cond = threading.Condition()
         self._seq = 0
         self._log: deque[tuple[int, dict[str, Any]]] = deque(maxlen=keep)
-        self._entries: dict[str, dict[Hashable, list[str]]] = {m: {} for m in MEDIA}
+        self._entries: dict[str, dict[Hashable, tuple[str, ...]]] = {m: {} for m in MEDIA}
         self._refs: dict[str, Counter[str]] = {m: Counter() for m in MEDIA}
 
     def apply(self, medium: str, stored: Iterable[tuple[Hashable, Sequence[int] | np.ndarray]] = (),
@@ -72,7 +73,8 @@ class Journal:
             for key, tokens in stored:
                 if key in entries:
                     continue
-                digests = entries[key] = prefix_digests(tokens, self._key, self.block_size)
+                # interned: an entry keeps pointers to the digests the counts hold, not its own copies
+                digests = entries[key] = tuple(map(sys.intern, prefix_digests(tokens, self._key, self.block_size)))
                 new = [i for i, d in enumerate(digests) if refs[d] == 0]
                 refs.update(digests)
                 if new:
