@@ -2,8 +2,10 @@
 agent workload sent through ``blockkv route`` and, round-robin, straight to
 the same kind of fleet — three ``blockkv serve`` nodes on one machine, each
 with its own --cache-dir, sharing one bucket on moto's S3 server (its own
-process on loopback). Each way gets a fresh fleet (new roots, a new bucket
-prefix), so neither inherits the other's caches.
+process on loopback). Each run gets a fresh fleet (new roots, a new bucket
+prefix), so neither way inherits the other's caches, and the ways alternate
+(router, round-robin, round-robin, router) so a load that drifts during the
+run weighs on both alike.
 
 Agents run concurrently, each a conversation of several turns (streamed, as
 agents do) on one of two system prompts. Per way it reports:
@@ -17,7 +19,7 @@ agents do) on one of two system prompts. Per way it reports:
   and of all turns.
 
     python tools/route_bench.py                    # the run in docs/scale-out.md
-    python tools/route_bench.py --sessions 3 --turns 2 --system-words 200   # a quick look
+    python tools/route_bench.py --sessions 3 --turns 2 --system-words 200 --user-words 40   # a quick look
 """
 
 from __future__ import annotations
@@ -73,11 +75,13 @@ def _held(node: Process) -> set[str]:
 
 def run_way(way: str, args: argparse.Namespace, model: Path, tokenizer: PromptTokenizer, url: str,
             options: dict[str, str], work: Path) -> list[Sent]:
-    """The workload through ``way`` on a fresh fleet; every request it sent."""
+    """The workload through ``way`` on a fresh fleet (new roots and bucket prefix
+    under ``work``); every request it sent."""
     options = {**options, **({"sync_interval": str(args.sync_interval)} if args.sync_interval is not None else {})}
-    remote = ["--remote", f"{url}-{way}", *(a for k, v in options.items() for a in ("--remote-option", f"{k}={v}"))]
-    nodes = [Process(["serve", "--model", str(model), "--cache-dir", str(work / f"{way}-{i}"), "--fleet-salt", SALT,
-                      "--log-level", "WARNING", *remote], work / f"{way}-node{i}.log") for i in range(3)]
+    remote = ["--remote", f"{url}-{work.name}", *(a for k, v in options.items() for a in ("--remote-option", f"{k}={v}"))]
+    work.mkdir()
+    nodes = [Process(["serve", "--model", str(model), "--cache-dir", str(work / f"node{i}"), "--fleet-salt", SALT,
+                      "--log-level", "WARNING", *remote], work / f"node{i}.log") for i in range(3)]
     router = None
     try:
         for node in nodes:
@@ -154,13 +158,16 @@ def summary(sent: list[Sent], bucket_bytes: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sessions", type=int, default=9, help="agents (conversations), default %(default)s")
-    p.add_argument("--turns", type=int, default=4, help="turns per conversation, default %(default)s")
+    p.add_argument("--sessions", type=int, default=8, help="agents (conversations), default %(default)s")
+    p.add_argument("--turns", type=int, default=8, help="turns per conversation, default %(default)s")
     p.add_argument("--concurrency", type=int, default=4, help="agents at once, default %(default)s (not the "
                    "number of nodes: agents in lockstep would each meet the same node every turn under round-robin)")
     p.add_argument("--system-words", type=int, default=800, help="words per system prompt, default %(default)s")
-    p.add_argument("--user-words", type=int, default=40, help="words per user turn, default %(default)s")
+    p.add_argument("--user-words", type=int, default=150,
+                   help="words per user turn (an agent's tool output), default %(default)s")
     p.add_argument("--max-tokens", type=int, default=12, help="tokens per answer, default %(default)s")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="fleets per way, in the order router, round-robin, round-robin, router, ... (default %(default)s)")
     p.add_argument("--sync-interval", type=float, metavar="SECONDS",
                    help="the nodes' sync_interval: how soon a node learns what the others stored (default: theirs, 30)")
     p.add_argument("--json", type=Path, help="also write the figures here")
@@ -171,15 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = build_model_dir(work / "model", "llama", overrides=DEMO_MODEL)
         tokenizer = PromptTokenizer(str(model))
-        results: dict[str, Any] = {}
-        requests: dict[str, list[dict[str, Any]]] = {}
+        sent: dict[str, list[Sent]] = {way: [] for way in WAYS}
+        read = dict.fromkeys(WAYS, 0)
         with moto_bucket() as (url, options, received):
-            for way in WAYS:
-                read = received()["blob_bytes_read"]
-                sent = run_way(way, args, model, tokenizer, url, options, work)
-                results[way] = summary(sent, received()["blob_bytes_read"] - read)
-                requests[way] = [asdict(s) for s in sent]
-                load.append(os.getloadavg())
+            for r in range(args.rounds):  # A B B A ...: a load that drifts weighs on both ways alike
+                for way in WAYS if r % 2 == 0 else WAYS[::-1]:
+                    before = received()["blob_bytes_read"]
+                    sent[way] += run_way(way, args, model, tokenizer, url, options, work / f"{way}-{r}")
+                    read[way] += received()["blob_bytes_read"] - before
+                    load.append(os.getloadavg())
+        results = {way: summary(sent[way], read[way]) for way in WAYS}
+        requests = {way: [asdict(s) for s in sent[way]] for way in WAYS}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     router, robin = results["router"], results["round-robin"]
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         a, b = router[name], robin[name]
         print(f"{name:32s}{a:14.3f}{b:14.3f}" if isinstance(a, float) else f"{name:32s}{a:14d}{b:14d}")
     print(f"TTFT median of later turns, router / round-robin: {report['ttft_later_median_ratio']:.2f}")
-    print("load average (1, 5, 15 min) at start and after each way: "
+    print("load average (1, 5, 15 min) at start and after each fleet: "
           + "; ".join(", ".join(f"{x:.1f}" for x in la) for la in load))
     if args.json:
         args.json.write_text(json.dumps({**report, "requests": requests}, indent=2) + "\n")
