@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 
 from blockkv import BlockStore
-from blockkv.serving.digests import BLOCK_SIZE, fleet_key, is_digest, prefix_digests, salt_check
+from blockkv.serving.digests import (
+    BLOCK_SIZE,
+    fleet_key,
+    is_digest,
+    prefix_digests,
+    salt_check,
+)
 from blockkv.serving.identity import StoreIdentity
 from blockkv.serving.publish import DiskWatcher, ResidentPromptCache
 from blockkv.serving.residency import Journal

@@ -13,6 +13,7 @@ restored from the bucket rather than prefilled."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -166,7 +167,7 @@ def test_sessions_stay_on_their_node_and_answer_as_a_node_does(fleet: Fleet) -> 
     _converse(fleet, sessions, range(3), record)
     for s, turns in record.items():
         assert {t.node for t in turns} == {turns[0].node}, (s, [t.node for t in turns])
-        for before, after in zip(turns, turns[1:]):
+        for before, after in itertools.pairwise(turns):
             assert after.cached >= before.prompt_tokens  # the whole conversation so far came from the node
     # sessions of one system prompt share its node; the other prompt's went to an idle one
     assert record[0][0].node == record[2][0].node != record[1][0].node == record[3][0].node

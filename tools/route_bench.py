@@ -40,15 +40,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, for benchmarks/
 
-import openai  # noqa: E402 - after the path
-from benchmarks.remote import moto_bucket  # noqa: E402
+import openai
+from benchmarks.remote import moto_bucket
 
-from blockkv.serving.demo import DEMO_MODEL  # noqa: E402
-from blockkv.serving.digests import fleet_key, prefix_digests  # noqa: E402
-from blockkv.serving.route import NODE_HEADER  # noqa: E402
-from blockkv.serving.route_tokens import PromptTokenizer  # noqa: E402
-from blockkv.testing.fleet import Process  # noqa: E402
-from blockkv.testing.model_dir import build_model_dir, sample_text  # noqa: E402
+from blockkv.serving.demo import DEMO_MODEL
+from blockkv.serving.digests import fleet_key, prefix_digests
+from blockkv.serving.route import NODE_HEADER
+from blockkv.serving.route_tokens import PromptTokenizer
+from blockkv.testing.fleet import Process
+from blockkv.testing.model_dir import build_model_dir, sample_text
 
 SALT = "route bench"
 WAYS = ("router", "round-robin")
@@ -152,7 +152,6 @@ def summary(sent: list[Sent], bucket_bytes: int) -> dict[str, Any]:
         "ttft_later_p95_s": _percentile([s.ttft_s for s in later], 0.95),
         "ttft_all_median_s": statistics.median(s.ttft_s for s in sent),
         "ttft_all_p95_s": _percentile([s.ttft_s for s in sent], 0.95),
-        "nodes_used": len({s.node for s in sent}),
     }
 
 

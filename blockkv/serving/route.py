@@ -36,7 +36,14 @@ from typing import Any
 from blockkv.serving.digests import SALT_ENV, fleet_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
 from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
-from blockkv.serving.scoring import Matches, Option, Start, order, queue_cost, start_cost
+from blockkv.serving.scoring import (
+    Matches,
+    Option,
+    Start,
+    order,
+    queue_cost,
+    start_cost,
+)
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +141,7 @@ class Handler(BaseHTTPRequestHandler):
 
     router: Router  # set on the subclass made per server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s - %s", self.address_string(), format % args)
 
     def do_GET(self) -> None:
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         nodes = [Node(url).url for url in args.node]  # checked before the tokenizer loads
         if not isinstance(args.chat_template_args, dict):
-            raise ValueError("--chat-template-args must be a JSON object")
+            raise TypeError("--chat-template-args must be a JSON object")
         tokenizer = PromptTokenizer(args.model, chat_template=args.chat_template or None,
                                     chat_template_args=args.chat_template_args,
                                     use_default_chat_template=args.use_default_chat_template,

@@ -46,7 +46,7 @@ class PromptTokenizer:
         from mlx_lm.server import CompletionRequest, ResponseGenerator
 
         if not isinstance(body, dict):
-            raise ValueError("the request body is not a JSON object")
+            raise TypeError("the request body is not a JSON object")
         if path in CHAT_PATHS:
             request = CompletionRequest("chat", "", body["messages"], body.get("tools") or None, body.get("role_mapping"))
         elif path in TEXT_PATHS:
