@@ -28,7 +28,6 @@ from blockkv.serving.scoring import (
     ACTIVE_COST,
     BUCKET_COST,
     DISK_COST,
-    MOVE_MARGIN,
     Matches,
     Option,
     Start,
@@ -101,10 +100,12 @@ def test_ranking_follows_residency_then_leaves_a_buried_hot_node() -> None:
         c.begin(i, 3000.0, [])
     assert router.rank(prompt)[0][0] is b
     for i in range(3):
-        c.started(i)  # their first tokens came back: ACTIVE_COST each remains, less than b's restore
-    assert 3 * ACTIVE_COST + 200 < 64 * 32 * DISK_COST + 200 and router.rank(prompt)[0][0] is c
-    for i in range(3):
-        c.end(i)
+        c.started(i)  # their first tokens came back: ACTIVE_COST each remains, still more than b's restore
+    assert 3 * ACTIVE_COST > 64 * 32 * DISK_COST and router.rank(prompt)[0][0] is b
+    c.end(0)
+    c.end(1)  # one request in flight costs less than restoring the system prompt on b
+    assert ACTIVE_COST < 64 * 32 * DISK_COST and router.rank(prompt)[0][0] is c
+    c.end(2)
     assert c.queue() == (0.0, 0)
     c.failed("refused")  # down: skipped; its disk is not the bucket unless it has one
     assert c not in [n for n, *_ in router.rank(prompt)]
@@ -116,14 +117,12 @@ def test_ranking_follows_residency_then_leaves_a_buried_hot_node() -> None:
     assert (best.tier, best.reused) == ("bucket", len(digests) * 32)
 
 
-def test_a_conversation_stays_unless_moving_saves_more_than_the_margin() -> None:
-    def option(reused: int, cost: float, queue: float = 0.0) -> Option:
-        return Option(Start(cost, "ram" if reused else "cold", reused), queue, 0, 0)
+def test_the_cheapest_node_leads_and_ties_go_to_the_least_busy() -> None:
+    def option(cost: float, in_flight: int = 0, routed: int = 0) -> Option:
+        return Option(Start(cost, "cold", 0), 0.0, in_flight, routed)
 
-    assert order([option(0, 100), option(0, 90), option(0, 95)]) == [1, 2, 0]
-    holder, cheaper = option(900, 50, queue=100), option(800, 100)
-    assert order([cheaper, holder]) == [1, 0]  # 150 against 100: within the margin, it stays
-    assert order([option(800, 100), option(900, 50, queue=100 + MOVE_MARGIN)]) == [0, 1]
+    assert order([option(100), option(90), option(95)]) == [1, 2, 0]
+    assert order([option(90, 1), option(90, 0, 5), option(90, 0, 2)]) == [2, 1, 0]
     assert order([]) == []
 
 
@@ -136,10 +135,7 @@ def test_a_routed_prompt_counts_as_hot_until_events_confirm_it() -> None:
     node, start, ds = router.rank(prompt)[0]
     assert node is a and start.tier == "cold"
     a.begin(7, start.cost, ds)
-    assert router.rank(prompt + [1])[0][0] is a  # the same prompt waits for it rather than prefill it again
-    a.begin(6, 3000.0, [])
-    assert router.rank(prompt + [1])[0][0] is b  # not behind another long prefill too
-    a.end(6)
+    assert router.rank(prompt + [1])[0][0] is b  # a's queue holds the whole prefill: prefilling in parallel is sooner
     a.end(7)
     assert router.rank(prompt + [1])[0][0] is a and router.rank(prompt + [1])[0][1].tier == "ram"
     a.epoch = "e"

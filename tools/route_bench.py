@@ -51,6 +51,7 @@ from blockkv.testing.fleet import Process
 from blockkv.testing.model_dir import build_model_dir, sample_text
 
 SALT = "route bench"
+BEGAN = time.perf_counter()
 WAYS = ("router", "round-robin")
 
 
@@ -62,7 +63,9 @@ class Sent:
     session: int
     turn: int
     node: str
+    sent_at: float  # seconds since the run began
     ttft_s: float
+    total_s: float
     prompt_tokens: int
     cached_tokens: int
     own: bool | None  # later turns: served from the node's own RAM or disk
@@ -121,7 +124,8 @@ def run_way(way: str, args: argparse.Namespace, model: Path, tokenizer: PromptTo
                 own = None
                 if before:  # the conversation so far, as whole blocks: on this node, and not prefilled
                     own = set(before) <= held[node] and cached >= 32 * len(before)
-                sent.append(Sent(way, session, turn, node, ttft, usage.prompt_tokens, cached, own))
+                sent.append(Sent(way, session, turn, node, start - BEGAN, ttft, time.perf_counter() - start,
+                                 usage.prompt_tokens, cached, own))
                 messages.append({"role": "assistant", "content": "".join(text)})
                 before = prefix_digests(tokens, key)
             return sent

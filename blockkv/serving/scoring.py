@@ -12,9 +12,7 @@ token, plus the work already queued on it:
   prefill, until its first token streams back) plus ``ACTIVE_COST``.
 
 The cheapest option per node is taken; the cheapest node wins, ties going to
-the node with fewer requests in flight, then fewer routed so far; except that
-the node reusing the most of the prompt keeps it unless another is cheaper by
-more than ``MOVE_MARGIN``. This is
+the node with fewer requests in flight, then fewer routed so far. This is
 Dynamo's KV router (prefill blocks a worker would compute, plus its active
 blocks) with llm-d's tiers weighted by what reading them costs instead of a
 weighted sum of normalised scores: every term is in the same unit, so a hot
@@ -30,17 +28,14 @@ from dataclasses import dataclass
 # for the same decision) and a bucket restore 0.09x a local one (issue #23).
 DISK_COST = 1 / 16
 BUCKET_COST = 1 / 4
-# A request in flight past its prefill still takes a share of every batch step
-# (mlx-lm decodes requests together): charged as this many prompt tokens. A
-# decode step costs what prefilling about one token does on a CPU (measured
-# with the demo model) and a few tens on a GPU, where decoding is bound by
-# memory; a new prompt shares a few of those steps with each such request.
-ACTIVE_COST = 16.0
-# Below this many tokens of estimated gain, a conversation stays on the node
-# that holds most of it: the queue terms are estimates (a request's prefill is
-# taken to end when its first token streams back), and a conversation that
-# moves leaves its history behind, so its next turn finds less on either node.
-MOVE_MARGIN = 128.0
+# A request in flight delays a new one on the same node by about what
+# prefilling this many tokens takes: mlx-lm's server lets a new request join
+# its batch only between time budgets of up to 0.5 s, so a busy node answers
+# later whatever the prompt. Measured with tools/route_bench.py (a tiny model
+# on 2 CPU cores): a later turn that found its node busy with one request
+# started 0.33 s later than one that found it idle, about 66 tokens of prefill
+# at the 195 tokens/s measured for the same model in one process.
+ACTIVE_COST = 64.0
 
 
 @dataclass(frozen=True)
@@ -92,12 +87,5 @@ class Option:
 
 
 def order(options: list[Option]) -> list[int]:
-    """Indices of ``options``, best first (see the module's docstring)."""
-    best = sorted(range(len(options)), key=lambda i: (options[i].cost, options[i].in_flight, options[i].routed))
-    if not best:
-        return best
-    holder = max(best, key=lambda i: options[i].start.reused)  # the first of the longest, by cost
-    if options[holder].start.reused > 0 and options[holder].cost <= options[best[0]].cost + MOVE_MARGIN:
-        best.remove(holder)
-        best.insert(0, holder)
-    return best
+    """Indices of ``options``, best first: cheapest, then fewer in flight, then fewer routed."""
+    return sorted(range(len(options)), key=lambda i: (options[i].cost, options[i].in_flight, options[i].routed))
