@@ -16,6 +16,7 @@ from blockkv.errors import (
 from blockkv.format.codec import minimum_reusable_offset, register_codec, trimmable
 from blockkv.local.check import CheckReport
 from blockkv.local.directory import list_fingerprints
+from blockkv.local.read_only import ReadOnlyStore
 from blockkv.records import Entry, GenerationCheckpoint, Loaded, Match
 from blockkv.store import BlockStore
 
@@ -32,6 +33,7 @@ __all__ = [
     "Loaded",
     "Match",
     "NewerFormatError",
+    "ReadOnlyStore",
     "list_fingerprints",
     "minimum_reusable_offset",
     "register_codec",

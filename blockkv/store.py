@@ -27,7 +27,7 @@ import numpy as np
 
 from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
 from blockkv.arguments import open_only as _open_only
-from blockkv.errors import LockTimeout
+from blockkv.errors import CorruptBlockError, CorruptError, LockTimeout
 from blockkv.format.blocks import CODEC_ID, DEFAULT_BLOCK_TOKENS, KEYED_CODEC_ID, Snapshot
 from blockkv.format.header import Header, Identity
 from blockkv.fs import FileLayer
@@ -111,7 +111,8 @@ class BlockStore:
         self._pool = self._dir.pool
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
-            ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
+            ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated", "bytes_read",
+             "verify_failures", "bucket_errors"), 0)
         self._executor = Executors()  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
@@ -155,6 +156,11 @@ class BlockStore:
         return cls(d.parent, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                    tokenizer_hash=ident.tokenizer_hash, max_bytes=max_bytes if max_bytes is not None else 1 << 62,
                    **kwargs)
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (f"<BlockStore{state} {str(self.root)!r} model_id={self.identity.model_id!r} "
+                f"config_fingerprint={self.identity.config_fingerprint!r}>")
 
     # -- lifecycle ------------------------------------------------------------
     def close(self) -> None:
@@ -342,17 +348,25 @@ class BlockStore:
             self._refresh()  # another handle may have materialised it
             if entry.id not in self._catalog and not self._remote.materialise(entry):
                 return None
-        read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
-        try:
-            header, caches, attachments = read.run(cut)
-        except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            self._retention.restore_failed(entry, exc, read.culprit(exc))
-            return None
+        for attempt in range(2):
+            read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
+            try:
+                header, caches, attachments = read.run(cut)
+                break
+            except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
+                if isinstance(exc, CorruptError):
+                    self.stats["verify_failures"] += 1
+                culprit = read.culprit(exc)
+                if attempt == 0 and self._heal(entry, exc, culprit):
+                    continue  # the bucket's verified copy replaced a rotten local block: read again
+                self._retention.restore_failed(entry, exc, culprit)
+                return None
         try:
             self._index.touch(entry.id, self._clock())
         except lmdb.Error:
             pass
         self.stats["restores"] += 1
+        self.stats["bytes_read"] += read.bytes_read
         self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
         if self._remote is not None:
             self._remote.used(entry)
@@ -402,16 +416,21 @@ class BlockStore:
         self.stats["bytes_written"] += stored.written
         self.stats["bytes_deduplicated"] += stored.deduplicated
         if self._remote is not None and checkpoint is None:  # checkpoints stay local (docs/scale-out.md)
-            return self._remote.upload(stored.entry_id, ns, stored.encoded, (b.ref.name for b in stored.layout.blocks),
-                                       stored.new, stored.replaced)
+            return self._remote.uploads.upload(stored.entry_id, ns, stored.encoded,
+                                               (b.ref for b in stored.layout.blocks), stored.new, stored.replaced)
         return True
+
+    def _heal(self, entry: Entry, exc: BaseException, culprit: str) -> bool:
+        """A local block failed its hash: with a bucket, its verified copy replaces it (remote/tier.py)."""
+        return (self._remote is not None and isinstance(exc, CorruptBlockError) and culprit not in ("", "header")
+                and self._remote.heal_block(entry, culprit))
 
     def _adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
         """A remote entry made local (``Commits.adopt``); what the rules remove for it goes from the bucket too."""
         return self._commits.adopt(entry_id, header, encoded, frame_of, self.max_bytes, self._adopted)
 
     def _adopted(self, entry_id: str) -> None:
-        self._remote.remove_replaced(self._retention.landed(entry_id))
+        self._remote.uploads.remove_replaced(self._retention.landed(entry_id))
 
     # -- remove, evict, gc (retention.py) ---------------------------------------------------------
     @_open_only
@@ -456,9 +475,21 @@ class BlockStore:
         ``LockTimeout`` if the lock is not had within ``lock_timeout``."""
         return self._retention.check(repair, progress)
 
+    def counters(self) -> dict[str, float]:
+        """``stats`` plus the entries eviction removed and the bytes uploaded to
+        the bucket, since the handle opened (what ``blockkv serve``'s /metrics shows)."""
+        uploaded = self._remote.uploads.uploaded_bytes if self._remote is not None else 0
+        return {**self.stats, "evictions": self._retention.evicted, "bytes_uploaded": uploaded}
+
+    def tier_of(self, entry: Entry) -> str:
+        """Where a restore of ``entry`` reads it from: "disk", or "bucket" while only the bucket holds it."""
+        return "bucket" if self._remote is not None and self._remote.is_remote_only(entry.id) else "disk"
+
     # -- helpers ---------------------------------------------------------------------------------
     def _warn(self, kind: str, message: str, *, once: bool = True) -> None:
         """One warning per kind of failure: a full disk must not flood the log."""
+        if kind.startswith("remote"):
+            self.stats["bucket_errors"] += 1
         if once and kind in self._warned:
             log.debug("blockkv: %s", message)
             return

@@ -211,6 +211,12 @@ def register_codec(cls: type, codec: CacheCodec, name: str | None = None) -> Non
     if not isinstance(name, str) or not name or len(name) > MAX_STR:
         raise ValueError(f"codec name must be a non-empty str, got {name!r}")
     _BY_TYPE[cls] = (name, codec)
+    register_kind(name, codec)
+
+
+def register_kind(name: str, codec: CacheCodec) -> None:
+    """Decode records of ``kind == name`` with ``codec``, with no class to
+    encode: a kind another mlx-lm version writes (``kinds.MambaCacheCodec``)."""
     _BY_NAME[name] = codec
 
 

@@ -6,6 +6,7 @@ built-in kind can be decoded."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from blockkv.format import state_api
 from blockkv.format.codec import (
     MAX_INT,
     CacheRecord,
@@ -30,6 +32,7 @@ from blockkv.format.codec import (
     dtype_name,
     encode_cache,
     register_codec,
+    register_kind,
 )
 
 # ---------------------------------------------------------------- helpers
@@ -131,7 +134,7 @@ class KVCacheCodec(_KVLike):
 
     def decode(self, record: CacheRecord) -> KVCache:
         k, v = record.tensors
-        return KVCache.from_state((_opt_array(k), _opt_array(v), record.meta["offset"]))
+        return state_api.kv_cache(_opt_array(k), _opt_array(v), record.meta["offset"])
 
 
 class ConcatenateKVCacheCodec(_KVLike):
@@ -143,7 +146,7 @@ class ConcatenateKVCacheCodec(_KVLike):
         k, v = record.tensors
         if k is None or v is None:
             return ConcatenateKVCache()
-        return ConcatenateKVCache.from_state((k.array(), v.array()))
+        return state_api.concatenate_kv_cache(k.array(), v.array())
 
 
 class QuantizedKVCacheCodec(_KVLike):
@@ -169,7 +172,7 @@ class QuantizedKVCacheCodec(_KVLike):
         n = m["parts"]
         arrays = [t.array() for t in record.tensors if t is not None]
         keys, values = (tuple(arrays[:n]), tuple(arrays[n:])) if n else (None, None)
-        return QuantizedKVCache.from_state((keys, values, m["offset"], m["group_size"], m["bits"]))
+        return state_api.quantized_kv_cache(keys, values, m["offset"], m["group_size"], m["bits"])
 
 
 class RotatingKVCacheCodec:
@@ -190,8 +193,8 @@ class RotatingKVCacheCodec:
     def decode(self, record: CacheRecord) -> RotatingKVCache:
         k, v = record.tensors
         m = record.meta
-        state = (_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"], m["_idx"])
-        return RotatingKVCache.from_state(state)
+        return state_api.rotating_kv_cache(_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"],
+                                           m["_idx"])
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "offset", "keep", "max_size", "_idx")
@@ -229,8 +232,8 @@ class ChunkedKVCacheCodec(_KVLike):
     def decode(self, record: CacheRecord) -> ChunkedKVCache:
         k, v = record.tensors
         m = record.meta
-        state = (_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"], m["start_position"])
-        return ChunkedKVCache.from_state(state)
+        return state_api.chunked_kv_cache(_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"],
+                                          m["start_position"])
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "offset", "chunk_size", "start_position")
@@ -251,7 +254,7 @@ class ArraysCacheCodec:
 
     def encode(self, cache: ArraysCache, data: Data = True) -> CacheRecord:
         slots = [None if a is None else _tensor(a, False, data) for a in cache.cache]
-        for extra in (cache.left_padding, cache.lengths):
+        for extra in (state_api.batch_extra(cache, "left_padding"), state_api.batch_extra(cache, "lengths")):
             if extra is not None and extra.size != 1:
                 raise ValueError(f"batch size {extra.size} > 1 is not supported (ArraysCache padding)")
             slots.append(None if extra is None else _tensor(extra, False, data))
@@ -259,7 +262,7 @@ class ArraysCacheCodec:
 
     def decode(self, record: CacheRecord) -> ArraysCache:
         arrays = [_opt_array(t) for t in record.tensors]
-        return ArraysCache.from_state((arrays[:-2], arrays[-2], arrays[-1]))
+        return state_api.arrays_cache(arrays[:-2], arrays[-2], arrays[-1])
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "size")
@@ -277,6 +280,21 @@ class ArraysCacheCodec:
 
     def offset(self, record: CacheRecord) -> int | None:
         return None
+
+
+class MambaCacheCodec(ArraysCacheCodec):
+    """MambaCache (mlx-lm before 0.30): an ArraysCache of two slots under its
+    own name. Where mlx-lm has no such class, its records decode as the
+    ArraysCache that mlx-lm's mamba models make there."""
+
+    def encode(self, cache: ArraysCache, data: Data = True) -> CacheRecord:
+        return dataclasses.replace(super().encode(cache, data), kind="MambaCache")
+
+    def decode(self, record: CacheRecord) -> ArraysCache:
+        cache = super().decode(record)
+        if _MambaCache is not None:
+            cache.__class__ = _MambaCache  # the same object layout: a subclass adding only a constructor
+        return cache
 
 
 class CacheListCodec:
@@ -313,3 +331,8 @@ register_codec(RotatingKVCache, RotatingKVCacheCodec())
 register_codec(ChunkedKVCache, ChunkedKVCacheCodec())
 register_codec(ArraysCache, ArraysCacheCodec())
 register_codec(CacheList, CacheListCodec())
+_MambaCache: type | None = getattr(importlib.import_module("mlx_lm.models.cache"), "MambaCache", None)
+if _MambaCache is not None:
+    register_codec(_MambaCache, MambaCacheCodec())
+else:
+    register_kind("MambaCache", MambaCacheCodec())

@@ -7,8 +7,9 @@ flags as usual; blockkv only takes its own flags (``--cache-dir``,
 replaces the names the server looks up when it starts (``run``,
 ``LRUPromptCache`` and ``_run_http_server``) so the prompt cache it builds is a
 ``PersistentPromptCache`` configured with the server's own KV-quantisation and
-chat-template flags, whose residency the server publishes for ``blockkv route``
-(publish.py).
+chat-template flags; its HTTP server also answers ``GET /metrics``
+(``metrics.py``) and, for ``blockkv route``, what the server holds
+(``GET /blockkv/events``, ``GET /blockkv/residency``: ``publish.py``).
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
-from blockkv.human import format_size, parse_count, parse_option, parse_size
+from blockkv.human import format_size, parse_cap, parse_count, parse_option
+from blockkv.local.directory import default_root
 from blockkv.serving.digests import SALT_ENV, fleet_key
 from blockkv.serving.identity import KVQuant
+from blockkv.serving.metrics import ServeMetrics
+from blockkv.serving.metrics import install as install_metrics
 from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, check_remote
 from blockkv.serving.publish import ResidentPromptCache, residency_handler
 from blockkv.serving.residency import Journal
@@ -35,14 +38,15 @@ from blockkv.serving.residency import Journal
 log = logging.getLogger(__name__)
 
 
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/blockkv`` (``~/.cache/blockkv``): survives restarts, unlike /tmp."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "blockkv"
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad blockkv flag is one line on stderr and exit 2, before anything is created."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _own_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="blockkv serve",
         add_help=False,
         description="mlx-lm's server (every mlx_lm.server flag works) with blockkv as its disk tier.",
@@ -50,12 +54,12 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=default_cache_dir(),
+        default=default_root(),
         help="cache root on local disk (default: %(default)s)",
     )
     parser.add_argument(
         "--cache-bytes",
-        type=parse_size,
+        type=parse_cap,
         default=DEFAULT_CACHE_BYTES,
         help=f"byte cap of the disk tier per model, e.g. 20G (default: {format_size(DEFAULT_CACHE_BYTES)})",
     )
@@ -106,13 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = dict(args.remote_option) if args.remote_option else None
         check_remote(args.remote, options)
-    except (ValueError, TypeError, ImportError) as e:
+        # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
+        # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
+        unreachable = None
+        if args.remote is not None:
+            from blockkv.remote.options import probe_bucket
+
+            unreachable = probe_bucket(args.remote, options)
+    except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
         own.exit(2, f"blockkv serve: error: {e}\n")
+    if unreachable:
+        log.warning("blockkv: %s; serving from the local cache until it answers", unreachable)
 
     caches: list[ResidentPromptCache] = []
+    metrics = ServeMetrics(lambda: list(caches))
     original_run: Callable[..., Any] = server.run
     original_cache_class = server.LRUPromptCache
-    original_http_server = server._run_http_server
     journal = Journal(fleet_key(args.fleet_salt))
 
     def run(host: str, port: int, model_provider: Any, *more: Any, **kw: Any) -> Any:
@@ -139,16 +152,18 @@ def main(argv: list[str] | None = None) -> int:
                 remote_options=options,
             )
             caches.append(cache)
+            metrics.watch(cache)
             return cache
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
+        http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
         handler = residency_handler(server.APIHandler, journal)
-        setattr(server, "_run_http_server", functools.partial(original_http_server, handler_class=handler))
+        setattr(server, "_run_http_server", functools.partial(http_server, handler_class=handler))
         try:
             return original_run(host, port, model_provider, *more, **kw)
         finally:
             setattr(server, "LRUPromptCache", original_cache_class)
-            setattr(server, "_run_http_server", original_http_server)
+            setattr(server, "_run_http_server", http_server)
 
     # SIGTERM (systemd, docker stop) shuts down like Ctrl-C, so pending spills are flushed.
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -157,12 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     saved_argv = sys.argv
     sys.argv = ["blockkv serve", *rest]
     server.run = run
+    without_metrics = install_metrics(server, metrics)  # GET /metrics beside mlx-lm's own paths
     try:
         server.main()
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:
         server.run = original_run
+        without_metrics()
         sys.argv = saved_argv
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
@@ -170,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             cache.close()
             stats = cache.tier_stats
             log.info(
-                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits",
-                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"],
+                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits, %d bucket hits",
+                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"], stats["bucket_hits"],
             )
     return 0
 
