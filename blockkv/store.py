@@ -45,7 +45,7 @@ from blockkv.local.recovery import Recovery
 from blockkv.local.restore import EntryRead
 from blockkv.local.retention import Retention
 from blockkv.local.writers import IntentFile
-from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, Match
+from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
 
 if TYPE_CHECKING:
     from blockkv.remote.bucket import Bucket
@@ -311,6 +311,21 @@ class BlockStore:
         arr = self._lookup(tokens, ns)
         match = self._catalog.find_exact(arr, ns)
         return match if self._remote is None else self._remote.find(arr, ns, match, exact=True)
+
+    @_open_only
+    def changes(self, since: tuple[bytes, int] | None = None) -> LocalChanges:
+        """What entered and left the local directory (any handle on this root) since
+        position ``since`` of the index's change log; ``None``: everything now.
+        A read of the log, not a scan: cheap enough to poll. Records of every
+        identity and namespace (``EntryRecord.owner``, ``.ns``); a record removed
+        again before this call is left out of ``added`` (its removal is in ``removed``)."""
+        log = self._index.changes_since(since) if since is not None else None
+        if log is None:
+            position = self._index.position()  # first: a change made while we read is replayed next time
+            return LocalChanges(position, True, tuple(self._index.entries()), ())
+        position, ops = log
+        added = [r for i in dict.fromkeys(i for op, i in ops if op == "+") if (r := self._index.entry(i)) is not None]
+        return LocalChanges(position, False, tuple(added), tuple(i for op, i in ops if op == "-"))
 
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
