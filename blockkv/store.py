@@ -45,7 +45,7 @@ from blockkv.local.recovery import Recovery
 from blockkv.local.restore import EntryRead
 from blockkv.local.retention import Retention
 from blockkv.local.writers import IntentFile
-from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, Match
+from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
 
 if TYPE_CHECKING:
     from blockkv.remote.bucket import Bucket
@@ -170,7 +170,7 @@ class BlockStore:
             self._closed = True
             return
         if self._remote is not None:
-            self._remote.settle()  # what remote restores fetched is written through the executor's threads
+            self._remote.settle()  # restores' adoptions write through the executor's threads
         self._executor.shutdown()  # pending writes finish before the handle closes
         if self._remote is not None:
             self._remote.close()
@@ -223,14 +223,10 @@ class BlockStore:
 
     @_open_only
     def sync_remote(self) -> int:
-        """Keep locally what remote restores fetched, then list the bucket now:
-        learn entries other nodes stored, forget those evicted fleet-wide,
-        upload the backlog. Returns how many entries were learned; an outage is
-        a warning and 0, never an exception."""
-        if self._remote is None:
-            return 0
-        self._remote.settle()
-        return self._remote.sync()
+        """Let restores' adoptions land, then list the bucket now: learn entries
+        other nodes stored, forget those evicted fleet-wide, upload the backlog.
+        Returns how many entries were learned; an outage is a warning and 0."""
+        return self._remote.sync() if self._remote is not None else 0
 
     def _every_entry(self) -> list[Entry]:
         self._refresh()
@@ -245,8 +241,10 @@ class BlockStore:
     @property
     @_open_only
     def total_bytes(self) -> int:
-        """Headers plus every referenced block, each counted once."""
-        return self._index.total_bytes()
+        """Headers plus every block this identity's entries reference, each
+        counted once: what the cap counts (another identity sharing the
+        directory counts its own)."""
+        return self._retention.footprint()
 
     @property
     def max_bytes(self) -> int:
@@ -317,6 +315,21 @@ class BlockStore:
         return match if self._remote is None else self._remote.find(arr, ns, match, exact=True)
 
     @_open_only
+    def changes(self, since: tuple[bytes, int] | None = None) -> LocalChanges:
+        """What entered and left the local directory (any handle on this root) since
+        position ``since`` of the index's change log; ``None``: everything now.
+        A read of the log, not a scan: cheap enough to poll. Records of every
+        identity and namespace (``EntryRecord.owner``, ``.ns``); a record removed
+        again before this call is left out of ``added`` (its removal is in ``removed``)."""
+        log = self._index.changes_since(since) if since is not None else None
+        if log is None:
+            position = self._index.position()  # first: a change made while we read is replayed next time
+            return LocalChanges(position, True, tuple(self._index.entries()), ())
+        position, ops = log
+        added = [r for i in dict.fromkeys(i for op, i in ops if op == "+") if (r := self._index.entry(i)) is not None]
+        return LocalChanges(position, False, tuple(added), tuple(i for op, i in ops if op == "-"))
+
+    @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
         arr = tokens_array(prompt)
         self._refresh()
@@ -335,11 +348,10 @@ class BlockStore:
         p = check_prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
-        remote = self._remote is not None and self._remote.is_remote_only(entry.id)
-        if remote:
+        if self._remote is not None and self._remote.is_remote_only(entry.id):
             self._remote.settle(entry.id)  # a restore of it may be making it local right now
-            self._refresh()  # another handle may have materialised it
-            remote = entry.id not in self._catalog
+            self._refresh()  # this handle or another may have made it local
+        remote = self._remote is not None and entry.id not in self._catalog and self._remote.is_remote_only(entry.id)
         read = self._remote.restore(entry, cut) if remote else self._read(entry, cut)
         if read is None:
             return None
@@ -363,7 +375,8 @@ class BlockStore:
                 if isinstance(exc, CorruptError):
                     self.stats["verify_failures"] += 1
                 culprit = read.culprit(exc)
-                if attempt == 0 and self._heal(entry, exc, culprit):
+                if attempt == 0 and self._remote is not None and isinstance(exc, CorruptBlockError) \
+                        and culprit not in ("", "header") and self._remote.heal_block(entry, culprit):
                     continue  # the bucket's verified copy replaced a rotten local block: read again
                 self._retention.restore_failed(entry, exc, culprit)
                 return None
@@ -409,11 +422,9 @@ class BlockStore:
 
     def _commit(self, tokens: np.ndarray, ns: str, snap: Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
-        """One store (``Commits.store``), the seed's rules applied once it is visible
-        (``Retention.landed``), after what remote restores fetched is kept: an
-        entry this one continues is then local, and superseded."""
+        """One store (``Commits.store``), the seed's rules applied once it is visible (``Retention.landed``)."""
         if self._remote is not None:
-            self._remote.settle()
+            self._remote.settle()  # an entry restored from the bucket that this one continues: local, superseded
         stored = self._commits.store(tokens, ns, snap, checkpoint, self.max_bytes, self._retention.landed)
         if stored is None:
             return False
@@ -425,17 +436,10 @@ class BlockStore:
                                                (b.ref for b in stored.layout.blocks), stored.new, stored.replaced)
         return True
 
-    def _heal(self, entry: Entry, exc: BaseException, culprit: str) -> bool:
-        """A local block failed its hash: with a bucket, its verified copy replaces it (remote/tier.py)."""
-        return (self._remote is not None and isinstance(exc, CorruptBlockError) and culprit not in ("", "header")
-                and self._remote.heal_block(entry, culprit))
-
     def _adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
         """A remote entry made local (``Commits.adopt``); what the rules remove for it goes from the bucket too."""
-        return self._commits.adopt(entry_id, header, encoded, frame_of, self.max_bytes, self._adopted)
-
-    def _adopted(self, entry_id: str) -> None:
-        self._remote.uploads.remove_replaced(self._retention.landed(entry_id))
+        return self._commits.adopt(entry_id, header, encoded, frame_of, self.max_bytes,
+                                   lambda landed: self._remote.uploads.remove_replaced(self._retention.landed(landed)))
 
     # -- remove, evict, gc (retention.py) ---------------------------------------------------------
     @_open_only

@@ -191,8 +191,9 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
         "bad_unnamed_gc": ["gc", r],
         "bad_unnamed_repair": ["check", r, "--repair"],
         "bad_command": ["frobnicate", r],
+        "bad_route_node": ["route", "--model", r, "--node", "ftp://127.0.0.1:1"],
     }
-    passthrough = {name: [name, "--help"] for name in ("demo", "serve", "bench")}
+    passthrough = {name: [name, "--help"] for name in ("demo", "serve", "route", "bench")}
     before = tree(r)
     procs = run_all(*commands.values(), *passthrough.values())
     [module] = run_all(["stats", r, "--json"], module=True)
@@ -206,7 +207,7 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
 BAD = [
     "bad_missing_root", "bad_file_root", "bad_foreign_root", "bad_unknown_fingerprint",
     "bad_ambiguous_fingerprint", "bad_negative_size", "bad_size", "bad_unnamed_gc",
-    "bad_unnamed_repair", "bad_command", "bad_option",
+    "bad_unnamed_repair", "bad_command", "bad_option", "bad_route_node",
 ]
 
 
@@ -304,8 +305,8 @@ def test_evict_dry_run_plans_every_entry_and_deletes_nothing(built: Root, reads:
     assert proc.stdout.count("\n  ") == len(built.llama.token_counts + built.mamba.token_counts) + 2
 
 
-@pytest.mark.parametrize("name", ["demo", "serve", "bench"])
-def test_demo_serve_bench_get_the_rest_of_the_command_line(reads: Reads, name: str) -> None:
+@pytest.mark.parametrize("name", ["demo", "serve", "route", "bench"])
+def test_demo_serve_route_bench_get_the_rest_of_the_command_line(reads: Reads, name: str) -> None:
     proc = reads.results[name]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: blockkv {name}")
@@ -315,6 +316,7 @@ def test_stats_does_not_import_the_server(reads: Reads) -> None:
     proc = reads.results["imports"]
     assert proc.returncode == 0
     assert "blockkv.store" in proc.stderr and "mlx_lm.server" not in proc.stderr
+    assert "blockkv.serving.route" not in proc.stderr
 
 
 @pytest.mark.parametrize("name", BAD)
@@ -392,6 +394,52 @@ def test_check_reports_planted_faults_and_repair_fixes_them(root: Root) -> None:
     assert (stranger / "IDENTITY").read_text() == "{"
     shutil.rmtree(stranger)
     assert run_json("check", root.path)["clean"] is True
+
+
+def every_path(root: Path) -> dict[str, tuple[Any, ...]]:
+    """Every path under ``root``: its type, size and mtime, and a file's content digest."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else ""
+            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, digest)
+    return out
+
+
+def plant_recovery_work(fp_dir: Path) -> None:
+    """What opening a store would clean up: a corrupt header, a dead writer's
+    temp files and intent file, an unreferenced block that is not one, and a
+    dead store's pending references."""
+    header = next((fp_dir / "entries").rglob("*.bkv"))
+    data = bytearray(header.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (header.parent / ("ab" * 16 + ".bkv")).write_bytes(bytes(data))
+    dead = "w0123456789abcdef"
+    (fp_dir / "writers" / dead).write_bytes(b"")
+    block = next(p for p in (fp_dir / "blobs").rglob("*") if p.is_file())
+    (block.parent / f".{block.name}.{dead}.0badf00d.tmp").write_bytes(block.read_bytes()[:10])
+    (header.parent / f".{'cd' * 16}.bkv.{dead}.deadbeef.tmp").write_bytes(b"half a header")
+    (fp_dir / "blobs" / "ee" / ("ee" + "0" * 62)).write_bytes(b"not a block")
+    with BlockStore.open_dir(fp_dir) as store:
+        store._index.take_refs("ff" * 16, "entries/x/y.bkv", {block.name: block.stat().st_size})
+
+
+def test_read_commands_and_dry_runs_leave_a_damaged_root_byte_for_byte(root: Root) -> None:
+    """``ls``, ``stats``, ``check`` without ``--repair`` and ``evict --dry-run``
+    have no recovery side effect: every path, size, mtime and content stays
+    (llama's directory with work for recovery, mamba's without its index)."""
+    plant_recovery_work(root.fp_dir(root.llama))
+    plant_faults(root)
+    before = every_path(root.path)
+    r, fp = root.path, root.llama.fingerprint
+    procs = run_all(["evict", r, "-f", fp, "--to", "0", "--dry-run"], ["evict", r, "--all", "--to", "1", "--dry-run", "--json"],
+                    ["ls", r], ["ls", r, "--json"], ["stats", r], ["stats", r, "--json"],
+                    ["check", r], ["check", r, "-f", fp, "--json"])
+    assert [p.returncode for p in procs] == [0] * 6 + [1, 1], [p.stderr for p in procs]
+    assert "would remove" in procs[0].stdout
+    assert every_path(root.path) == before
 
 
 def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root) -> None:

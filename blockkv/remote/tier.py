@@ -128,9 +128,11 @@ class RemoteTier:
         self._identity_checked = True
 
     def sync(self) -> int:
-        """List the bucket now: learn new headers, forget the ones gone, answer the
-        fleet's requests for good copies, send the backlog. Returns how many
-        entries were learned (0 on an outage)."""
+        """List the bucket now (once restores' adoptions have landed): learn new
+        headers, forget the ones gone, answer the fleet's requests for good
+        copies, send the backlog. Returns how many entries were learned (0 on
+        an outage)."""
+        self.settle()
         with self._sync_lock:
             self._last_sync = time.monotonic()
             self._next_sync = self._last_sync + self.sync_interval
