@@ -43,13 +43,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.config import Shape  # noqa: E402
-from benchmarks.remote import moto_bucket  # noqa: E402
-from benchmarks.sources import VOCAB, KVSource  # noqa: E402
+from benchmarks.config import Shape
+from benchmarks.remote import moto_bucket
+from benchmarks.sources import VOCAB, KVSource
 
-from blockkv import BlockStore  # noqa: E402
-from blockkv.format.header import Header, encode_header  # noqa: E402
-from blockkv.local.directory import ns_dirname  # noqa: E402
+from blockkv import BlockStore
+from blockkv.format.header import Header, encode_header
+from blockkv.local.directory import ns_dirname
 
 IDENTITY = {"model_id": "bench/catalog", "config_fingerprint": "bench-catalog", "tokenizer_hash": "bench-tokenizer"}
 SHAPE = Shape(layers=1, kv_heads=1, head_dim=8)  # 32 bytes a token: the headers are what is measured

@@ -30,6 +30,7 @@ from blockkv.errors import (
     OversizedError,
 )
 from blockkv.format.descriptor import ParsedDescriptor
+from blockkv.format.frame import Judgement, judge_block
 from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header
 from blockkv.local.directory import HEADER_LAYOUT, parsed_header
 from blockkv.pool.protocol import BLOCK_LAYOUT
@@ -43,7 +44,6 @@ from blockkv.remote.objects import (
     header_name,
     outage,
 )
-from blockkv.format.frame import Judgement, judge_block
 from blockkv.remote.verify import convicts, frame_limit
 
 _LARGE_HEADER = 1 << 20  # headers above this are fetched one at a time: bounds what planted ones cost

@@ -20,7 +20,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from blockkv.errors import BlockMissingError, CorruptError, CorruptHeaderError, NewerFormatError
+from blockkv.errors import (
+    BlockMissingError,
+    CorruptError,
+    CorruptHeaderError,
+    NewerFormatError,
+)
 from blockkv.format.header import Header
 from blockkv.local.directory import Directory
 from blockkv.local.prefix_index import common_prefix_length

@@ -36,7 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from blockkv.errors import BlockKVError, BlockMissingError, CorruptError, NewerFormatError, OversizedError
+from blockkv.errors import (
+    BlockKVError,
+    BlockMissingError,
+    CorruptError,
+    NewerFormatError,
+    OversizedError,
+)
 from blockkv.format.blocks import DEFAULT_BLOCK_TOKENS, block_key
 from blockkv.format.descriptor import blocks_for_prefix, with_xxh3
 from blockkv.format.header import Header, Identity, decode_header

@@ -142,52 +142,89 @@ def remote_store(root: Path, url: str, options: dict[str, str], block_tokens: in
 
 def remote_restore(cfg: Config, work: Path) -> dict[str, Any]:
     """Node A stores one entry; node B, each rep with a wiped local root, opens,
-    finds it and restores it from the bucket (timed: the restore); then, in the
-    same rep, the limit (plain concurrent GETs of the same block objects, as
-    many threads as the bucket fetches with), B's warm local restore and mlx-lm's
-    warm load of the same cache."""
+    finds it and restores it from the bucket (timed: the restore, which returns
+    once the caches are filled; what it fetched is kept in the background,
+    which is let finish before anything else is timed); in the same rep, the
+    limit (plain concurrent GETs of the same block objects, as many threads as
+    the bucket fetches with: before the restore in odd reps, after it in even
+    ones, so a drifting load weighs on both), B's warm local restore and
+    mlx-lm's warm load of the same cache. Then, on fresh nodes, a restore of
+    half the entry (the blocks the server sent counted) against plain GETs of
+    the blocks it needs."""
     from blockkv.remote.bucket import Bucket
 
     n = cfg.remote_tokens
     src = KVSource.random(cfg.shape, n, seed=11)
     path = work / "remote-mlx.safetensors"
     save_prompt_cache(str(path), src.caches())
-    runs: dict[str, list[float]] = {"bucket_cold": [], "raw_get": [], "local_warm": [], "mlx": []}
-    with moto_bucket() as (url, options, _):
+    threads = int(inspect.signature(Bucket).parameters["fetch_threads"].default)
+    runs: dict[str, list[float]] = {k: [] for k in ("bucket_cold", "raw_get", "local_warm", "mlx", "partial",
+                                                     "partial_raw_get")}
+
+    def plain_gets(store: BlockStore, blocks: list[str]) -> float:
+        bucket = store.remote
+        assert bucket is not None
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(bucket.blocks.get, blocks))
+            return time.perf_counter() - t0
+
+    half = n // 2
+    with moto_bucket() as (url, options, received):
         with remote_store(work / "node-a", url, options, cfg.block_tokens) as a:
             assert a.store(src.tokens, src.caches()), "node A's store was not acknowledged"
             nbytes = a.total_bytes
-        for _ in range(max(cfg.reps, 3)):
+            entry_blocks = list(a.find_exact(src.tokens).entry.blocks)
+        for rep in range(max(cfg.reps, 3)):
             shutil.rmtree(work / "node-b", ignore_errors=True)
             with remote_store(work / "node-b", url, options, cfg.block_tokens) as b:
                 match = b.find_exact(src.tokens)
                 assert match is not None, "node B did not learn node A's entry"
+                if rep % 2:
+                    runs["raw_get"].append(plain_gets(b, entry_blocks))
                 t0 = time.perf_counter()
                 loaded = b.restore(match.entry)
                 assert loaded is not None, "restore from the bucket failed"
                 eval_caches(loaded.caches)
                 runs["bucket_cold"].append(time.perf_counter() - t0)
+                b.sync_remote()  # what the restore fetched is kept locally: let that finish first
                 check_restored(loaded.caches, src, n)
-                bucket = b.remote
-                assert bucket is not None
-                with ThreadPoolExecutor(int(inspect.signature(Bucket).parameters["fetch_threads"].default)) as pool:
-                    t0 = time.perf_counter()
-                    list(pool.map(bucket.blocks.get, match.entry.blocks))
-                    runs["raw_get"].append(time.perf_counter() - t0)
+                if not rep % 2:
+                    runs["raw_get"].append(plain_gets(b, entry_blocks))
                 local = b.find_exact(src.tokens)
-                assert local is not None
+                assert local is not None and b.tier_of(local.entry) == "disk"
                 for key, fn in (("local_warm", lambda: eval_caches(b.restore(local.entry).caches)),
                                 ("mlx", lambda: eval_caches(load_prompt_cache(str(path))))):
                     fn()  # warm
                     t0 = time.perf_counter()
                     fn()
                     runs[key].append(time.perf_counter() - t0)
+            shutil.rmtree(work / "node-b", ignore_errors=True)
+            with remote_store(work / "node-b", url, options, cfg.block_tokens) as b:
+                match = b.find_exact(src.tokens)
+                needed = entry_blocks[: -(-half // cfg.block_tokens)]
+                if rep % 2:
+                    runs["partial_raw_get"].append(plain_gets(b, needed))
+                sent = received()["blob_bytes_read"]
+                t0 = time.perf_counter()
+                loaded = b.restore(match.entry, prefix_len=half)
+                assert loaded is not None, "partial restore from the bucket failed"
+                eval_caches(loaded.caches)
+                runs["partial"].append(time.perf_counter() - t0)
+                partial_sent = received()["blob_bytes_read"] - sent
+                b.sync_remote()
+                check_restored(loaded.caches, src, half)
+                if not rep % 2:
+                    runs["partial_raw_get"].append(plain_gets(b, needed))
     shutil.rmtree(work / "node-a")
     shutil.rmtree(work / "node-b")
     path.unlink()
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {"tokens": n, "entry_bytes": nbytes, "runs_s": runs, "bucket_cold_s": med["bucket_cold"],
-            "local_warm_s": med["local_warm"], "mlx_load_s": med["mlx"], "raw_get_s": med["raw_get"]}
+            "local_warm_s": med["local_warm"], "mlx_load_s": med["mlx"], "raw_get_s": med["raw_get"],
+            "partial_tokens": half, "partial_s": med["partial"], "partial_raw_get_s": med["partial_raw_get"],
+            "partial_blocks": len(needed), "entry_blocks": len(entry_blocks),
+            "partial_bytes_sent": partial_sent}
 
 
 def remote_agent(cfg: Config, work: Path) -> dict[str, Any]:

@@ -133,7 +133,9 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
         ),
         *(
             [Target("restore from the bucket, cold local pool (moto on loopback) vs warm local restore",
-                    r["remote"]["restore"]["local_warm_s"] / r["remote"]["restore"]["bucket_cold_s"], ">=", 0.5, "x")]
+                    r["remote"]["restore"]["local_warm_s"] / r["remote"]["restore"]["bucket_cold_s"], ">=", 0.5, "x"),
+             Target("restore from the bucket vs plain concurrent GETs of the same blocks (time of the GETs / ours)",
+                    r["remote"]["restore"]["raw_get_s"] / r["remote"]["restore"]["bucket_cold_s"], ">=", 0.8, "x")]
             if r.get("remote") else []
         ),
     ]
