@@ -7,9 +7,11 @@ itself), the rest read from the local pool and verified. The caches are
 rebuilt straight from those frames: nothing is written and read back first.
 
 The node keeps what it fetched, by the local write order of a store
-(``Commits.adopt``), on a thread of its own while the restore returns: each
-frame is written into the local pool as soon as it has arrived, then the
-header. The header is the bucket's, byte for byte under its own id, when the
+(``Commits.adopt``), on a thread of its own once the caches are filled,
+while the restore returns: the verified frames are written from memory (no
+second pass over the bytes), then the header. Writing them while the rest
+were still in flight cost the restore a fifth of its time on two cores
+shared with the server (docs/scale-out.md, "Restore"). The header is the bucket's, byte for byte under its own id, when the
 restore needed every block; otherwise a header of its own for the prefix the
 fetched blocks cover (``prefix_header``), so the local invariant holds: a
 header in ``entries/`` has all its blocks in the local pool. The bucket's

@@ -294,10 +294,10 @@ class RemoteTier:
             parsed = ParsedEntry(header, with_xxh3(copy.descriptor, header.block_xxh3))
             read = RemoteRead(parsed, cut, self.dir.pool, key,
                               lambda block, raw: fetch_block(self.bucket, block, raw, key, **proof), self.bucket.submit)
-            adoption = read.adoption(entry.id, copy.data)
-            if adoption is not None:
-                self._adopt_later(entry.id, adoption, read)
             caches, attachments = read.rebuild()
+            adoption = read.adoption(entry.id, copy.data)
+            if adoption is not None:  # kept once the caches are filled: writing sooner slowed the fetches (bench)
+                self._adopt_later(entry.id, adoption, read)
         except (BlockMissingError, CorruptError, OversizedError) as exc:
             self.warn("remote-gone", f"remote entry {entry.id} is a miss and forgotten: {exc}")
             self._forget(entry.id, name)
@@ -315,8 +315,8 @@ class RemoteTier:
         return header, caches, attachments, sum(memoryview(read.frame(r.name)).nbytes for r in read.refs)
 
     def _adopt_later(self, entry_id: str, adoption: Adoption, read: RemoteRead) -> None:
-        """Keep what a restore fetched (``adopt``), on the adoption thread: each
-        block is written as soon as its frame has arrived."""
+        """Keep what a restore fetched (``adopt``) on the adoption thread, from
+        the verified frames in memory (nothing is read again)."""
         def adopt() -> None:
             try:
                 if self._adopt(adoption.entry_id, adoption.header, adoption.encoded, read.frame) and adoption.whole:
