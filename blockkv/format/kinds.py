@@ -1,23 +1,20 @@
 """The built-in cache kinds: how each mlx-lm cache class becomes a record and
-back, and how far it can be cut. Each is registered (``codec.register_codec``)
-when the format package is imported, so every record a descriptor names by a
-built-in kind can be decoded."""
+back, and how far it can be cut. Each is registered by its class's path
+(``codec.register_codec_by_path``) when the format package is imported, so
+every record a descriptor names by a built-in kind can be checked and decoded.
+
+mlx-lm is imported only to decode (``_classes``): importing it costs ~1 s
+(it imports transformers), which ``import blockkv``, ``blockkv ls`` and
+``stats`` must not pay; a caller that encodes a cache has imported it already."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ChunkedKVCache,
-    ConcatenateKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
 
 from blockkv.format.codec import (
     MAX_INT,
@@ -29,8 +26,26 @@ from blockkv.format.codec import (
     decode_cache,
     dtype_name,
     encode_cache,
-    register_codec,
+    register_codec_by_path,
 )
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        ConcatenateKVCache,
+        KVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+    )
+
+_MODULE = "mlx_lm.models.cache"
+
+
+def _classes() -> ModuleType:
+    """mlx-lm's cache module, imported the first time a record is decoded."""
+    return importlib.import_module(_MODULE)
 
 # ---------------------------------------------------------------- helpers
 
@@ -131,7 +146,7 @@ class KVCacheCodec(_KVLike):
 
     def decode(self, record: CacheRecord) -> KVCache:
         k, v = record.tensors
-        return KVCache.from_state((_opt_array(k), _opt_array(v), record.meta["offset"]))
+        return _classes().KVCache.from_state((_opt_array(k), _opt_array(v), record.meta["offset"]))
 
 
 class ConcatenateKVCacheCodec(_KVLike):
@@ -142,8 +157,8 @@ class ConcatenateKVCacheCodec(_KVLike):
     def decode(self, record: CacheRecord) -> ConcatenateKVCache:
         k, v = record.tensors
         if k is None or v is None:
-            return ConcatenateKVCache()
-        return ConcatenateKVCache.from_state((k.array(), v.array()))
+            return _classes().ConcatenateKVCache()
+        return _classes().ConcatenateKVCache.from_state((k.array(), v.array()))
 
 
 class QuantizedKVCacheCodec(_KVLike):
@@ -169,7 +184,7 @@ class QuantizedKVCacheCodec(_KVLike):
         n = m["parts"]
         arrays = [t.array() for t in record.tensors if t is not None]
         keys, values = (tuple(arrays[:n]), tuple(arrays[n:])) if n else (None, None)
-        return QuantizedKVCache.from_state((keys, values, m["offset"], m["group_size"], m["bits"]))
+        return _classes().QuantizedKVCache.from_state((keys, values, m["offset"], m["group_size"], m["bits"]))
 
 
 class RotatingKVCacheCodec:
@@ -191,7 +206,7 @@ class RotatingKVCacheCodec:
         k, v = record.tensors
         m = record.meta
         state = (_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"], m["_idx"])
-        return RotatingKVCache.from_state(state)
+        return _classes().RotatingKVCache.from_state(state)
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "offset", "keep", "max_size", "_idx")
@@ -230,7 +245,7 @@ class ChunkedKVCacheCodec(_KVLike):
         k, v = record.tensors
         m = record.meta
         state = (_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"], m["start_position"])
-        return ChunkedKVCache.from_state(state)
+        return _classes().ChunkedKVCache.from_state(state)
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "offset", "chunk_size", "start_position")
@@ -259,7 +274,7 @@ class ArraysCacheCodec:
 
     def decode(self, record: CacheRecord) -> ArraysCache:
         arrays = [_opt_array(t) for t in record.tensors]
-        return ArraysCache.from_state((arrays[:-2], arrays[-2], arrays[-1]))
+        return _classes().ArraysCache.from_state((arrays[:-2], arrays[-2], arrays[-1]))
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "size")
@@ -286,7 +301,7 @@ class CacheListCodec:
         return CacheRecord("CacheList", {}, (), tuple(encode_cache(c, data) for c in cache.caches))
 
     def decode(self, record: CacheRecord) -> CacheList:
-        return CacheList(*(decode_cache(c) for c in record.children))
+        return _classes().CacheList(*(decode_cache(c) for c in record.children))
 
     def check(self, record: CacheRecord) -> None:
         _require(not record.tensors and record.children, "CacheList needs children and no tensors")
@@ -306,10 +321,10 @@ class CacheListCodec:
         return max(offsets, default=None)
 
 
-register_codec(KVCache, KVCacheCodec())
-register_codec(ConcatenateKVCache, ConcatenateKVCacheCodec())
-register_codec(QuantizedKVCache, QuantizedKVCacheCodec())
-register_codec(RotatingKVCache, RotatingKVCacheCodec())
-register_codec(ChunkedKVCache, ChunkedKVCacheCodec())
-register_codec(ArraysCache, ArraysCacheCodec())
-register_codec(CacheList, CacheListCodec())
+register_codec_by_path(_MODULE, "KVCache", KVCacheCodec())
+register_codec_by_path(_MODULE, "ConcatenateKVCache", ConcatenateKVCacheCodec())
+register_codec_by_path(_MODULE, "QuantizedKVCache", QuantizedKVCacheCodec())
+register_codec_by_path(_MODULE, "RotatingKVCache", RotatingKVCacheCodec())
+register_codec_by_path(_MODULE, "ChunkedKVCache", ChunkedKVCacheCodec())
+register_codec_by_path(_MODULE, "ArraysCache", ArraysCacheCodec())
+register_codec_by_path(_MODULE, "CacheList", CacheListCodec())

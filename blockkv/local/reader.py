@@ -17,12 +17,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockkv import Entry
 from blockkv.errors import CorruptError
 from blockkv.format.header import Identity
 from blockkv.fs import FileLayer
 from blockkv.local.directory import Directory, read_identity
 from blockkv.local.index import read_only_entries
+from blockkv.records import Entry
 
 
 @dataclass(frozen=True)
