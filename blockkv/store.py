@@ -22,7 +22,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lmdb
 import numpy as np
 
 from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
@@ -333,10 +332,9 @@ class BlockStore:
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
             self._retention.restore_failed(entry, exc, read.culprit(exc))
             return None
-        try:
-            self._index.touch(entry.id, self._clock())
-        except lmdb.Error:
-            pass
+        now = self._clock()
+        self._dir.mark_used(self._dir.header_path(entry.ns, entry.id), now)  # the truth a rebuild reads
+        self._retention.used(entry.id, now)
         self.stats["restores"] += 1
         self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
         if self._remote is not None:

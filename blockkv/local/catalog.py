@@ -114,11 +114,10 @@ class Catalog:
         with self._mutex:
             return [*self._entries.values(), *self._foreign.values()]
 
-    def eviction_plan(self, index: Index, total: int, target: int) -> list[Entry]:
+    def eviction_plan(self, index: Index, last_use: Mapping[str, float], total: int, target: int) -> list[Entry]:
         """The entries whose removal brings ``total`` bytes down to ``target``,
-        least recently used first, of every identity (they share the cap). An
-        entry frees its header and the blocks no other entry still references."""
-        last_use = index.last_use()
+        least recently used first by ``last_use``, of every identity (they share
+        the cap). An entry frees its header and the blocks no other entry still references."""
         rows = index.blocks()
         refs = {n: row.refs for n, row in rows.items()}
         plan = []

@@ -1,0 +1,162 @@
+"""Last use survives the index: restores write it into the header's mtime (as
+the seed does), so a rebuild for any reason — ``rebuild-index``, an index
+lost or garbage, a reboot that left it unsettled — brings back the LRU order
+it had, and the store order (``find``'s tie-break) comes from the entry ids.
+A reboot after the index was settled costs no rebuild at all."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+
+from blockkv import BlockStore
+from blockkv.local.index import SETTLED
+from blockkv.local.locks import DirLock
+from blockkv.testing.models import prefill, random_tokens, tiny_model
+
+IDENT = dict(model_id="tiny-llama", config_fingerprint="tiny-llama@r1", tokenizer_hash="tok1")
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return tiny_model("llama")
+
+
+class Clock:
+    """Time that moves only when told to: every use is a distinct, known moment."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.now += 10.0
+
+
+def open_store(root: Path, clock: Clock) -> BlockStore:
+    return BlockStore(root, max_bytes=1 << 30, clock=clock, **IDENT)
+
+
+def lru(store: BlockStore) -> list[str]:
+    """Every entry, in the order eviction would take them."""
+    return [e.id for e in store.evict_plan(0)]
+
+
+def rebuilt(store: BlockStore) -> bool:
+    return any("rebuilt" in note for note in store.recovery)
+
+
+def reboot(directory: Path, *, settled: bool) -> None:
+    """What a reboot leaves: the index stamped by a boot that has ended, and
+    ``index.settled`` if the last handle settled it (it closed, or went idle)
+    but not if it was still writing (killed, or the power cut)."""
+    env = lmdb.open(str(directory / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"boot", b"a boot that has ended", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    marker = directory / SETTLED
+    assert marker.exists()  # the closing handle settled it
+    if not settled:
+        marker.unlink()
+
+
+@pytest.fixture
+def used(tmp_path: Path, llama: Any) -> tuple[Path, Clock, list[str]]:
+    """Six entries stored in turn, then the second, first and fourth restored in
+    that order: the LRU order is 2, 4, 5, 1, 0, 3 (by store index)."""
+    clock = Clock()
+    with open_store(tmp_path, clock) as s:
+        ids = []
+        for i in range(6):
+            clock.tick()
+            tokens = random_tokens(40, seed=300 + i)
+            assert s.store(tokens, prefill(llama, tokens)[0])
+            ids.append(s.find_exact(tokens).entry.id)
+        entries = {e.id: e for e in s.entries()}
+        for k in (1, 0, 3):
+            clock.tick()
+            assert s.restore(entries[ids[k]]) is not None
+        order = [ids[k] for k in (2, 4, 5, 1, 0, 3)]
+        assert lru(s) == order
+        directory = s.directory
+    return directory, clock, order
+
+
+def test_rebuild_index_keeps_the_lru_order(used: tuple[Path, Clock, list[str]]) -> None:
+    directory, clock, order = used
+    with open_store(directory.parent, clock) as s:
+        s.rebuild_index()
+        assert lru(s) == order
+
+
+def test_a_lost_or_garbage_index_keeps_the_lru_order(used: tuple[Path, Clock, list[str]]) -> None:
+    directory, clock, order = used
+    shutil.rmtree(directory / "index")
+    with open_store(directory.parent, clock) as s:
+        assert rebuilt(s) and lru(s) == order
+    (directory / "index" / "data.mdb").write_bytes(b"\0garbage" * 1024)
+    with open_store(directory.parent, clock) as s:
+        assert rebuilt(s) and lru(s) == order
+
+
+def test_a_reboot_rebuilds_an_unsettled_index_and_keeps_the_lru_order(
+        used: tuple[Path, Clock, list[str]]) -> None:
+    directory, clock, order = used
+    reboot(directory, settled=False)
+    with open_store(directory.parent, clock) as s:
+        assert rebuilt(s) and lru(s) == order
+
+
+def test_a_reboot_trusts_a_settled_index(used: tuple[Path, Clock, list[str]]) -> None:
+    directory, clock, order = used
+    reboot(directory, settled=True)
+    with open_store(directory.parent, clock) as s:
+        assert not rebuilt(s) and lru(s) == order
+        assert s.check().clean
+
+
+def test_a_rebuild_keeps_the_store_order_of_ties(tmp_path: Path, llama: Any) -> None:
+    """``find`` gives a tie to the entry stored first; restoring that entry later
+    moves its mtime, not its place."""
+    clock = Clock()
+    base = random_tokens(60, seed=7)
+    first, second = base + random_tokens(20, seed=8), base + random_tokens(20, seed=9)
+    prompt = base + random_tokens(20, seed=10)  # shares exactly ``base`` with both
+    with open_store(tmp_path, clock) as s:
+        for tokens in (first, second):
+            clock.tick()
+            assert s.store(tokens, prefill(llama, tokens)[0])
+        winner = s.find(prompt).entry
+        assert winner.tokens == tuple(first)
+        clock.tick()
+        assert s.restore(s.find_exact(second).entry) is not None
+        s.rebuild_index()
+        assert s.find(prompt).entry.id == winner.id
+
+
+def test_a_use_the_index_has_not_seen_is_not_evicted(tmp_path: Path, llama: Any) -> None:
+    """A restore that found the directory lock busy leaves its use with its
+    handle; another handle's eviction reads the header's mtime, so it evicts
+    the entry that really was used least recently."""
+    clock = Clock()
+    with open_store(tmp_path, clock) as a, open_store(tmp_path, clock) as b:
+        ids = []
+        for i in range(3):
+            clock.tick()
+            tokens = random_tokens(40, seed=400 + i)
+            assert a.store(tokens, prefill(llama, tokens)[0])
+            ids.append(a.find_exact(tokens).entry.id)
+        oldest = next(e for e in a.entries() if e.id == ids[0])
+        busy = DirLock(a.directory / "LOCK")  # another holder of the lock: flock is per open file
+        with busy.held(None):
+            clock.tick()
+            assert a.restore(oldest) is not None  # its use is not in the index yet
+        busy.close()
+        assert [e.id for e in b.evict_plan(0)] == [ids[1], ids[2], ids[0]]
+        assert b.evict_to(b.total_bytes - 1)[0].id == ids[1]
