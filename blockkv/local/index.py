@@ -324,6 +324,9 @@ class Index:
 
     def drop_blocks(self, names: Iterable[str]) -> None:
         """Forget rows of blocks that gc deleted (only while still unreferenced)."""
+        names = list(names)
+        if not names:
+            return  # no transaction: an open that swept nothing leaves a settled index settled
 
         def fn(txn: lmdb.Transaction) -> None:
             for name in names:
