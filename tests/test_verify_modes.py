@@ -115,6 +115,30 @@ def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(tmp_path: 
         assert other is not None and store.restore(other.entry) is not None
 
 
+@pytest.mark.parametrize("wrong", [0, 1])
+def test_a_wrong_xxh3_of_a_cut_block_convicts_the_header(tmp_path: Path, wrong: int) -> None:
+    """A partial restore stages a block and copies only the rows its cut keeps:
+    confirming an xxh3 mismatch with blake3 must hash the block's own bytes
+    (read again), not the destination rows it kept."""
+    tokens = list(range(1, 12))
+    caches = make_caches("llama", tokens)
+    with _open(tmp_path, True) as store:
+        assert store.store(tokens, caches)
+        assert store.store(tokens, caches, ns="other")  # shares every block
+        entry = store.find_exact(tokens).entry
+        path = store._dir.header_path("", entry.id)
+        header = store._dir.read_header(path)
+        xxh3 = list(header.block_xxh3)
+        xxh3[wrong] = "f" * 32  # block 1 holds tokens 4-7: a prefix of 6 cuts it
+        path.write_bytes(encode_header(Header(header.identity, header.ns, header.tokens, header.descriptor,
+                                              header.checkpoint, xxh3)))
+        assert store.restore(entry, prefix_len=6) is None
+        assert all(store._pool.exists(n) for n in entry.blocks)  # no good block deleted
+        other = store.find_exact(tokens, ns="other")
+        loaded = store.restore(other.entry, prefix_len=6)
+        assert loaded is not None and loaded.tokens == tuple(tokens[:6])
+
+
 def test_headers_without_xxh3_verify_blake3(tmp_path: Path) -> None:
     """A header written before per-block checksums still restores (blake3 per read)."""
     tokens = list(range(1, 12))
