@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from blockkv.format.codec import minimum_reusable_offset, register_codec, trimmable
     from blockkv.local.check import CheckReport
     from blockkv.local.directory import list_fingerprints
+    from blockkv.local.read_only import ReadOnlyStore
     from blockkv.records import Entry, GenerationCheckpoint, Loaded, Match
     from blockkv.store import BlockStore
 
@@ -37,6 +38,7 @@ _LAZY = {
     "GenerationCheckpoint": "blockkv.records",
     "Loaded": "blockkv.records",
     "Match": "blockkv.records",
+    "ReadOnlyStore": "blockkv.local.read_only",
     "list_fingerprints": "blockkv.local.directory",
     "minimum_reusable_offset": "blockkv.format.codec",
     "register_codec": "blockkv.format.codec",
@@ -56,6 +58,7 @@ __all__ = [
     "Loaded",
     "Match",
     "NewerFormatError",
+    "ReadOnlyStore",
     "list_fingerprints",
     "minimum_reusable_offset",
     "register_codec",

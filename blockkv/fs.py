@@ -215,7 +215,10 @@ class FileLayer:
         (write → fsync), removed on failure. Returns it and the bytes written;
         ``publish`` renames a batch of them. ``tag`` names the writer (writers.py)."""
         tmp = tmp_name(path, tag)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        except OSError as exc:  # name the file the caller asked for, not our temporary one
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         try:
             total = 0
             try:
@@ -223,7 +226,7 @@ class FileLayer:
                 while pending:
                     n = self.write(fd, pending[:_IOV_MAX])
                     if n <= 0:
-                        raise OSError(errno.EIO, "short write", str(tmp))
+                        raise OSError(errno.EIO, "short write", str(path))
                     total += n
                     _advance(pending, n)
                 self.fsync(fd)

@@ -28,6 +28,15 @@ def parse_size(text: str) -> int:
     return int(float(number) * _UNITS[unit.lower()])
 
 
+def parse_cap(text: str) -> int:
+    """A byte cap: a size of at least one byte (``0`` or ``0.4`` would make a
+    store that can hold nothing)."""
+    value = parse_size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a byte cap must be at least 1 byte, got {text!r}")
+    return value
+
+
 def parse_seconds(text: str) -> float:
     """A non-negative number of seconds (a negative grace would delete blocks a
     writer in another process may be about to reference)."""

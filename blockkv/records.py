@@ -85,6 +85,13 @@ class Entry:
     def tokens(self) -> tuple[int, ...]:
         return tuple(self.token_array.tolist())
 
+    def __repr__(self) -> str:
+        """Counts, not contents: an entry of 100,000 tokens has hundreds of blocks."""
+        return (f"Entry(id={self.id!r}, ns={self.ns!r}, tokens={self.length}, nbytes={self.nbytes}, "
+                f"blocks={len(self.blocks)}, last_use={self.last_use!r}, trimmable={self.trimmable}, "
+                f"minimum_reusable_offset={self.minimum_reusable_offset}, checkpoint={self.checkpoint!r}, "
+                f"attachments={self.attachments!r})")
+
     @property
     def length(self) -> int:
         return len(self.token_array)

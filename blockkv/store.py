@@ -26,7 +26,7 @@ import numpy as np
 
 from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
 from blockkv.arguments import open_only as _open_only
-from blockkv.errors import LockTimeout
+from blockkv.errors import CorruptError, LockTimeout
 from blockkv.format.blocks import CODEC_ID, DEFAULT_BLOCK_TOKENS, KEYED_CODEC_ID, Snapshot
 from blockkv.format.header import Header, Identity
 from blockkv.fs import FileLayer
@@ -110,7 +110,8 @@ class BlockStore:
         self._pool = self._dir.pool
         self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
-            ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated"), 0)
+            ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated", "bytes_read",
+             "verify_failures", "bucket_errors"), 0)
         self._executor = Executors()  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
@@ -154,6 +155,11 @@ class BlockStore:
         return cls(d.parent, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                    tokenizer_hash=ident.tokenizer_hash, max_bytes=max_bytes if max_bytes is not None else 1 << 62,
                    **kwargs)
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (f"<BlockStore{state} {str(self.root)!r} model_id={self.identity.model_id!r} "
+                f"config_fingerprint={self.identity.config_fingerprint!r}>")
 
     # -- lifecycle ------------------------------------------------------------
     def close(self) -> None:
@@ -330,12 +336,15 @@ class BlockStore:
         try:
             header, caches, attachments = read.run(cut)
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
+            if isinstance(exc, CorruptError):
+                self.stats["verify_failures"] += 1
             self._retention.restore_failed(entry, exc, read.culprit(exc))
             return None
         now = self._clock()
         self._dir.mark_used(self._dir.header_path(entry.ns, entry.id), now)  # the truth a rebuild reads
         self._retention.used(entry.id, now)
         self.stats["restores"] += 1
+        self.stats["bytes_read"] += read.bytes_read
         self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
         if self._remote is not None:
             self._remote.used(entry)
@@ -439,9 +448,21 @@ class BlockStore:
         ``LockTimeout`` if the lock is not had within ``lock_timeout``."""
         return self._retention.check(repair, progress)
 
+    def counters(self) -> dict[str, float]:
+        """``stats`` plus the entries eviction removed and the bytes uploaded to
+        the bucket, since the handle opened (what ``blockkv serve``'s /metrics shows)."""
+        uploaded = self._remote.uploaded_bytes if self._remote is not None else 0
+        return {**self.stats, "evictions": self._retention.evicted, "bytes_uploaded": uploaded}
+
+    def tier_of(self, entry: Entry) -> str:
+        """Where a restore of ``entry`` reads it from: "disk", or "bucket" while only the bucket holds it."""
+        return "bucket" if self._remote is not None and self._remote.is_remote_only(entry.id) else "disk"
+
     # -- helpers ---------------------------------------------------------------------------------
     def _warn(self, kind: str, message: str, *, once: bool = True) -> None:
         """One warning per kind of failure: a full disk must not flood the log."""
+        if kind.startswith("remote"):
+            self.stats["bucket_errors"] += 1
         if once and kind in self._warned:
             log.debug("blockkv: %s", message)
             return

@@ -52,3 +52,10 @@ def test_quick_needs_an_output_directory() -> None:
         check=False,
     )
     assert proc.returncode == 2
+
+
+def test_help_names_no_issue_number() -> None:
+    proc = subprocess.run([sys.executable, "-m", "blockkv", "bench", "--help"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0 and "usage: blockkv bench" in proc.stdout
+    assert "issue" not in proc.stdout.lower() and "#" not in proc.stdout

@@ -355,7 +355,7 @@ def test_bad_input_is_one_line_and_exit_2(reads: Reads, name: str) -> None:
 
 def plant_faults(root: Root) -> tuple[Path, Path]:
     """A flipped byte in a llama block, a valid block nobody in llama references,
-    and mamba's LMDB environment deleted."""
+    and mamba's LMDB environment deleted and a byte of one of its headers flipped."""
     llama_dir, mamba_dir = root.fp_dir(root.llama), root.fp_dir(root.mamba)
     victim = next(p for p in sorted((llama_dir / "blobs").rglob("*")) if p.is_file())
     data = bytearray(victim.read_bytes())
@@ -367,6 +367,10 @@ def plant_faults(root: Root) -> tuple[Path, Path]:
     orphan.parent.mkdir(exist_ok=True)
     shutil.copyfile(stray, orphan)
     shutil.rmtree(mamba_dir / "index")
+    header = sorted(mamba_dir.glob("entries/*/*.bkv"))[0]
+    data = bytearray(header.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    header.write_bytes(bytes(data))
     return victim, orphan
 
 
@@ -404,8 +408,10 @@ def test_check_reports_planted_faults_and_repair_fixes_them(root: Root) -> None:
     assert gc["blocks_deleted"] == int(hint.group(1))
 
     fixed_all = run_json("check", root.path, "--repair", "--all", expect=1)
-    assert all(fp["report"]["actions"] for fp in fixed_all["fingerprints"]
-               if fp["model_id"] == root.mamba.model_id)
+    (mamba_actions,) = [fp["report"]["actions"] for fp in fixed_all["fingerprints"]
+                        if fp["model_id"] == root.mamba.model_id]
+    # what opening the store deleted (rebuilding the lost index) is reported too
+    assert any(a.startswith("removed corrupt header") for a in mamba_actions), mamba_actions
     assert (stranger / "IDENTITY").read_text() == "{"
     shutil.rmtree(stranger)
     assert run_json("check", root.path)["clean"] is True
@@ -430,6 +436,12 @@ def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root)
     assert done["disk_bytes_after"] <= target and done["blocks_released"] > 0
     with BlockStore.open_dir(llama_dir) as store:
         assert {e.id for e in store.entries()}.isdisjoint(planned)
+    # the blocks only they used wait out the grace: a plain check names them, their bytes and a gc that works
+    looked = run_json("check", root.path, "-f", root.llama.fingerprint)["fingerprints"][0]
+    assert looked["blocks_awaiting_gc"] == done["blocks_released"] and looked["bytes_awaiting_gc"] > 0
+    hint = re.search(r"'(blockkv gc -f \S+)' deletes them .*they hold", run("check", root.path).stdout)
+    assert hint is not None
+    assert run(*hint.group(1).split()[1:], root.path).returncode == 0  # the command as printed works
 
     (gc,) = run_json("gc", root.path, "-f", root.llama.fingerprint, "--grace", "0")["fingerprints"]
     assert gc["blocks_deleted"] == done["blocks_released"]  # those only the evicted entries used

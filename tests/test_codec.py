@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from blockkv.errors import CorruptHeaderError
+from blockkv.format import state_api
 from blockkv.format.codec import (
     decode_caches,
     encode_caches,
@@ -23,7 +24,19 @@ from blockkv.format.codec import (
     trimmable,
     truncate_records,
 )
-from blockkv.testing.models import concatenate_cache, prefill, quantized, random_tokens, tiny_model
+from blockkv.testing.models import (
+    chunked_cache_fills,
+    concatenate_cache,
+    prefill,
+    quantized,
+    random_tokens,
+    tiny_model,
+)
+
+# mlx-lm before 0.32 cannot fill a ChunkedKVCache past one chunk (its own bug):
+# the oldest-version CI run skips the cases that need one
+needs_chunked = pytest.mark.skipif(not chunked_cache_fills(), reason="this mlx-lm's ChunkedKVCache "
+                                   "fails past one chunk (mlx-lm's bug, fixed in 0.32)")
 
 
 def raw_bits(a: mx.array) -> np.ndarray:
@@ -76,7 +89,7 @@ CASES = [
     ("gemma3", 10, mx.bfloat16),  # ring not yet wrapped
     ("gemma3", 70, mx.bfloat16),  # wrapped
     ("mamba", 30, mx.bfloat16),
-    ("chunked", 100, mx.bfloat16),
+    pytest.param("chunked", 100, mx.bfloat16, marks=needs_chunked),
     ("cachelist", 40, mx.float32),
 ]
 
@@ -118,16 +131,16 @@ def test_every_dtype_bits_survive() -> None:
     raw = np.array([0x7FC1, 0xFFFF, 0x8000, 0x0001, 0x7F80], np.uint16)
     for dt in (mx.bfloat16, mx.float16):
         a = mx.array(raw).view(dt).reshape(1, 1, 5, 1)
-        (out,) = round_trip([KVCache.from_state((a, a, 5))])
+        (out,) = round_trip([state_api.kv_cache(a, a, 5)])
         assert np.array_equal(np.array(out.keys.view(mx.uint16)).ravel(), raw)
     f32 = mx.array(np.array([0x7FC00001, 0x80000000], np.uint32)).view(mx.float32).reshape(1, 1, 2, 1)
-    round_trip([KVCache.from_state((f32, f32, 2))])
+    round_trip([state_api.kv_cache(f32, f32, 2)])
 
 
 def test_batch_above_one_is_refused() -> None:
     k = mx.zeros((2, 1, 4, 8))
     with pytest.raises(ValueError, match="batch size 2"):
-        encode_caches([KVCache.from_state((k, k, 4))])
+        encode_caches([state_api.kv_cache(k, k, 4)])
 
 
 def test_unknown_cache_class_is_named() -> None:
@@ -153,6 +166,7 @@ def test_trim_rules() -> None:
     assert trimmable(encode_caches(llama)) and not trimmable(encode_caches(wrapped))
 
 
+@needs_chunked
 def test_chunked_minimum_offset_is_chunk_aligned_start() -> None:
     caches, _ = prefill(tiny_model("chunked"), random_tokens(100), chunk=30)
     start = caches[0].start_position

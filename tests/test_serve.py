@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx_lm
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from blockkv.serving.demo import Agent
 from blockkv.testing.model_dir import build_model_dir, sample_text
@@ -69,6 +70,13 @@ class Server:
         with urllib.request.urlopen(request, timeout=REQUEST_BOUND_S) as response:
             result: dict[str, Any] = json.loads(response.read())
         return result
+
+    def metrics(self) -> dict[str, float]:
+        """GET /metrics, parsed by prometheus_client's own parser: sample name{labels} -> value."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=REQUEST_BOUND_S) as response:
+            text = response.read().decode()
+        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
 
     def stop(self, how: signal.Signals = signal.SIGINT) -> str:
         """Ctrl-C as a user would (or SIGTERM as a service manager would); returns the log."""
@@ -205,13 +213,52 @@ def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path)
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["--cache-bytes", "lots"], "not a size"), (["--min-restore-tokens", "0"], "must be at least 1"),
+     (["--cache-bytes", "0"], "at least 1 byte"), (["--cache-bytes", "0.4"], "at least 1 byte"),
      (["--remote", "http://bucket/prefix"], "s3://"), (["--remote", "s3://b/p", "--remote-option", "grace"], "KEY=VALUE"),
      (["--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
      (["--remote-option", "region=auto"], "without remote")],
 )
 def test_bad_blockkv_flags_are_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
+    cache_dir = tmp_path / "kv"
     out = subprocess.run(
-        [sys.executable, "-m", "blockkv.serving.serve", "--cache-dir", str(tmp_path), *argv],
+        [sys.executable, "-m", "blockkv.serving.serve", "--cache-dir", str(cache_dir), *argv],
         capture_output=True, text=True, timeout=REQUEST_BOUND_S,
     )
     assert out.returncode == 2 and message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not cache_dir.exists()  # one line, nothing created
+
+
+def test_warmed_system_prompt_hits_first_and_metrics_count_every_tier(tmp_path: Path) -> None:
+    """``blockkv warm`` stores the system prompt the way serve tokenises it, so
+    the first request after it (a new process, as after a restart) is a disk
+    hit that ``cached_tokens`` counts; the next is a RAM hit; /metrics says so."""
+    model_dir = build_model_dir(tmp_path / "model", "mamba")  # an SSM: only an exact boundary is reusable
+    cache_dir = tmp_path / "cache"
+    system_file = tmp_path / "system.json"
+    system = {"role": "system", "content": sample_text(300, seed=1)}
+    system_file.write_text(json.dumps([system, {"role": "user", "content": "ignored"}]))
+    warm = subprocess.run([sys.executable, "-m", "blockkv", "warm", str(cache_dir), str(system_file), "--model",
+                           str(model_dir)], capture_output=True, text=True, timeout=REQUEST_BOUND_S)
+    assert warm.returncode == 0, warm.stderr
+    server = Server([sys.executable, "-m", "blockkv", "serve"], model_dir, cache_dir, tmp_path / "a.log")
+    try:
+        before = server.metrics()
+        a = server.chat([system, {"role": "user", "content": sample_text(10, seed=2)}])
+        b = server.chat([system, {"role": "user", "content": sample_text(10, seed=3)}])
+        after = server.metrics()
+    finally:
+        log = server.stop()
+    tokenizer = mlx_lm.load(str(model_dir))[1]
+    system_tokens = len(tokenizer.apply_chat_template([system]))
+    assert _cached(a) >= system_tokens and _cached(b) >= system_tokens
+    assert re.findall(r"blockkv: restored (\d+) of \d+ prompt tokens from disk", log) == [str(_cached(a))]
+    assert before['blockkv_hits_total{tier=disk}'] == 0
+    assert after['blockkv_hits_total{tier=disk}'] == 1 and after['blockkv_hits_total{tier=ram}'] == 1
+    assert after['blockkv_hits_total{tier=bucket}'] == 0
+    assert after['blockkv_tokens_restored_total{tier=disk}'] == _cached(a)
+    assert after['blockkv_tokens_prefilled_total'] == (a["usage"]["prompt_tokens"] - _cached(a)
+                                                       + b["usage"]["prompt_tokens"] - _cached(b))
+    assert after['blockkv_restore_seconds_count{tier=disk}'] == 1 and after["blockkv_bytes_read_total"] > 0
+    (cap,) = [v for k, v in after.items() if k.startswith("blockkv_disk_cap_bytes")]
+    (used,) = [v for k, v in after.items() if k.startswith("blockkv_disk_bytes")]
+    assert cap == 16 << 30 and 0 < used <= cap

@@ -57,16 +57,21 @@ def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint
         assert uploaded and not restored_anywhere()  # the first only stored
         assert not any(second_dir.glob("*/entries/*/*.bkv"))  # nothing of its own: a restore comes from the bucket
         b = second.chat(conversation)
+        metrics = second.metrics()
     finally:
         if first.proc.poll() is None:
             first.proc.kill()
         second_log = second.stop() if second is not None else ""
     assert _spills(first_log)[0] > 0
     assert _cached(a) == 0
-    restored = [int(n) for n in re.findall(r"blockkv: restored (\d+) of \d+ prompt tokens from disk", second_log)]
+    restored = [int(n) for n in
+                re.findall(r"blockkv: restored (\d+) of \d+ prompt tokens from the bucket", second_log)]
     system_tokens = len(tokenizer.apply_chat_template([system]))
     assert restored == [_cached(b)] and _cached(b) >= system_tokens, second_log  # restored, not prefilled
     assert restored_anywhere() & uploaded  # the second restored the first's entry, and told the fleet
+    assert metrics["blockkv_hits_total{tier=bucket}"] == 1 and metrics["blockkv_hits_total{tier=disk}"] == 0
+    assert metrics["blockkv_tokens_restored_total{tier=bucket}"] == _cached(b)
+    assert metrics["blockkv_restore_seconds_count{tier=bucket}"] == 1
     assert any(second_dir.glob("*/entries/*/*.bkv"))  # and keeps what it restored in its local tier
 
     cold = Agent(model, tokenizer, None, MAX_TOKENS).ask(conversation, None)

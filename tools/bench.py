@@ -1,4 +1,4 @@
-"""blockkv benchmark (issue #5): limits, mlx-lm baselines, blockkv, agent workload.
+"""blockkv benchmark: limits, mlx-lm baselines, blockkv, agent workload.
 
 Every figure is measured in this run and every ratio is against a baseline
 measured in this run. Caches are real mlx-lm ``KVCache`` objects of realistic

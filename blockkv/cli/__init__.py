@@ -19,7 +19,9 @@ error (bad arguments, missing or foreign root, unknown fingerprint).
 
 This module is the parser and ``main``; a module per command family does the
 work: ``reads`` (``stats``, ``ls``), ``check``, ``maintenance`` (``gc``,
-``rebuild-index``, ``evict``) and ``passthrough`` (``demo``, ``serve``,
+``rebuild-index``, ``evict``), ``remove`` (``rm``), ``portable`` (``export``,
+``import``, ``warm``: mlx-lm prompt-cache files and system prompts, importing
+mlx-lm only when they run) and ``passthrough`` (``demo``, ``serve``,
 ``bench``), over what they share: ``common`` (exit codes, output, choosing
 fingerprints), ``remote`` (reaching a bucket) and ``stores`` (opening a local
 store, the one module that imports ``blockkv.store``).
@@ -28,12 +30,15 @@ store, the one module that imports ``blockkv.store``).
 ``stats`` often; importing mlx-lm (and transformers with it) costs ~1 s, a
 store ~0.1 s. So:
 
-* this module imports no command module: a command is registered by name
-  (``_run("reads", "cmd_ls")``) and its module is imported only when it runs,
-  so ``--help`` loads argparse and little else;
+* a command is registered here by name (``_run("reads", "cmd_ls")``) and its
+  module imported only when it runs, so ``--help`` loads argparse and little
+  else; a module that declares its own arguments (``remove``, ``portable``:
+  ``add_command(s)``) is imported to build the parser, so at module level it
+  imports only what that needs (``common``, ``human``);
 * a command module imports, at module level, only what every path of it
-  needs; the rest (``blockkv.store`` through ``stores``, obstore through
-  ``remote``, tqdm, a serving module) inside the function that uses it;
+  needs; the rest (``blockkv.store`` through ``stores``, ``local.directory``,
+  obstore through ``remote``, tqdm, a serving module) inside the function
+  that uses it;
 * nothing under ``cli/`` imports mlx-lm or ``blockkv.serving.prompt_cache``
   at module level (``format/kinds.py`` decodes through mlx-lm only when a
   cache is rebuilt; ``import blockkv`` loads its public names on first use).
@@ -57,6 +62,8 @@ import lmdb
 
 from blockkv.cli.common import EXIT_BROKEN_PIPE, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 from blockkv.cli.passthrough import PASSTHROUGH, run_passthrough
+from blockkv.cli.portable import add_commands as add_portable_commands
+from blockkv.cli.remove import add_command as add_rm_command
 from blockkv.errors import BlockKVError
 from blockkv.human import parse_option, parse_seconds, parse_size
 
@@ -109,8 +116,8 @@ def build_parser() -> Parser:
         p: Parser = sub.add_parser(name, help=help, description=help)
         p.set_defaults(run=run, parser=p, mutating=mutating, remote=None)
         if remote:
-            p.add_argument("root", nargs="?", help="cache root (the directory holding .blockkv); "
-                           "or --remote instead")
+            p.add_argument("root", nargs="?", help="cache root (the directory holding .blockkv; "
+                           "default: serve's, ~/.cache/blockkv); or --remote instead")
             p.add_argument("--remote", metavar="s3://BUCKET/PREFIX",
                            help="the bucket a fleet of nodes shares instead of a local root (endpoint and "
                            "credentials: the AWS_* environment variables or --remote-option)")
@@ -119,7 +126,8 @@ def build_parser() -> Parser:
                            "access_key_id, secret_access_key, session_token, region (over the AWS_* "
                            "variables) and the bucket settings grace, sweep_window, timeout, max_retries...")
         else:
-            p.add_argument("root", help="cache root (the directory holding .blockkv)")
+            p.add_argument("root", nargs="?", help="cache root (the directory holding .blockkv; "
+                           "default: serve's, ~/.cache/blockkv)")
         which = p.add_mutually_exclusive_group()
         which.add_argument(
             "-f", "--fingerprint", action="append", metavar="FP",
@@ -159,6 +167,16 @@ def build_parser() -> Parser:
                        help="target bytes on disk (with --remote: in the bucket) per fingerprint: "
                        "4096, 500M, 10G (binary units)")
     evict.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
+
+    def plain(name: str, run: Callable[[argparse.Namespace], int], help: str) -> Parser:
+        """A command that parses its own positionals (``rm``, ``export``, ``import``, ``warm``)."""
+        p: Parser = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(run=run, parser=p, mutating=True, remote=None)
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        return p
+
+    add_rm_command(plain)
+    add_portable_commands(sub, plain)
     for name, help in PASSTHROUGH.items():
         sub.add_parser(name, help=help, add_help=False)
     return parser
@@ -170,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list and args_list[0] in PASSTHROUGH:
         return run_passthrough(args_list[0], args_list[1:])
     args, unknown = build_parser().parse_known_args(args_list)
+    if unknown and getattr(args, "trailing", None) and not any(u.startswith("-") for u in unknown):
+        getattr(args, args.trailing).extend(unknown)  # positionals after the options (argparse stops at them)
+        unknown = []
     if unknown:  # reported by the subcommand's parser: "blockkv stats: error: ..."
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     prog = f"blockkv {args.command}"

@@ -24,6 +24,7 @@ from blockkv.cli.common import (
     check_root,
     emit_json,
     fp_json,
+    gc_hint,
     label,
     select_fingerprints,
     where_key,
@@ -32,6 +33,7 @@ from blockkv.cli.remote import open_bucket, remote_fingerprints
 from blockkv.cli.stores import default_gc_grace, open_store
 from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
+from blockkv.human import format_size
 from blockkv.local.check import CheckReport, check_directory
 from blockkv.local.directory import Directory, FingerprintDir, read_identity
 from blockkv.local.index import read_only_block_rows
@@ -77,7 +79,9 @@ def check_one(
     if not repair:
         return check_directory(directory, progress=progress)
     with open_store(fp) as store:
+        opened = list(store.recovery)  # what opening had to fix: rebuilding a lost index deletes corrupt headers
         report: CheckReport = store.check(repair=True, progress=progress)
+    report.actions[0:0] = opened
     if rows is None:
         report.index_missing = True
         report.actions.insert(0, "rebuilt the missing or unusable index from the headers")
@@ -113,7 +117,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                                     for d in unreadable],
                 "fingerprints": [
                     {**fp_json(fp), "clean": r.clean, "report": r.to_json(), "foreign_owners": owners,
-                     "blocks_awaiting_gc": awaiting_gc(fp) if args.repair and not args.remote else None}
+                     "blocks_awaiting_gc": awaiting_gc(fp)[0] if not args.remote else None,
+                     "bytes_awaiting_gc": awaiting_gc(fp)[1] if not args.remote else None}
                     for fp, r, owners in results
                 ],
             }
@@ -143,12 +148,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.remote and report.in_flight:
             print(f"  {len(report.in_flight)} block(s) named by no header: stores in progress, or garbage "
                   "'blockkv gc --remote' deletes after the grace period (not problems)")
-        waiting = awaiting_gc(fp) if args.repair and not args.remote else 0
+        waiting, size = awaiting_gc(fp) if not args.remote else (0, 0)
         if waiting:
-            print(
-                f"  {waiting} block(s) no longer referenced: 'blockkv gc -f {fp.path.name}' deletes "
-                f"them once unreferenced for {default_gc_grace():g} s (--grace 0: now)"
-            )
+            print(f"{gc_hint(fp.path.name, waiting, default_gc_grace())}; they hold {format_size(size)}")
     for d in unreadable:
         print(f"{d}: unreadable IDENTITY, so not checked; left alone")
     return EXIT_PROBLEMS if problems else EXIT_OK
@@ -197,11 +199,12 @@ def owner_rows(identities: Sequence[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def awaiting_gc(fp: FingerprintDir) -> int:
-    """Blocks the index counts as referenced by nothing (after a repair removed
-    the entries that used them): what ``gc`` deletes once the grace period passes."""
-    rows = read_only_block_rows(fp.path / "index")
-    return sum(1 for row in (rows or {}).values() if row.refs == 0)
+def awaiting_gc(fp: FingerprintDir) -> tuple[int, int]:
+    """(blocks, bytes) the index counts as referenced by nothing (freed by
+    eviction or removal, or by a repair): what ``gc`` deletes once the grace
+    period passes. Read without a lock or a write, as ``check`` looks."""
+    rows = [row for row in (read_only_block_rows(fp.path / "index") or {}).values() if row.refs == 0]
+    return len(rows), sum(row.size for row in rows)
 
 
 def unreadable_dirs(root: Path, readable: Sequence[FingerprintDir]) -> list[Path]:

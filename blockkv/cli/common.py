@@ -52,12 +52,12 @@ def where_key(args: argparse.Namespace) -> str:
 
 
 def check_root(text: str | None) -> Path:
-    """The root as a Path, or a UsageError if it is missing or not a blockkv root."""
-    from blockkv.local.directory import ROOT_MARKER
+    """The root as a Path (default: serve's, ``default_root``), or a UsageError
+    if it is missing or not a blockkv root."""
+    from blockkv.local.directory import ROOT_MARKER, default_root
 
-    if text is None:
-        raise UsageError("name a cache root (or --remote s3://BUCKET/PREFIX)")
-    path = Path(text).expanduser()
+    path = Path(text).expanduser() if text is not None else default_root()
+    text = str(path) if text is None else text
     if not path.exists():
         raise UsageError(f"{text}: no such directory")
     if not path.is_dir():
@@ -146,6 +146,20 @@ def entry_json(e: Entry) -> dict[str, Any]:
         "checkpoint": e.checkpoint.to_json() if e.checkpoint is not None else None,
         "attachments": list(e.attachments),
     }
+
+
+def one_entry(entries: Sequence[Entry], wanted: str, where: str) -> Entry:
+    """The entry ``wanted`` names: its id, or a prefix of exactly one id (as ``ls`` shows them)."""
+    hits = [e for e in entries if e.id == wanted] or [e for e in entries if e.id.startswith(wanted)]
+    if len(hits) != 1:
+        raise UsageError(f"{'no' if not hits else 'more than one'} entry {wanted!r} in {where}")
+    return hits[0]
+
+
+def gc_hint(fingerprint: str, blocks: int, grace: float) -> str:
+    """What to run for blocks a command left unreferenced (a command that works as shown)."""
+    return (f"  {blocks} block(s) no longer referenced: 'blockkv gc -f {fingerprint}' deletes them "
+            f"once unreferenced for {grace:g} s (--grace 0: now)")
 
 
 def label(fp: dict[str, Any]) -> str:

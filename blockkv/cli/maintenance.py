@@ -21,6 +21,7 @@ from blockkv.cli.common import (
     emit_json,
     entry_json,
     fp_json,
+    gc_hint,
     label,
     select_fingerprints,
     show_ns,
@@ -113,10 +114,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
             )
         )
         if fp_out["blocks_released"]:
-            print(
-                f"  {fp_out['blocks_released']} block(s) no longer referenced: 'blockkv gc' "
-                f"deletes them once unreferenced for {fp_out['gc_grace']:g} s"
-            )
+            print(gc_hint(fp_out["fingerprint"], fp_out["blocks_released"], fp_out["gc_grace"]))
     return EXIT_OK
 
 

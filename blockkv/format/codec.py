@@ -214,6 +214,12 @@ def register_codec(cls: type, codec: CacheCodec, name: str | None = None) -> Non
     if not isinstance(name, str) or not name or len(name) > MAX_STR:
         raise ValueError(f"codec name must be a non-empty str, got {name!r}")
     _BY_TYPE[cls] = (name, codec)
+    register_kind(name, codec)
+
+
+def register_kind(name: str, codec: CacheCodec) -> None:
+    """Decode records of ``kind == name`` with ``codec``, with no class to
+    encode (yet: ``register_codec`` and ``register_codec_by_path`` add one)."""
     _BY_NAME[name] = codec
 
 
@@ -224,7 +230,7 @@ def register_codec_by_path(module: str, class_name: str, codec: CacheCodec) -> N
     and ``stats`` need not pay. The class is matched when a cache of it is first
     met (its module is then imported already); a record names it by ``class_name``."""
     _BY_PATH[(module, class_name)] = (class_name, codec)
-    _BY_NAME[class_name] = codec
+    register_kind(class_name, codec)
 
 
 def codec_for(cache: Any) -> tuple[str, CacheCodec]:

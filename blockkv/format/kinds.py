@@ -3,9 +3,10 @@ back, and how far it can be cut. Each is registered by its class's path
 (``codec.register_codec_by_path``) when the format package is imported, so
 every record a descriptor names by a built-in kind can be checked and decoded.
 
-mlx-lm is imported only to decode (``_classes``): importing it costs ~1 s
-(it imports transformers), which ``import blockkv``, ``blockkv ls`` and
-``stats`` must not pay; a caller that encodes a cache has imported it already."""
+mlx-lm is imported only to decode (``_classes``, ``_state_api``): importing
+it costs ~1 s (it imports transformers), which ``import blockkv``, ``blockkv
+ls`` and ``stats`` must not pay; a caller that encodes a cache has imported
+it already."""
 
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ _MODULE = "mlx_lm.models.cache"
 def _classes() -> ModuleType:
     """mlx-lm's cache module, imported the first time a record is decoded."""
     return importlib.import_module(_MODULE)
+
+
+def _state_api() -> ModuleType:
+    """``state_api`` (which imports mlx-lm), imported the first time a record is decoded."""
+    return importlib.import_module("blockkv.format.state_api")
 
 # ---------------------------------------------------------------- helpers
 
@@ -146,7 +152,7 @@ class KVCacheCodec(_KVLike):
 
     def decode(self, record: CacheRecord) -> KVCache:
         k, v = record.tensors
-        return _classes().KVCache.from_state((_opt_array(k), _opt_array(v), record.meta["offset"]))
+        return _state_api().kv_cache(_opt_array(k), _opt_array(v), record.meta["offset"])
 
 
 class ConcatenateKVCacheCodec(_KVLike):
@@ -158,7 +164,7 @@ class ConcatenateKVCacheCodec(_KVLike):
         k, v = record.tensors
         if k is None or v is None:
             return _classes().ConcatenateKVCache()
-        return _classes().ConcatenateKVCache.from_state((k.array(), v.array()))
+        return _state_api().concatenate_kv_cache(k.array(), v.array())
 
 
 class QuantizedKVCacheCodec(_KVLike):
@@ -184,7 +190,7 @@ class QuantizedKVCacheCodec(_KVLike):
         n = m["parts"]
         arrays = [t.array() for t in record.tensors if t is not None]
         keys, values = (tuple(arrays[:n]), tuple(arrays[n:])) if n else (None, None)
-        return _classes().QuantizedKVCache.from_state((keys, values, m["offset"], m["group_size"], m["bits"]))
+        return _state_api().quantized_kv_cache(keys, values, m["offset"], m["group_size"], m["bits"])
 
 
 class RotatingKVCacheCodec:
@@ -205,8 +211,8 @@ class RotatingKVCacheCodec:
     def decode(self, record: CacheRecord) -> RotatingKVCache:
         k, v = record.tensors
         m = record.meta
-        state = (_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"], m["_idx"])
-        return _classes().RotatingKVCache.from_state(state)
+        return _state_api().rotating_kv_cache(_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"],
+                                           m["_idx"])
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "offset", "keep", "max_size", "_idx")
@@ -244,8 +250,8 @@ class ChunkedKVCacheCodec(_KVLike):
     def decode(self, record: CacheRecord) -> ChunkedKVCache:
         k, v = record.tensors
         m = record.meta
-        state = (_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"], m["start_position"])
-        return _classes().ChunkedKVCache.from_state(state)
+        return _state_api().chunked_kv_cache(_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"],
+                                          m["start_position"])
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "offset", "chunk_size", "start_position")
@@ -266,7 +272,8 @@ class ArraysCacheCodec:
 
     def encode(self, cache: ArraysCache, data: Data = True) -> CacheRecord:
         slots = [None if a is None else _tensor(a, False, data) for a in cache.cache]
-        for extra in (cache.left_padding, cache.lengths):
+        api = _state_api()
+        for extra in (api.batch_extra(cache, "left_padding"), api.batch_extra(cache, "lengths")):
             if extra is not None and extra.size != 1:
                 raise ValueError(f"batch size {extra.size} > 1 is not supported (ArraysCache padding)")
             slots.append(None if extra is None else _tensor(extra, False, data))
@@ -274,7 +281,7 @@ class ArraysCacheCodec:
 
     def decode(self, record: CacheRecord) -> ArraysCache:
         arrays = [_opt_array(t) for t in record.tensors]
-        return _classes().ArraysCache.from_state((arrays[:-2], arrays[-2], arrays[-1]))
+        return _state_api().arrays_cache(arrays[:-2], arrays[-2], arrays[-1])
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "size")
@@ -292,6 +299,22 @@ class ArraysCacheCodec:
 
     def offset(self, record: CacheRecord) -> int | None:
         return None
+
+
+class MambaCacheCodec(ArraysCacheCodec):
+    """MambaCache (mlx-lm before 0.30): an ArraysCache of two slots under its
+    own name. Where mlx-lm has no such class, its records decode as the
+    ArraysCache that mlx-lm's mamba models make there."""
+
+    def encode(self, cache: ArraysCache, data: Data = True) -> CacheRecord:
+        return dataclasses.replace(super().encode(cache, data), kind="MambaCache")
+
+    def decode(self, record: CacheRecord) -> ArraysCache:
+        cache = super().decode(record)
+        mamba = getattr(_classes(), "MambaCache", None)
+        if mamba is not None:
+            cache.__class__ = mamba  # the same object layout: a subclass adding only a constructor
+        return cache
 
 
 class CacheListCodec:
@@ -328,3 +351,6 @@ register_codec_by_path(_MODULE, "RotatingKVCache", RotatingKVCacheCodec())
 register_codec_by_path(_MODULE, "ChunkedKVCache", ChunkedKVCacheCodec())
 register_codec_by_path(_MODULE, "ArraysCache", ArraysCacheCodec())
 register_codec_by_path(_MODULE, "CacheList", CacheListCodec())
+# mlx-lm before 0.30 has the class (met by path when a cache of it is encoded);
+# where it has none, the name still decodes the records an older one wrote
+register_codec_by_path(_MODULE, "MambaCache", MambaCacheCodec())

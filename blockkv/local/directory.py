@@ -50,6 +50,14 @@ from blockkv.records import EntryRecord
 log = logging.getLogger("blockkv")
 
 ROOT_MARKER = ".blockkv"  # "this is a blockkv root": tools refuse a directory without it
+
+
+def default_root() -> Path:
+    """``$XDG_CACHE_HOME/blockkv`` (``~/.cache/blockkv``): where ``blockkv serve``
+    keeps its cache and every ``blockkv`` command looks unless told (survives
+    restarts, unlike /tmp)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "blockkv"
 _UUID = re.compile(r"[0-9a-f]{32}")
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
 _HEADER_REL = re.compile(rf"entries/[0-9a-f]{{16}}/([0-9a-f]{{32}}){re.escape(SUFFIX)}")

@@ -22,7 +22,7 @@ from blockkv.format.header import Identity
 from blockkv.fs import FileLayer
 from blockkv.local.directory import Directory, read_identity
 from blockkv.local.index import read_only_entries
-from blockkv.records import Entry
+from blockkv.records import Entry, EntryRecord
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class DirectoryView:
     disk_bytes: int  # headers plus each referenced block once (what the store calls total_bytes)
     blocks: int  # distinct blocks referenced
     index_used: bool  # a trusted index stood in for the headers it lists
+    records: list[EntryRecord]  # the servable entries' records, for a catalog (``ReadOnlyStore``)
+    block_sizes: dict[str, int]  # every block the entries reference, by its file's size
 
     @property
     def logical_bytes(self) -> int:
@@ -53,6 +55,7 @@ def read_directory(path: Path) -> DirectoryView:
     rows, last_use = indexed if indexed is not None else ({}, {})
     own = identity.digest()
     entries: list[Entry] = []
+    records: list[EntryRecord] = []
     foreign: Counter[Identity] = Counter()
     corrupt: list[str] = []
     dangling: list[str] = []
@@ -83,11 +86,13 @@ def read_directory(path: Path) -> DirectoryView:
             continue
         header_bytes += record.header_bytes
         sizes.update((n, _block_size(directory, n)) for n in record.blocks if n not in sizes)
+        records.append(record)
         entries.append(Entry.of(record, record.header_bytes + sum(sizes[n] for n in record.blocks),
                                 last_use.get(entry_id, 0.0)))
     return DirectoryView(
         identity=identity, entries=entries, foreign=foreign, corrupt_headers=corrupt, dangling=dangling,
         disk_bytes=header_bytes + sum(sizes.values()), blocks=len(sizes), index_used=indexed is not None,
+        records=records, block_sizes=sizes,
     )
 
 

@@ -56,11 +56,13 @@ class EntryRead:
         self._key: bytes | None = None  # the header's (``ParsedEntry.key``), once it is read
         self._reading = ""  # "header" while the header is read: its file gone is proof too
         self._corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
+        self.bytes_read = 0  # the header and the blocks the restore needs, as stored
 
     def run(self, cut: int | None) -> tuple[Header, list[Any], dict[str, Any]]:
         """The header and the caches (cut to ``cut`` tokens when given), materialised."""
         self._reading = "header"
         data = self._dir.header_bytes(self._entry.ns, self._entry.id)
+        self.bytes_read += len(data)
         parsed = ParsedEntry.parse(data)
         self._reading = ""
         if parsed.header.identity != self._identity or parsed.header.ns != self._entry.ns:
@@ -147,6 +149,7 @@ class EntryRead:
             raise BlockMissingError(f"block {name} is not in the pool") from None
         if not stat.S_ISREG(st.st_mode):
             raise BlockMissingError(f"block {name} is not a regular file")
+        self.bytes_read += st.st_size
         return st.st_size
 
 

@@ -46,6 +46,8 @@ class Settings(Protocol):
 
 
 class Retention:
+    evicted = 0  # entries removed by eviction (the cap or evict_to) since the handle opened
+
     def __init__(self, directory: Directory, keeper: IndexKeeper, catalog: Catalog, commits: Commits,
                  settings: Settings, clock: Callable[[], float], warn: Callable[..., None]) -> None:
         self._dir = directory
@@ -225,6 +227,7 @@ class Retention:
                     self._keeper.index.touch(later)
                 for entry in plan:
                     self._remove_quietly(entry.id)
+                self.evicted += len(plan)
                 if plan:
                     self._sweep_quietly()
         except LockTimeout as exc:
@@ -233,9 +236,24 @@ class Retention:
         return plan
 
     def _evict_to_cap(self) -> None:
+        """The cap bounds what the directory holds, blocks waiting out their
+        grace included: past it the grace (policy, not safety) yields and they
+        go at once, then least recently used entries. Blocks past their grace
+        go with the next store, without anyone running ``gc``."""
         cap = self._settings.max_bytes
         check_size("target_bytes", cap)  # a caller's ``limit`` may return anything
-        self.evict_to(cap)
+        index = self._keeper.index
+        rows = index.blocks()
+        now, grace = self._clock(), self._settings.gc_grace
+        waiting = sum(r.size for r in rows.values() if r.refs == 0)
+        if index.total_bytes() + waiting <= cap:
+            if any(r.refs == 0 and not now - grace < r.zero_since <= now for r in rows.values()):
+                self._sweep_quietly()
+            return
+        if waiting:
+            self._sweep_quietly(grace=0.0)
+        if self.evict_to(cap):
+            self._sweep_quietly(grace=0.0)
 
     # -- gc, check, rebuild ------------------------------------------------------------------
     def gc(self) -> int:
@@ -253,9 +271,9 @@ class Retention:
             return 0
         return n
 
-    def _sweep_quietly(self) -> None:
+    def _sweep_quietly(self, grace: float | None = None) -> None:
         try:
-            self._keeper.sweep(self._settings.gc_grace)
+            self._keeper.sweep(self._settings.gc_grace if grace is None else grace)
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("gc", f"gc failed: {exc}")
 

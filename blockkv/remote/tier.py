@@ -26,6 +26,7 @@ Nothing here raises into the serving path: an outage is "not uploaded" /
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -321,6 +322,8 @@ class RemoteTier:
             pass
 
     # -- store ------------------------------------------------------------------------------
+    uploaded_bytes = 0  # headers and block bodies this handle PUT
+
     def upload(self, entry_id: str, ns: str, encoded: bytes, names: Iterable[str], new: set[str],
                replaced: Iterable[Entry] = ()) -> bool:
         """A local store's bucket half: True once its header is in the bucket.
@@ -392,6 +395,8 @@ class RemoteTier:
             with self._mutex:
                 self._uploading.discard(entry_id)
         self.breaker.succeeded()
+        with contextlib.suppress(OSError):  # a block evicted meanwhile: uploaded all the same, not counted
+            self.uploaded_bytes += len(encoded) + sum(pool.path(b).stat().st_size for b in session.created)
         with self._mutex:
             self._listed.add(name)
         return True

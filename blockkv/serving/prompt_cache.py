@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from functools import partial
@@ -108,13 +109,18 @@ class PersistentPromptCache(LRUPromptCache):
         self._ram_only_kinds: set[tuple[type, ...]] = set()
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        # called with (tier, seconds) after each restore ("disk" or "bucket"): serve's /metrics
+        self.restore_observers: list[Callable[[str, float], None]] = []
         self._counts = dict.fromkeys(
             (
                 "ram_hits",
                 "disk_hits",
+                "bucket_hits",
                 "misses",
                 "tokens_from_ram",
                 "tokens_from_disk",
+                "tokens_from_bucket",
+                "tokens_prefilled",
                 "promoted_to_ram",
                 "spills",
                 "spills_skipped",
@@ -153,6 +159,10 @@ class PersistentPromptCache(LRUPromptCache):
                 self._stores[model] = None
         return self._stores[model]
 
+    def stores(self) -> list[BlockStore]:
+        """The stores opened so far, one per model key that has one."""
+        return [s for s in list(self._stores.values()) if s is not None]
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
@@ -184,11 +194,12 @@ class PersistentPromptCache(LRUPromptCache):
         from_ram = len(tokens) - len(rest)
         restored = self._fetch_from_disk(model, tokens, from_ram)
         if restored is not None:
+            self._count(tokens_prefilled=len(restored[1]))
             return restored
         if cache is None:
-            self._count(misses=1)
+            self._count(misses=1, tokens_prefilled=len(rest))
         else:
-            self._count(ram_hits=1, tokens_from_ram=from_ram)
+            self._count(ram_hits=1, tokens_from_ram=from_ram, tokens_prefilled=len(rest))
         return cache, rest
 
     def _fetch_from_disk(
@@ -202,7 +213,10 @@ class PersistentPromptCache(LRUPromptCache):
             match = store.find(list(tokens)) if store is not None else None
             if store is None or match is None or not self._worth_restoring(match.prefix_len, from_ram):
                 return None
+            tier = store.tier_of(match.entry)
+            started = time.perf_counter()
             loaded = store.restore(match.entry, prefix_len=match.prefix_len)
+            seconds = time.perf_counter() - started
             if loaded is None:
                 return None
             prefix = list(tokens[: match.prefix_len])
@@ -213,10 +227,12 @@ class PersistentPromptCache(LRUPromptCache):
         except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
             self._warn_once(f"fetch:{type(e).__name__}", "blockkv: disk lookup failed (%s); served without it", e)
             return None
-        self._count(disk_hits=1, tokens_from_disk=match.prefix_len, promoted_to_ram=1)
+        self._count(**{f"{tier}_hits": 1, f"tokens_from_{tier}": match.prefix_len}, promoted_to_ram=1)
+        for observe in self.restore_observers:
+            observe(tier, seconds)
         log.info(
-            "blockkv: restored %d of %d prompt tokens from disk (kept in the RAM tier for the next session)",
-            match.prefix_len, len(tokens),
+            "blockkv: restored %d of %d prompt tokens from %s (kept in the RAM tier for the next session)",
+            match.prefix_len, len(tokens), "the bucket" if tier == "bucket" else "disk",
         )
         return served, tokens[match.prefix_len :]
 

@@ -5,37 +5,41 @@ flags as usual; blockkv only takes its own flags (``--cache-dir``,
 ``--cache-bytes``, ``--min-restore-tokens``, ``--remote``, ``--remote-option``) off the command line first and, for the duration of the call, replaces the two names
 the server looks up when it starts (``run`` and ``LRUPromptCache``) so the
 prompt cache it builds is a ``PersistentPromptCache`` configured with the
-server's own KV-quantisation and chat-template flags.
+server's own KV-quantisation and chat-template flags; its HTTP server also
+answers ``GET /metrics`` (``metrics.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
-from blockkv.human import format_size, parse_count, parse_option, parse_size
+from blockkv.human import format_size, parse_cap, parse_count, parse_option
+from blockkv.local.directory import default_root
 from blockkv.serving.identity import KVQuant
+from blockkv.serving.metrics import ServeMetrics
+from blockkv.serving.metrics import install as install_metrics
 from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, PersistentPromptCache, check_remote
 
 log = logging.getLogger(__name__)
 
 
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/blockkv`` (``~/.cache/blockkv``): survives restarts, unlike /tmp."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "blockkv"
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad blockkv flag is one line on stderr and exit 2, before anything is created."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _own_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="blockkv serve",
         add_help=False,
         description="mlx-lm's server (every mlx_lm.server flag works) with blockkv as its disk tier.",
@@ -43,12 +47,12 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=default_cache_dir(),
+        default=default_root(),
         help="cache root on local disk (default: %(default)s)",
     )
     parser.add_argument(
         "--cache-bytes",
-        type=parse_size,
+        type=parse_cap,
         default=DEFAULT_CACHE_BYTES,
         help=f"byte cap of the disk tier per model, e.g. 20G (default: {format_size(DEFAULT_CACHE_BYTES)})",
     )
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         own.exit(2, f"blockkv serve: error: {e}\n")
 
     caches: list[PersistentPromptCache] = []
+    metrics = ServeMetrics(lambda: list(caches))
     original_run: Callable[..., Any] = server.run
     original_cache_class = server.LRUPromptCache
 
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 remote_options=options,
             )
             caches.append(cache)
+            metrics.watch(cache)
             return cache
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
@@ -137,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     saved_argv = sys.argv
     sys.argv = ["blockkv serve", *rest]
     server.run = run
+    without_metrics = install_metrics(server, metrics)  # GET /metrics beside mlx-lm's own paths
     try:
         server.main()
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:
         server.run = original_run
+        without_metrics()
         sys.argv = saved_argv
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
@@ -150,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             cache.close()
             stats = cache.tier_stats
             log.info(
-                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits",
-                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"],
+                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits, %d bucket hits",
+                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"], stats["bucket_hits"],
             )
     return 0
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.models.cache import (
+    ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
@@ -195,3 +196,18 @@ def random_tokens(n: int, seed: int = 0) -> list[int]:
     """``n`` reproducible token ids below the tiny vocabulary size."""
     state = mx.random.key(seed)
     return mx.random.randint(0, _VOCAB, (n,), key=state).tolist()
+
+
+def chunked_cache_fills() -> bool:
+    """Whether this mlx-lm's ``ChunkedKVCache`` takes a second forward pass
+    once it holds a chunk: before 0.32 its ``maybe_trim_front`` cut the
+    pre-allocated buffer and the next update failed (mlx-lm's bug, fixed in
+    ml-explore/mlx-lm#1673), so its llama4 never fills one past a chunk."""
+    cache, rows = ChunkedKVCache(2), mx.zeros((1, 1, 2, 1))
+    try:
+        for _ in range(2):
+            cache.maybe_trim_front()
+            cache.update_and_fetch(rows, rows)
+    except ValueError:
+        return False
+    return True

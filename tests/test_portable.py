@@ -1,0 +1,180 @@
+"""Prompt-cache files in and out: every cache kind exported goes through
+mlx-lm's own loader and continues exactly as blockkv's own restore does; a
+file made by mlx-lm's ``cache_prompt`` imports where ``serve --model`` finds
+it, bit for bit; a bad file or wrong tokens store nothing."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import load_prompt_cache
+
+from blockkv import BlockStore
+from blockkv.format.codec import encode_caches, walk_tensors
+from blockkv.mlx_lm import export_prompt_cache, import_prompt_cache
+from blockkv.serving.identity import model_identity
+from blockkv.serving.portable import PromptCacheFileError
+from blockkv.serving.warm import cache_prompt_tokens
+from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.testing.models import (
+    chunked_cache_fills,
+    concatenate_cache,
+    prefill,
+    quantized,
+    random_tokens,
+    tiny_model,
+)
+
+CONTINUE = 6  # greedy tokens generated from each restored cache
+
+
+def open_store(root: Path, fingerprint: str = "portable") -> BlockStore:
+    return BlockStore(root, model_id="tiny", config_fingerprint=fingerprint, tokenizer_hash="t",
+                      max_bytes=1 << 30, block_tokens=64)
+
+
+def greedy(model: Any, caches: list[Any], last: int) -> list[int]:
+    """Greedy tokens after feeding ``last`` to caches that hold a prompt."""
+    out, token = [], last
+    for _ in range(CONTINUE):
+        logits = model(mx.array([[token]]), cache=caches)
+        token = int(mx.argmax(logits[0, -1]).item())
+        out.append(token)
+    return out
+
+
+def raw(caches: list[Any]) -> list[bytes | None]:
+    return [None if t is None else np.asarray(t.data).tobytes() for t in walk_tensors(encode_caches(caches))]
+
+
+def case(name: str) -> tuple[Any, list[int], list[Any]]:
+    """(model, tokens, caches) of one cache kind, the prompt but its last token prefilled."""
+    kind, n, make = {
+        "KVCache": ("llama", 150, None), "RotatingKVCache": ("gemma3", 12, None),
+        "RotatingKVCache-wrapped": ("gemma3", 70, None), "ArraysCache": ("mamba", 40, None),
+        "ChunkedKVCache": ("chunked", 100, None), "CacheList": ("cachelist", 40, None),
+        "QuantizedKVCache": ("llama", 80, "quantized"), "ConcatenateKVCache": ("llama", 80, "concatenate"),
+    }[name]
+    model = tiny_model(kind)
+    tokens = random_tokens(n, seed=n)
+    if make == "concatenate":
+        caches, _ = prefill(model, tokens, cache=concatenate_cache(model))
+    else:
+        caches, _ = prefill(model, tokens, chunk=30 if kind == "chunked" else None)
+    return model, tokens, quantized(caches) if make == "quantized" else caches
+
+
+KINDS = ["KVCache", "RotatingKVCache", "RotatingKVCache-wrapped", "ArraysCache",
+         pytest.param("ChunkedKVCache", marks=pytest.mark.skipif(not chunked_cache_fills(), reason="mlx-lm < 0.32")),
+         "CacheList", "QuantizedKVCache", "ConcatenateKVCache"]
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_export_loads_in_mlx_lm_and_imports_back(tmp_path: Path, name: str) -> None:
+    model, tokens, caches = case(name)
+    with open_store(tmp_path / "a") as store, open_store(tmp_path / "b") as other:
+        assert store.store(tokens, caches)
+        entry = store.find_exact(tokens).entry
+        path = export_prompt_cache(store, entry, tmp_path / "out.safetensors", model="./tiny")
+        loaded, metadata = load_prompt_cache(str(path), return_metadata=True)  # mlx-lm's own loader
+        assert metadata["model"] == "./tiny" and json.loads(metadata["tokenizer_config"]) == {}
+        assert [type(c) for c in loaded] == [type(c) for c in caches]
+        ours = store.restore(entry).caches
+        nxt = random_tokens(1, seed=99)[0]
+        assert greedy(model, loaded, nxt) == greedy(model, ours, nxt)
+
+        imported = import_prompt_cache(other, path)  # the tokens ride in the file
+        assert imported is not None and imported.tokens == tuple(tokens)
+        assert raw(other.restore(imported).caches) == raw(store.restore(entry).caches)
+        written = store.stats["bytes_written"]
+        again = import_prompt_cache(store, path, ns="copy")  # every block is already there
+        assert again is not None and again.ns == "copy"
+        assert store.stats["bytes_written"] - written < entry.nbytes // 4  # a header, no blocks
+
+
+def test_export_of_a_prefix(tmp_path: Path) -> None:
+    _, tokens, caches = case("KVCache")
+    with open_store(tmp_path / "a") as store:
+        assert store.store(tokens, caches)
+        path = export_prompt_cache(store, store.find_exact(tokens).entry, tmp_path / "p.safetensors", prefix_len=64)
+        (first, *_), metadata = load_prompt_cache(str(path), return_metadata=True)
+        assert first.offset == 64 and json.loads(metadata["blockkv_tokens"]) == tokens[:64]
+        with pytest.raises(ValueError, match=".safetensors"):
+            export_prompt_cache(store, store.find_exact(tokens).entry, tmp_path / "p.bin")
+
+
+def test_cache_prompt_file_imports_where_serve_finds_it(tmp_path: Path) -> None:
+    """mlx-lm's own ``cache_prompt`` writes the file; ``blockkv import`` stores it
+    under serve's identity; ``find`` hits and the restore is the file's bits."""
+    model_dir = build_model_dir(tmp_path / "tiny-llama", "llama")
+    text = sample_text(120, seed=7)
+    made = tmp_path / "prompt.safetensors"
+    run = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(model_dir), "--prompt",
+                          text, "--prompt-cache-file", str(made)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    root = tmp_path / "kv"
+    cli = subprocess.run([sys.executable, "-m", "blockkv", "import", str(root), str(made), "--model", str(model_dir),
+                          "--prompt", text, "--json"], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    tokens = cache_prompt_tokens(model_dir, text)
+    assert json.loads(cli.stdout)["entry"]["tokens"] == len(tokens)
+    ident = model_identity(model_dir)
+    with BlockStore(root, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
+                    tokenizer_hash=ident.tokenizer_hash, max_bytes=1 << 30) as store:
+        match = store.find(tokens + [5, 6])
+        assert match is not None and match.prefix_len == len(tokens)
+        assert raw(store.restore(match.entry).caches) == raw(load_prompt_cache(str(made)))
+    wrong = subprocess.run([sys.executable, "-m", "blockkv", "import", str(root), str(made), "--model",
+                            str(model_dir), "--tokens", json.dumps(tokens[:-1])],
+                           capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 1 and "pass exactly the tokens" in wrong.stderr
+
+
+def hostile(path: Path, how: str) -> None:
+    """A broken copy of a good file at ``path``."""
+    data = bytearray(path.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    if how == "truncated":
+        del data[len(data) // 2 :]
+    elif how == "huge-header":
+        data[:8] = struct.pack("<Q", 1 << 60)
+    elif how in ("offsets", "class"):
+        if how == "offsets":
+            name = next(k for k in header if k != "__metadata__")
+            header[name]["data_offsets"][1] += 1 << 30
+        else:
+            header["__metadata__"] = {k: ("Quine" if v == "KVCache" else v) for k, v in header["__metadata__"].items()}
+        raw_header = json.dumps(header).encode()
+        data = bytearray(struct.pack("<Q", len(raw_header)) + raw_header + data[8 + length :])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "huge-header", "offsets", "class"])
+def test_a_bad_file_stores_nothing(tmp_path: Path, how: str) -> None:
+    _, tokens, caches = case("KVCache")
+    with open_store(tmp_path / "a") as store, open_store(tmp_path / "b") as other:
+        assert store.store(tokens, caches)
+        path = export_prompt_cache(store, store.find_exact(tokens).entry, tmp_path / "x.safetensors")
+        hostile(path, how)
+        with pytest.raises(PromptCacheFileError):
+            import_prompt_cache(other, path)
+        assert len(other) == 0
+
+
+def test_tokens_that_do_not_match_the_offsets_are_refused(tmp_path: Path) -> None:
+    _, tokens, caches = case("KVCache")
+    with open_store(tmp_path / "a") as store:
+        assert store.store(tokens, caches)
+        path = export_prompt_cache(store, store.find_exact(tokens).entry, tmp_path / "x.safetensors")
+        with pytest.raises(ValueError, match="pass exactly the tokens"):
+            import_prompt_cache(store, path, tokens=tokens + [1], ns="other")
+        assert store.count("other") == 0
