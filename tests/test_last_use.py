@@ -7,6 +7,8 @@ A reboot after the index was settled costs no rebuild at all."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +162,45 @@ def test_a_use_the_index_has_not_seen_is_not_evicted(tmp_path: Path, llama: Any)
         busy.close()
         assert [e.id for e in b.evict_plan(0)] == [ids[1], ids[2], ids[0]]
         assert b.evict_to(b.total_bytes - 1)[0].id == ids[1]
+
+
+
+_KILLED_AFTER_STORE = """
+import os, sys, time
+import blockkv.local.index_keeper as keeper
+from blockkv import BlockStore
+from blockkv.testing.models import prefill, random_tokens, tiny_model
+keeper.SETTLE_AFTER = 0.2
+root, idle = sys.argv[1], sys.argv[2] == "idle"
+store = BlockStore(root, max_bytes=1 << 30, model_id="tiny-llama", config_fingerprint="tiny-llama@r1",
+                   tokenizer_hash="tok1")
+model, settled = tiny_model("llama"), store.directory / "index.settled"
+for seed in (600, 601):
+    tokens = random_tokens(40, seed=seed)
+    assert store.store(tokens, prefill(model, tokens)[0])
+    assert not settled.exists()  # a write removes the proof before it writes
+    deadline = time.monotonic() + 30
+    while idle and not settled.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert settled.exists() == idle
+os._exit(0)  # killed: no close, no settle
+"""
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_killed_server_that_went_idle_costs_no_rebuild_at_a_reboot(tmp_path: Path, idle: bool) -> None:
+    """A server is killed at a reboot, never closing its store: a handle settles
+    the index once it has written nothing for a while, so a reboot after it
+    went idle trusts the index; one killed while writing leaves it unsettled."""
+    subprocess.run([sys.executable, "-c", _KILLED_AFTER_STORE, str(tmp_path), "idle" if idle else "busy"],
+                   check=True, timeout=300)
+    (directory,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    if idle:
+        reboot(directory, settled=True)
+    else:
+        env = lmdb.open(str(directory / "index"), max_dbs=16)
+        with env.begin(write=True) as txn:
+            txn.put(b"boot", b"a boot that has ended", db=env.open_db(b"meta", txn=txn))
+        env.close()
+    with open_store(tmp_path, Clock()) as s:
+        assert rebuilt(s) != idle and len(s) == 2
