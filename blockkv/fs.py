@@ -50,13 +50,13 @@ def refuse_linked(path: Path) -> None:
         raise OSError(errno.ELOOP, "a symlink where blockkv keeps its own files; not followed", str(path))
 
 
-def _runs(buffers: Sequence[memoryview], run_bytes: int = _READ_RUN) -> Iterator[Sequence[memoryview]]:
-    """Consecutive buffers, in order, about ``run_bytes`` bytes (at least one
+def _runs(buffers: Sequence[memoryview]) -> Iterator[Sequence[memoryview]]:
+    """Consecutive buffers, in order, about ``_READ_RUN`` bytes (at least one
     buffer, at most ``_IOV_MAX``) at a time."""
     start, size = 0, 0
     for i, b in enumerate(buffers):
         size += b.nbytes
-        if size >= run_bytes or i + 1 - start == _IOV_MAX:
+        if size >= _READ_RUN or i + 1 - start == _IOV_MAX:
             yield buffers[start : i + 1]
             start, size = i + 1, 0
     if start < len(buffers):
@@ -134,27 +134,24 @@ class FileLayer:
             return f.read(os.fstat(f.fileno()).st_size)
 
     def read_exact(self, path: Path, buffers: Sequence[memoryview],
-                   on_read: Callable[[Sequence[memoryview]], None] | None = None,
-                   *, run_bytes: int = _READ_RUN) -> bool:
+                   on_read: Callable[[Sequence[memoryview]], None] | None = None) -> bool:
         """Fill ``buffers`` in order from the file with scatter reads, if the file
         is exactly as long as they are together; False (nothing trusted) if it
         is not, or shrinks while we read. This is the one place a block file is
         opened for a restore.
 
-        The buffers are read in runs of about ``run_bytes`` bytes, and
+        The buffers are read in runs of about ``_READ_RUN`` bytes, and
         ``on_read`` (if given) gets each run of whole buffers as soon as it is
         filled: a checksum fed there meets the bytes in the CPU cache instead of
         reading them back from memory (a warm restore's fill, 8 MiB blocks of
-        32 KiB pieces on 2 threads: 45 ms against 53 ms). ``run_bytes=1``
-        makes every buffer a run of its own: a caller may then pass one staging
-        buffer many times, emptied by ``on_read`` before the next read."""
+        32 KiB pieces on 2 threads: 45 ms against 53 ms)."""
         want = sum(b.nbytes for b in buffers)
         with open(self.open_regular(path), "rb", buffering=0) as f:
             fd = f.fileno()
             if os.fstat(fd).st_size != want:
                 return False
             offset = 0
-            for run in _runs(buffers, run_bytes):
+            for run in _runs(buffers):
                 pending = [b for b in run if b.nbytes]
                 while pending:
                     n = os.preadv(fd, pending, offset)

@@ -117,9 +117,9 @@ def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(tmp_path: 
 
 @pytest.mark.parametrize("wrong", [0, 1])
 def test_a_wrong_xxh3_of_a_cut_block_convicts_the_header(tmp_path: Path, wrong: int) -> None:
-    """A partial restore stages a block and copies only the rows its cut keeps:
-    confirming an xxh3 mismatch with blake3 must hash the block's own bytes
-    (read again), not the destination rows it kept."""
+    """A partial restore keeps only the rows its cut keeps of its last block:
+    confirming an xxh3 mismatch with blake3 must hash all the block's bytes
+    (the dropped rows too), or a good shared block is called corrupt."""
     tokens = list(range(1, 12))
     caches = make_caches("llama", tokens)
     with _open(tmp_path, True) as store:

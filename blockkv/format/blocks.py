@@ -112,14 +112,6 @@ def chunks(a: np.ndarray) -> list[memoryview]:
     return [memoryview(r.view(np.uint8)) for r in rows]
 
 
-def staging_buffer(nbytes: int = STAGE_BYTES) -> np.ndarray:
-    """This thread's staging buffer, at least ``nbytes`` long (kept for its next use)."""
-    buffer = getattr(_staging, "buffer", None)
-    if buffer is None or buffer.nbytes < nbytes:
-        buffer = _staging.buffer = np.empty(max(nbytes, STAGE_BYTES), np.uint8)
-    return buffer
-
-
 def hash_runs(parts: Sequence[np.ndarray]) -> Iterator[memoryview]:
     """The parts' bytes in C order, in buffers large enough that a hash update
     of one releases the GIL: a C-contiguous part as itself, strided ones (a
@@ -127,7 +119,9 @@ def hash_runs(parts: Sequence[np.ndarray]) -> Iterator[memoryview]:
     which releases the GIL too, into this thread's staging buffer up to
     ``STAGE_BYTES`` at a time. So a store's two hashing threads hash at once.
     Each buffer is valid until the next one is asked for."""
-    stage = staging_buffer()
+    stage = getattr(_staging, "buffer", None)
+    if stage is None:
+        stage = _staging.buffer = np.empty(STAGE_BYTES, np.uint8)  # kept for the thread's next blocks
     whole, used = memoryview(stage), 0
     for part in parts:
         if part.flags.c_contiguous or not part.ndim or part.strides[-1] != part.itemsize:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property, partial
 from typing import Any
 
 import mlx.core as mx
@@ -56,29 +55,15 @@ def _fetcher(payloads: Mapping[str, bytes | memoryview] | Fetch) -> Fetch:
 
 @dataclass(frozen=True)
 class Target:
-    """Where one block's payload lands, in payload order, two ways:
-
-    - ``pieces``: byte views of the mlx arrays being rebuilt (a token block:
-      each head's rows of each tensor, with scratch for rows a cut drops; a
-      state block: its whole array). A reader fills them straight from the
-      file with one scatter read and can hash them in place. Made when first
-      asked for (``make_pieces``): a staged reader never asks.
-    - ``parts`` (token blocks): one strided view per tensor, ``(rows kept of
-      every head, as a (heads, kept, row bytes) uint8 view of the
-      destination; rows the block holds)``. A reader that reads a run of the
-      payload into a small buffer, hashes it there in one call and copies it
-      out with one call per part (both release the GIL; a 32 KiB piece does
-      not) verifies on two threads at once."""
+    """Where one block's payload lands: the destination pieces (byte views of
+    the mlx arrays being rebuilt, plus scratch for rows cut off), in payload
+    order. A reader can fill them straight from the file with one scatter read
+    and hash them in place: no staging buffer, no second copy."""
 
     ref: BlockRef
     layout: bytes  # canonical layout JSON: part of the name and of the frame
-    make_pieces: Callable[[], list[memoryview]]
+    pieces: list[memoryview]
     covers: tuple[tuple[int, int], ...] = ()  # (destination array, bytes of it the pieces are)
-    parts: tuple[tuple[np.ndarray, int], ...] = ()
-
-    @cached_property
-    def pieces(self) -> list[memoryview]:
-        return self.make_pieces()
 
     @property
     def frame_prefix(self) -> bytes:
@@ -94,13 +79,15 @@ class Target:
             piece[:] = view[offset : offset + piece.nbytes]
             offset += piece.nbytes
 
-    def check(self, full: bool = False, key: bytes | None = None,
-              payload: Callable[[], bytes | memoryview] | None = None) -> Check:
-        """A check of this block's bytes fed run by run as they arrive, so a
-        reader can hash each run while it is still in the CPU cache.
-        ``payload``: where a mismatch's blake3 confirmation reads the block's
-        bytes again (a reader that did not keep them in the pieces: staged)."""
-        return Check(self, full, key, payload)
+    def check(self, full: bool = False, key: bytes | None = None) -> Check:
+        """A check of this block's bytes fed piece by piece as they arrive, so a
+        reader can hash each run of pieces while it is still in the CPU cache."""
+        return Check(self, full, key)
+
+    def _digest(self, h: Any) -> str:
+        for piece in self.pieces:
+            h.update(piece)
+        return finish_name(h, self.layout)
 
 
 class Check:
@@ -113,9 +100,8 @@ class Check:
     does hash to its name convicts the header instead (CorruptHeaderError),
     so a bad header can never get a good shared block deleted."""
 
-    def __init__(self, target: Target, full: bool, key: bytes | None,
-                 payload: Callable[[], bytes | memoryview] | None = None) -> None:
-        self._target, self._key, self._payload = target, key, payload
+    def __init__(self, target: Target, full: bool, key: bytes | None) -> None:
+        self._target, self._key = target, key
         self._fast = bool(target.ref.xxh3) and not full
         self._hash = xxhash.xxh3_128() if self._fast else hasher(key)
         self.update = self._hash.update
@@ -125,19 +111,11 @@ class Check:
         if self._fast:
             if finish_name(self._hash, self._target.layout) == ref.xxh3:
                 return
-            if self._blake3() == ref.name:
+            if self._target._digest(hasher(self._key)) == ref.name:
                 raise CorruptHeaderError(f"the header's xxh3-128 of block {ref.name} is wrong")
         elif finish_name(self._hash, self._target.layout) == ref.name:
             return
         raise corrupt_block(ref.name, "content does not hash to the name")
-
-    def _blake3(self) -> str:
-        """The block's name as its bytes give it: from the pieces they were read
-        into, or read again (``payload``)."""
-        h = hasher(self._key)
-        for chunk in [self._payload()] if self._payload is not None else self._target.pieces:
-            h.update(chunk)
-        return finish_name(h, self._target.layout)
 
 
 def _flat(view: np.ndarray) -> memoryview:
@@ -154,33 +132,19 @@ class _TokenTargets:
         self._full, self._dest, self._rows = full, dest, rows
         self._geometry = [row_geometry(t) for t in full]
         self._layouts: dict[tuple[tuple[int, int], ...], bytes] = {}
-        # each destination as (heads, its rows, row bytes): a block's rows of every head are one slice of it
-        self._grids = [np.frombuffer(d, np.uint8).reshape(g[0], r, g[1]) for d, g, r in zip(dest, self._geometry, rows)]
 
     def __call__(self, ref: BlockRef) -> Target:
-        """Token block ``ref``'s target: per tensor its parts, and what the pieces will be."""
-        spec = block_parts(self._full, ref.start, ref.stop)
-        covers, parts = [], []
-        for i, a, b in spec:
-            heads, row = self._geometry[i]
-            end = max(a, min(b, self._rows[i]))
-            covers.append((i, heads * (end - a) * row))
-            parts.append((self._grids[i][:, a:end], b - a))
-        key = tuple((i, b - a) for i, a, b in spec)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = layout_bytes([rows_part(self._full[i], a, b) for i, a, b in spec])
-        return Target(ref, layout, lambda: self._pieces(spec), tuple(covers), tuple(parts))
-
-    def _pieces(self, spec: list[tuple[int, int, int]]) -> list[memoryview]:
-        """A token block's pieces: per tensor and per leading index (head), the
+        """Pieces of token block ``ref``: per tensor and per leading index (head), the
         block's rows that the cut keeps, then scratch for the rows it drops."""
+        spec = block_parts(self._full, ref.start, ref.stop)
         pieces: list[memoryview | None] = []
         dropped: list[tuple[int, int]] = []  # (piece index, bytes) of rows beyond the cut
+        covers = []
         for i, a, b in spec:
             heads, row = self._geometry[i]
             rows, dest = self._rows[i], self._dest[i]
             end = max(a, min(b, rows))
+            covers.append((i, heads * (end - a) * row))
             if b == end:  # the whole block is kept: the common case
                 pieces += [dest[(base + a) * row : (base + b) * row] for base in range(0, heads * rows, rows)]
                 continue
@@ -193,7 +157,11 @@ class _TokenTargets:
             scratch, used = memoryview(bytearray(sum(n for _, n in dropped))), 0
             for k, n in dropped:
                 pieces[k], used = scratch[used : used + n], used + n
-        return pieces  # type: ignore[return-value]
+        key = tuple((i, b - a) for i, a, b in spec)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = layout_bytes([rows_part(self._full[i], a, b) for i, a, b in spec])
+        return Target(ref, layout, pieces, tuple(covers))  # type: ignore[arg-type]
 
 
 def rebuild(
@@ -227,7 +195,7 @@ def rebuild(
                 break
             yield token_target(ref)
         for k, (ref, t, (_, view)) in enumerate(zip(entry.state_refs, state_tensors, dest[len(cut) :])):
-            yield Target(ref, layout_bytes([(t.dtype, t.shape)]), partial(list, [_flat(view)]), ((len(cut) + k, view.nbytes),))
+            yield Target(ref, layout_bytes([(t.dtype, t.shape)]), [_flat(view)], ((len(cut) + k, view.nbytes),))
 
     if fill is None:
         fetch = _fetcher(payloads if payloads is not None else {})

@@ -98,10 +98,10 @@ class LocalPool:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 
     def read_exact(self, name: str, buffers: Sequence[memoryview],
-                   on_read: Callable[[Sequence[memoryview]], None] | None = None, **runs: int) -> bool:
-        """The restore's fast path (FileLayer.read_exact; ``run_bytes`` passed on)."""
+                   on_read: Callable[[Sequence[memoryview]], None] | None = None) -> bool:
+        """The restore's fast path (FileLayer.read_exact)."""
         try:
-            return self._fs.read_exact(self.path(name), buffers, on_read, **runs)
+            return self._fs.read_exact(self.path(name), buffers, on_read)
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 

@@ -92,9 +92,9 @@ class CountingFileLayer(FileLayer):
         self._count(path)
         return super().read(path)
 
-    def read_exact(self, path: Path, buffers: Sequence[memoryview], on_read: Any = None, **runs: int) -> bool:
+    def read_exact(self, path: Path, buffers: Sequence[memoryview], on_read: Any = None) -> bool:
         self._count(path)
-        return super().read_exact(path, buffers, on_read, **runs)
+        return super().read_exact(path, buffers, on_read)
 
 
 def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
