@@ -202,6 +202,10 @@ class Directory:
         if not marker.exists():
             self.fs.write_atomic(marker, [b"blockkv cache root\n"])
         self.fs.makedirs(self.path / "entries")
+        try:  # the default namespace's, as the shards: else a store's first header pays its mkdir and fsync
+            self.fs.makedirs(self.entries_dir / ns_dirname(""))
+        except OSError:
+            pass  # a full disk must not stop an open: made on first use
         self.fs.makedirs(self.path / "blobs")
         self.pool.create_shards()
         ident = self.path / "IDENTITY"
