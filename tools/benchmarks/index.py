@@ -114,7 +114,7 @@ def reboot(root: Path, *, settled: bool) -> None:
     boot that has ended (``/proc/sys/kernel/random/boot_id`` changes), and
     ``index.settled`` only if the last handle settled them (closing does)."""
     for data in list(root.rglob("data.mdb")):
-        env = lmdb.open(str(data.parent), max_dbs=16)
+        env = lmdb.open(str(data.parent), max_dbs=16, map_size=2 * data.stat().st_size + (1 << 20))
         with env.begin(write=True) as txn:
             txn.put(b"boot", b"a boot that has ended", db=env.open_db(b"meta", txn=txn))
         env.close()
