@@ -35,5 +35,11 @@ class NotRegularFileError(BlockKVError, FileNotFoundError):
     or directory. Treated as absent: never followed, never read."""
 
 
+class OversizedError(BlockKVError, ValueError):
+    """An object larger than the most its kind can be (a header above the
+    format's cap, a block above what its header declares): not read, and not
+    proof of anything about the object it should have been."""
+
+
 class LockTimeout(BlockKVError, TimeoutError):
     """The directory lock was not had within the timeout (a stopped or slow holder)."""

@@ -103,6 +103,18 @@ class Match:
     prefix_len: int
 
 
+@dataclass(frozen=True)
+class LocalChanges:
+    """What entered and left a store's local directory since a position in its
+    index's change log (``BlockStore.changes``). ``reset``: the log could not
+    reach back there, and ``added`` is then every entry (the caller starts over)."""
+
+    position: tuple[bytes, int]
+    reset: bool
+    added: tuple[EntryRecord, ...]
+    removed: tuple[str, ...]
+
+
 @dataclass
 class Loaded:
     caches: list[Any]

@@ -26,7 +26,7 @@ import numpy as np
 
 from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
 from blockkv.arguments import open_only as _open_only
-from blockkv.errors import CorruptError, LockTimeout
+from blockkv.errors import CorruptBlockError, CorruptError, LockTimeout
 from blockkv.format.blocks import CODEC_ID, DEFAULT_BLOCK_TOKENS, KEYED_CODEC_ID, Snapshot
 from blockkv.format.header import Header, Identity
 from blockkv.fs import FileLayer
@@ -44,7 +44,7 @@ from blockkv.local.recovery import Recovery
 from blockkv.local.restore import EntryRead
 from blockkv.local.retention import Retention
 from blockkv.local.writers import IntentFile
-from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, Match
+from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
 
 if TYPE_CHECKING:
     from blockkv.remote.bucket import Bucket
@@ -310,6 +310,21 @@ class BlockStore:
         return match if self._remote is None else self._remote.find(arr, ns, match, exact=True)
 
     @_open_only
+    def changes(self, since: tuple[bytes, int] | None = None) -> LocalChanges:
+        """What entered and left the local directory (any handle on this root) since
+        position ``since`` of the index's change log; ``None``: everything now.
+        A read of the log, not a scan: cheap enough to poll. Records of every
+        identity and namespace (``EntryRecord.owner``, ``.ns``); a record removed
+        again before this call is left out of ``added`` (its removal is in ``removed``)."""
+        log = self._index.changes_since(since) if since is not None else None
+        if log is None:
+            position = self._index.position()  # first: a change made while we read is replayed next time
+            return LocalChanges(position, True, tuple(self._index.entries()), ())
+        position, ops = log
+        added = [r for i in dict.fromkeys(i for op, i in ops if op == "+") if (r := self._index.entry(i)) is not None]
+        return LocalChanges(position, False, tuple(added), tuple(i for op, i in ops if op == "-"))
+
+    @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
         arr = tokens_array(prompt)
         self._refresh()
@@ -332,14 +347,19 @@ class BlockStore:
             self._refresh()  # another handle may have materialised it
             if entry.id not in self._catalog and not self._remote.materialise(entry):
                 return None
-        read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
-        try:
-            header, caches, attachments = read.run(cut)
-        except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-            if isinstance(exc, CorruptError):
-                self.stats["verify_failures"] += 1
-            self._retention.restore_failed(entry, exc, read.culprit(exc))
-            return None
+        for attempt in range(2):
+            read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
+            try:
+                header, caches, attachments = read.run(cut)
+                break
+            except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
+                if isinstance(exc, CorruptError):
+                    self.stats["verify_failures"] += 1
+                culprit = read.culprit(exc)
+                if attempt == 0 and self._heal(entry, exc, culprit):
+                    continue  # the bucket's verified copy replaced a rotten local block: read again
+                self._retention.restore_failed(entry, exc, culprit)
+                return None
         now = self._clock()
         self._dir.mark_used(self._dir.header_path(entry.ns, entry.id), now)  # the truth a rebuild reads
         self._retention.used(entry.id, now)
@@ -394,16 +414,21 @@ class BlockStore:
         self.stats["bytes_written"] += stored.written
         self.stats["bytes_deduplicated"] += stored.deduplicated
         if self._remote is not None and checkpoint is None:  # checkpoints stay local (docs/scale-out.md)
-            return self._remote.upload(stored.entry_id, ns, stored.encoded, (b.ref.name for b in stored.layout.blocks),
-                                       stored.new, stored.replaced)
+            return self._remote.uploads.upload(stored.entry_id, ns, stored.encoded,
+                                               (b.ref for b in stored.layout.blocks), stored.new, stored.replaced)
         return True
+
+    def _heal(self, entry: Entry, exc: BaseException, culprit: str) -> bool:
+        """A local block failed its hash: with a bucket, its verified copy replaces it (remote/tier.py)."""
+        return (self._remote is not None and isinstance(exc, CorruptBlockError) and culprit not in ("", "header")
+                and self._remote.heal_block(entry, culprit))
 
     def _adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
         """A remote entry made local (``Commits.adopt``); what the rules remove for it goes from the bucket too."""
         return self._commits.adopt(entry_id, header, encoded, frame_of, self.max_bytes, self._adopted)
 
     def _adopted(self, entry_id: str) -> None:
-        self._remote.remove_replaced(self._retention.landed(entry_id))
+        self._remote.uploads.remove_replaced(self._retention.landed(entry_id))
 
     # -- remove, evict, gc (retention.py) ---------------------------------------------------------
     @_open_only
@@ -451,7 +476,7 @@ class BlockStore:
     def counters(self) -> dict[str, float]:
         """``stats`` plus the entries eviction removed and the bytes uploaded to
         the bucket, since the handle opened (what ``blockkv serve``'s /metrics shows)."""
-        uploaded = self._remote.uploaded_bytes if self._remote is not None else 0
+        uploaded = self._remote.uploads.uploaded_bytes if self._remote is not None else 0
         return {**self.stats, "evictions": self._retention.evicted, "bytes_uploaded": uploaded}
 
     def tier_of(self, entry: Entry) -> str:

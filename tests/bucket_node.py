@@ -13,13 +13,13 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from blockkv.format.blocks import CODEC_ID, EntryLayout, split_entry
+from blockkv.format.blocks import CODEC_ID, Block, EntryLayout, split_entry
 from blockkv.format.descriptor import blocks_for_prefix, parse_descriptor
 from blockkv.format.frame import decode_block, encode_block
 from blockkv.format.header import Header, Identity, encode_header
@@ -65,21 +65,30 @@ def entry(n_tokens: int, seed: int, shared: int = 0, ns: str = "") -> tuple[str,
     return f"{ns_dirname(ns)}/{uuid.uuid4().hex}.bkv", header, layout, caches
 
 
+def frame_of(block: Block, compression: str | None = "zstd") -> Callable[[], bytes]:
+    """A block's frame, as a store's local copy hands it to an upload."""
+    return lambda: b"".join(encode_block(block, compression))
+
+
+def put_blocks(session: StoreSession, layout: EntryLayout, compression: str | None = "zstd") -> None:
+    for b in layout.blocks:
+        session.put_block(b.ref, frame_of(b, compression), new=True)
+
+
 def upload(bucket: Bucket, name: str, header: bytes, layout: EntryLayout) -> StoreSession:
     """A store's bucket half, in the write order: blocks, then the header."""
-    frames = {b.ref.name: encode_block(b, "zstd") for b in layout.blocks}
     session = bucket.begin_store()
-    for block_name, frame in frames.items():
-        session.put_block(block_name, frame)
-    session.commit(name, header, lambda n: frames[n])
+    put_blocks(session, layout)
+    session.commit(name, header)
     return session
 
 
-def restore(bucket: Bucket, name: str) -> list:
+def restore(bucket: Bucket, name: str, vouched: bool = False) -> list:
     """A node's restore from the bucket alone: header, then every block, verified."""
-    _, header = bucket.fetch_header(name)
+    header = bucket.fetch_header(name).header
     parsed = parse_descriptor(header.descriptor)
-    frames = bucket.fetch_blocks(r.name for r in blocks_for_prefix(parsed, None))
+    sizes = {r.name: r.raw_bytes for r in blocks_for_prefix(parsed, None)}
+    frames = bucket.fetch_blocks(sizes, None, vouched=vouched)
     caches, _ = rebuild(parsed, {n: decode_block(n, f) for n, f in frames.items()})
     return caches
 
@@ -103,9 +112,7 @@ def _store_loop(endpoint: str, bucket_name: str, seconds: float, out: str) -> No
     bucket = open_bucket(endpoint, bucket_name)
     committed, refused, seed, refreshed = [], 0, 0, 0
     for garbage in range(1000, 1004):  # abandoned at once: old enough for the GC runs to sweep
-        session = bucket.begin_store()
-        for b in entry(48, garbage)[2].blocks:
-            session.put_block(b.ref.name, encode_block(b, "zstd"))
+        put_blocks(bucket.begin_store(), entry(48, garbage)[2])
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         seed += 1
@@ -114,9 +121,7 @@ def _store_loop(endpoint: str, bucket_name: str, seconds: float, out: str) -> No
         name, header, layout, _ = entry(48, seed if seed % 2 else (seed // 4) | 1, shared=32)
         try:
             if seed % 3 == 0:  # an abandoned store: blocks without a header
-                session = bucket.begin_store()
-                for b in layout.blocks:
-                    session.put_block(b.ref.name, encode_block(b, "zstd"))
+                put_blocks(bucket.begin_store(), layout)
                 continue
             refreshed += len(upload(bucket, name, header, layout).refreshed)
         except (StoreTooSlow, BucketError):

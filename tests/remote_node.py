@@ -4,6 +4,7 @@ Imported by the tests, and run as its own process where concurrency matters:
 
     python tests/remote_node.py store ROOT ENDPOINT BUCKET SECONDS OUT.json
     python tests/remote_node.py gc    ROOT ENDPOINT BUCKET SECONDS OUT.json
+    python tests/remote_node.py open  ROOT ENDPOINT BUCKET 0       OUT.json   # open, restore, peak RSS
 """
 
 from __future__ import annotations
@@ -116,7 +117,24 @@ def _gc_loop(root: str, endpoint: str, bucket: str, seconds: float, out: str) ->
         json.dump({"deleted": deleted, "runs": runs}, f)
 
 
+def _open(root: str, endpoint: str, bucket: str, seconds: float, out: str) -> None:
+    """Open a node (learning every header), restore every entry it learned, and
+    report the process's peak resident memory (VmHWM: ru_maxrss would carry the
+    parent's over fork and exec): what reading the bucket cost."""
+    restored, error = 0, None
+    try:
+        with open_node(root, endpoint, bucket) as store:
+            for entry in store._remote.catalog.entries():
+                restored += store.restore(entry) is not None
+    except (ValueError, OSError) as exc:
+        error = str(exc)
+    with open(out, "w") as f:
+        peak = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM"))
+        json.dump({"maxrss_mib": int(peak.split()[1]) / 1024,
+                   "restored": restored, "error": error}, f)
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     root, endpoint, bucket_name, seconds, out = args
-    {"store": _store_loop, "gc": _gc_loop}[command](root, endpoint, bucket_name, float(seconds), out)
+    {"store": _store_loop, "gc": _gc_loop, "open": _open}[command](root, endpoint, bucket_name, float(seconds), out)

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,15 @@ import pytest
 from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
-from blockkv.errors import BlockMissingError, CorruptBlockError
+from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
+from blockkv.format.blocks import Block
 from blockkv.format.frame import encode_block
 from blockkv.format.header import Identity
 from blockkv.local.directory import ns_dirname
 from blockkv.remote.bucket import Bucket
 from blockkv.remote.objects import BucketError
 from blockkv.remote.session import StoreTooSlow
+from blockkv.testing.moto_clock import ServerClock
 
 NODE = str(Path(__file__).with_name("bucket_node.py"))
 
@@ -43,6 +46,16 @@ def server() -> Iterator[ThreadedMotoServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def server_clock(server: ThreadedMotoServer) -> Iterator[ServerClock]:
+    """The clock moto's server (in this process) stamps objects with: ``step`` moves it."""
+    clock = ServerClock.install()
+    try:
+        yield clock
+    finally:
+        clock.uninstall()
 
 
 @pytest.fixture
@@ -103,17 +116,16 @@ def test_the_header_is_written_after_its_blocks_and_listed_by_other_handles(
         endpoint: str, bucket_name: str, bucket: Bucket) -> None:
     name, header, layout, _ = node.entry(64, seed=2)
     session = bucket.begin_store()
-    for b in layout.blocks:
-        session.put_block(b.ref.name, encode_block(b))
+    node.put_blocks(session, layout, None)
     other = node.open_bucket(endpoint, bucket_name)
     assert other.list_headers() == {}  # blocks alone are no entry
-    session.commit(name, header, lambda n: pytest.fail("no block went missing"))
+    session.commit(name, header)
     assert list(other.list_headers()) == [name]
     assert other.new_headers([name]) == []
-    data, parsed = other.fetch_header(name)
-    assert data == header and parsed.identity == node.IDENTITY
+    copy = other.fetch_header(name)
+    assert copy.data == header and copy.header.identity == node.IDENTITY
     with pytest.raises(ValueError):
-        session.commit(name, b"not a header", lambda n: [])
+        session.commit(name, b"not a header")
 
 
 def test_a_node_with_nothing_local_rebuilds_every_entry_from_the_bucket(
@@ -130,8 +142,7 @@ def test_a_node_with_nothing_local_rebuilds_every_entry_from_the_bucket(
     tenant = [n for n in stored if n.startswith(ns_dirname("tenant-a") + "/")]
     assert len(tenant) == 2 and sorted(fresh.list_headers(ns_dirname("tenant-a"))) == sorted(tenant)
     for name in found:
-        data, _ = fresh.fetch_header(name)
-        assert data == stored[name][0]
+        assert fresh.fetch_header(name).data == stored[name][0]
         assert list(node.raw_state(node.restore(fresh, name))) == list(node.raw_state(stored[name][1]))
 
 
@@ -155,18 +166,23 @@ def test_a_flipped_byte_in_the_bucket_is_a_miss_and_is_replaced_by_the_next_stor
         endpoint: str, bucket_name: str, bucket: Bucket) -> None:
     name, header, layout, caches = node.entry(64, seed=3)
     node.upload(bucket, name, header, layout)
-    victim = layout.blocks[1].ref.name
-    key = f"fleet/{node.FP_DIR}/blobs/{victim[:2]}/{victim}"
+    victim = layout.blocks[1]
+    key = f"fleet/{node.FP_DIR}/blobs/{victim.ref.name[:2]}/{victim.ref.name}"
     raw = raw_store(endpoint, bucket_name)
     damaged = bytearray(obstore.get(raw, key).bytes())
     damaged[-5] ^= 0x10
     obstore.put(raw, key, bytes(damaged))
     reader = node.open_bucket(endpoint, bucket_name)
+    with pytest.raises(CorruptHeaderError):
+        node.restore(reader, name)  # a miss, never data; and no proof whose fault it is: kept
+    assert key in keys(endpoint, bucket_name)
     with pytest.raises(CorruptBlockError):
-        node.restore(reader, name)  # a miss, never data
-    assert key not in keys(endpoint, bucket_name)  # proof of damage: quarantined
+        node.restore(reader, name, vouched=True)  # the key it was named with is known: proof
+    assert key not in keys(endpoint, bucket_name)  # quarantined, inside a window writers respect
+    assert keys(endpoint, bucket_name, f"fleet/{node.FP_DIR}/wanted/") == [
+        f"fleet/{node.FP_DIR}/wanted/{victim.ref.name}"]  # and a good copy asked of the fleet
     with pytest.raises(BlockMissingError):
-        reader.fetch_block(victim)
+        reader.fetch_block(victim.ref.name, victim.ref.raw_bytes, None)
     again = node.entry(64, seed=3)  # the same content stored again uploads a good copy
     node.upload(bucket, again[0], again[1], again[2])
     assert list(node.raw_state(node.restore(reader, name))) == list(node.raw_state(caches))
@@ -184,28 +200,26 @@ def test_a_store_past_its_deadline_rechecks_and_then_refuses(endpoint: str, buck
     # whole seconds of Last-Modified): room for a loaded machine, and less than the stall below
     bucket = node.open_bucket(endpoint, bucket_name, grace=11.0, timeout=1.0, sweep_window=3.0)
     name, header, layout, _ = node.entry(32, seed=7)
-    frames = {b.ref.name: encode_block(b) for b in layout.blocks}
     session = bucket.begin_store()
-    for n, f in frames.items():
-        session.put_block(n, f)
-    session.start -= bucket.grace  # as if the store had begun a grace period ago
+    node.put_blocks(session, layout, None)
+    session.reading = replace(session.reading, server=session.start - bucket.grace)  # begun a grace period ago
     bucket.blocks.delete(layout.blocks[0].ref.name)
-    session.commit(name, header, lambda n: frames[n])  # re-checked from a new start: the block came back
+    session.commit(name, header)  # re-checked from a new start: the block came back
     assert bucket.blocks.exists(layout.blocks[0].ref.name)
 
     name2, header2, layout2, _ = node.entry(32, seed=8)
     slow = bucket.begin_store()
-    for b in layout2.blocks:
-        slow.put_block(b.ref.name, encode_block(b))
 
-    def stall(n: str) -> list:
+    def stall(b: Block) -> bytes:
         time.sleep(bucket.grace / 2)  # the re-check itself outlasts the deadline
-        return [encode_block(b) for b in layout2.blocks if b.ref.name == n][0]
+        return b"".join(encode_block(b))
 
-    slow.start -= bucket.grace
+    for b in layout2.blocks:
+        slow.put_block(b.ref, lambda b=b: stall(b) if b is layout2.blocks[0] else node.frame_of(b)())
+    slow.reading = replace(slow.reading, server=slow.start - bucket.grace)
     bucket.blocks.delete(layout2.blocks[0].ref.name)
     with pytest.raises(StoreTooSlow):
-        slow.commit(name2, header2, stall)
+        slow.commit(name2, header2)
     assert name2 not in bucket.list_headers()
 
 
@@ -264,12 +278,13 @@ def test_an_outage_raises_bucket_error_promptly_and_recovers_on_the_same_port() 
     b = node.open_bucket(endpoint, name)
     entry_name, header, layout, _ = node.entry(48, seed=30)
     session = b.begin_store()
-    session.put_block(layout.blocks[0].ref.name, encode_block(layout.blocks[0]))
+    session.put_block(layout.blocks[0].ref, node.frame_of(layout.blocks[0]), new=True)
     server.stop()  # mid-store
     calls: list[Any] = [
-        lambda: session.put_block(layout.blocks[1].ref.name, encode_block(layout.blocks[1])),
-        lambda: session.commit(entry_name, header, lambda n: []),
-        b.list_headers, b.gc, lambda: b.evict_to(0), lambda: b.fetch_blocks([layout.blocks[0].ref.name]),
+        lambda: session.put_block(layout.blocks[1].ref, node.frame_of(layout.blocks[1]), new=True),
+        lambda: session.commit(entry_name, header),
+        b.list_headers, b.gc, lambda: b.evict_to(0),
+        lambda: b.fetch_blocks({layout.blocks[0].ref.name: layout.blocks[0].ref.raw_bytes}, None),
         lambda: b.touch(entry_name),
     ]
     for call in calls:
@@ -314,10 +329,8 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     kept_name, kept_header, kept, _ = node.entry(48, seed=41)
     node.upload(writer, kept_name, kept_header, kept)  # old, but referenced
     name, header, layout, caches = node.entry(48, seed=40)
-    frames = {b.ref.name: encode_block(b) for b in layout.blocks}
-    abandoned = writer.begin_store()
-    for n, f in frames.items():
-        abandoned.put_block(n, f)  # garbage: no header names these blocks yet
+    frames = {b.ref.name: b for b in layout.blocks}
+    node.put_blocks(writer.begin_store(), layout, None)  # garbage: no header names these blocks yet
     idle = node.open_bucket(endpoint, bucket_name, **timing)
     idle.server_now()  # its clock object, then silence
     gone = f"{ns_dirname('')}/{uuid.uuid4().hex}.bkv"
@@ -330,13 +343,12 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     while writer.server_now() <= until:  # the server's clock, not ours
         time.sleep(0.5)
     _, _, young, _ = node.entry(48, seed=42)
-    young_store = writer.begin_store()
-    for b in young.blocks:
-        young_store.put_block(b.ref.name, encode_block(b))
+    node.put_blocks(writer.begin_store(), young, None)
     junk = f"{ns_dirname('')}/{uuid.uuid4().hex}.bkv"  # a header no one can read: its blocks are unknown
     collector.headers.put_if_absent(junk, [b"BKVHDR\x00\x00 from a future version"])
-    found, damaged = collector.fetch_headers([junk, kept_name])
-    assert damaged == [junk] and list(found) == [kept_name] and found[kept_name][0] == kept_header
+    fetched = collector.fetch_headers([junk, kept_name])
+    assert list(fetched.damaged) == [junk] and list(fetched.found) == [kept_name]
+    assert fetched.found[kept_name].data == kept_header
     blocked = collector.gc_mark()
     assert blocked.doomed == [] and blocked.report.unreadable_headers == [junk]
     assert collector.gc_sweep(blocked).deleted == []  # and marks the run done, so no writer waits for it
@@ -347,10 +359,10 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
 
     session = writer.begin_store()
     started = session.start
-    for n, f in frames.items():
-        assert session.put_block(n, f)  # old: refreshed
+    for b in frames.values():
+        assert session.put_block(b.ref, node.frame_of(b, None), new=True)  # old: refreshed
     assert session.refreshed == set(frames)
-    committing = ThreadPoolExecutor(1).submit(session.commit, name, header, lambda n: frames[n])
+    committing = ThreadPoolExecutor(1).submit(session.commit, name, header)
     time.sleep(0.2)
     assert not committing.done()  # it waits for the run it saw
     report = collector.gc_sweep(plan)  # deletes the refreshed blocks: its view was stale
@@ -358,8 +370,9 @@ def test_gc_condemns_old_garbage_and_a_refresh_racing_its_sweep_is_caught_before
     committing.result(timeout=30)
     assert session.start == started  # not past its deadline: the re-check after the run did it
     assert list(node.raw_state(node.restore(writer, name))) == list(node.raw_state(caches))
-    assert collector.fetch_blocks(b.ref.name for b in kept.blocks).keys() == {b.ref.name for b in kept.blocks}
+    assert collector.fetch_blocks({b.ref.name: b.ref.raw_bytes for b in kept.blocks}, None).keys() == {
+        b.ref.name for b in kept.blocks}
     meta_keys = keys(endpoint, bucket_name, f"fleet/{node.FP_DIR}/")  # reaped by the runs past the grace period
     assert f"fleet/{node.FP_DIR}/used/{gone}" not in meta_keys and f"fleet/{node.FP_DIR}/clock/{idle._node}" not in meta_keys
     fresh = writer.begin_store()  # refreshed or uploaded again just now: no refresh needed
-    assert not any(fresh.put_block(n, lambda: pytest.fail("no upload")) for n in frames)
+    assert not any(fresh.put_block(b.ref, lambda: pytest.fail("no upload")) for b in frames.values())

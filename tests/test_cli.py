@@ -191,8 +191,9 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
         "bad_unnamed_gc": ["gc", r],
         "bad_unnamed_repair": ["check", r, "--repair"],
         "bad_command": ["frobnicate", r],
+        "bad_route_node": ["route", "--model", r, "--node", "ftp://127.0.0.1:1"],
     }
-    passthrough = {name: [name, "--help"] for name in ("demo", "serve", "bench")}
+    passthrough = {name: [name, "--help"] for name in ("demo", "serve", "route", "bench")}
     before = tree(r)
     procs = run_all(*commands.values(), *passthrough.values())
     [module] = run_all(["stats", r, "--json"], module=True)
@@ -206,7 +207,7 @@ def reads(built: Root, tmp_path_factory: pytest.TempPathFactory) -> Reads:
 BAD = [
     "bad_missing_root", "bad_file_root", "bad_foreign_root", "bad_unknown_fingerprint",
     "bad_ambiguous_fingerprint", "bad_negative_size", "bad_size", "bad_unnamed_gc",
-    "bad_unnamed_repair", "bad_command", "bad_option",
+    "bad_unnamed_repair", "bad_command", "bad_option", "bad_route_node",
 ]
 
 
@@ -304,8 +305,8 @@ def test_evict_dry_run_plans_every_entry_and_deletes_nothing(built: Root, reads:
     assert proc.stdout.count("\n  ") == len(built.llama.token_counts + built.mamba.token_counts) + 2
 
 
-@pytest.mark.parametrize("name", ["demo", "serve", "bench"])
-def test_demo_serve_bench_get_the_rest_of_the_command_line(reads: Reads, name: str) -> None:
+@pytest.mark.parametrize("name", ["demo", "serve", "route", "bench"])
+def test_demo_serve_route_bench_get_the_rest_of_the_command_line(reads: Reads, name: str) -> None:
     proc = reads.results[name]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: blockkv {name}")
@@ -315,6 +316,7 @@ def test_stats_does_not_import_the_server(reads: Reads) -> None:
     proc = reads.results["imports"]
     assert proc.returncode == 0
     assert "blockkv.local.reader" in proc.stderr and "mlx_lm.server" not in proc.stderr
+    assert "blockkv.serving.route" not in proc.stderr
 
 
 def test_help_ls_stats_and_import_blockkv_do_not_import_mlx_lm(built: Root) -> None:

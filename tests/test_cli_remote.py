@@ -12,12 +12,12 @@ from typing import Any
 
 import bucket_node as node
 import obstore
-from test_bucket import endpoint, make_bucket, raw_store, server  # noqa: F401 - moto's server fixtures
+from test_bucket import endpoint, make_bucket, raw_store, server, server_clock  # noqa: F401 - moto's server fixtures
 from test_cli import parsed, run_all
 
-from blockkv.format.frame import encode_block
 from blockkv.local.directory import ns_dirname
 from blockkv.remote.bucket import Bucket
+from blockkv.testing.moto_clock import ServerClock
 
 GRACE = 9.0  # the shortest a 1 s request timeout allows: the test waits it out once
 TIMING = ["--remote-option", f"grace={GRACE}", "--remote-option", "timeout=1"]  # as the nodes would run
@@ -52,10 +52,8 @@ def fill(bucket: Bucket) -> dict[str, Any]:
         time.sleep(1.1)  # Last-Modified has one-second resolution: a definite order
     first = next(iter(entries))
     bucket.touch(first)  # used again, by another node: now the most recent
-    abandoned = bucket.begin_store()
     garbage = node.entry(32, seed=99)[2]
-    for b in garbage.blocks:
-        abandoned.put_block(b.ref.name, encode_block(b, "zstd"))
+    node.put_blocks(bucket.begin_store(), garbage)
     return dict(entries=entries, first=first, garbage=sorted(b.ref.name for b in garbage.blocks))
 
 
@@ -112,7 +110,14 @@ def test_ls_stats_and_check_read_the_bucket_and_write_nothing(endpoint: str) -> 
     assert f"{len(filled['garbage'])} block(s)" in human.stdout
 
 
-def test_check_reports_damage_in_the_bucket_and_repair_removes_only_what_is_broken(endpoint: str) -> None:  # noqa: F811
+def test_check_reports_damage_in_the_bucket_and_repair_acts_only_on_proof(
+        endpoint: str, server_clock: ServerClock) -> None:  # noqa: F811
+    """A flipped block, a deleted one and a header that does not read. Without
+    a fleet key a block that does not hash to its name is proven bad only once
+    every header reads and it is older than the grace period (no store in
+    flight can have named it with a key nobody has seen); an entry missing a
+    block is removed only after the fleet had a grace period to send a good
+    copy back (``wanted/``). The server's clock is stepped instead of waited for."""
     bucket_name = make_bucket(endpoint)
     bucket = node.open_bucket(endpoint, bucket_name)
     filled = fill(bucket)
@@ -131,34 +136,48 @@ def test_check_reports_damage_in_the_bucket_and_repair_removes_only_what_is_brok
     before = snapshot(endpoint, bucket_name)
     url = f"s3://{bucket_name}/fleet"
     check, stats, human, unnamed = run_all(
-        ["check", "--remote", url, "--json"], ["stats", "--remote", url, "--json"], ["check", "--remote", url],
-        ["check", "--remote", url, "--repair"], env=env_for(endpoint))
-    assert snapshot(endpoint, bucket_name) == before  # the damaged block is reported, not quarantined
+        ["check", "--remote", url, "--json", *TIMING], ["stats", "--remote", url, "--json"],
+        ["check", "--remote", url, *TIMING], ["check", "--remote", url, "--repair"], env=env_for(endpoint))
+    assert snapshot(endpoint, bucket_name) == before  # a check writes nothing
 
     (fp,) = parsed(check, expect=1)["fingerprints"]
     assert not fp["clean"]
-    assert fp["report"]["corrupt_blocks"] == [flipped]
+    assert fp["report"]["corrupt_blocks"] == [] and fp["report"]["suspect_blocks"] == [flipped]
     assert fp["report"]["corrupt_headers"] == [junk]
     assert fp["report"]["dangling"] == [entry_id(names[2])]
     assert fp["report"]["entries"] == 3
     (fp,) = parsed(stats)["fingerprints"]
     assert fp["entries"] == 2 and fp["dangling_entries"] == [entry_id(names[2])]  # missing a block
     assert fp["corrupt_headers"] == [junk]
-    assert human.returncode == 1 and f"corrupt block: {flipped}" in human.stdout
+    assert human.returncode == 1 and f"without proof it is bad (kept; a lying header looks the same): {flipped}" in human.stdout
     assert unnamed.returncode == 2 and "--all" in unnamed.stderr  # a repair changes the bucket for every node
 
-    (repair,) = run_all(["check", "--remote", url, "--repair", "--all", "--json"], env=env_for(endpoint))
-    (fp,) = parsed(repair, expect=1)["fingerprints"]  # problems found, and repaired
-    assert fp["report"]["actions"] == [
-        f"deleted corrupt block {flipped}",
-        f"removed entry {entry_id(names[2])} (header {names[2]}): a block it needs is gone"]
-    after = snapshot(endpoint, bucket_name)
-    assert set(before) - set(after) == {key_of("blobs", flipped), key_of("entries", names[2])}
-    assert key_of("entries", junk) in after  # a header that does not read may be a newer format: kept
-    obstore.delete(raw, key_of("entries", junk))
-    (again,) = run_all(["check", "--remote", url, "--json"], env=env_for(endpoint))
+    def repair() -> dict[str, Any]:
+        (proc,) = run_all(["check", "--remote", url, "--repair", "--all", "--json", *TIMING], env=env_for(endpoint))
+        (fp,) = parsed(proc, expect=1)["fingerprints"]
+        return fp["report"]
+
+    first = repair()  # no proof yet: the gap is asked of the fleet, nothing is deleted
+    assert first["actions"] == [] and first["waiting_for_copy"] == [deleted]
+    assert key_of("blobs", flipped) in snapshot(endpoint, bucket_name)
+    assert key_of("entries", names[2]) in snapshot(endpoint, bucket_name)
+    assert f"fleet/{node.FP_DIR}/wanted/{deleted}" in snapshot(endpoint, bucket_name)
+
+    obstore.delete(raw, key_of("entries", junk))  # every header reads now
+    server_clock.step(GRACE + 2)  # and the flipped block is older than the grace period
+    second = repair()
+    assert second["corrupt_blocks"] == [flipped]
+    assert second["actions"] == [f"deleted corrupt block {flipped} and asked the fleet for a good copy"]
+    assert second["waiting_for_copy"] == sorted([flipped, deleted])  # one asked just now: the entry waits
+    assert key_of("blobs", flipped) not in snapshot(endpoint, bucket_name)
+
+    server_clock.step(GRACE + 2)  # no node sent a good copy back within a grace period
+    third = repair()
+    assert third["actions"] == [f"removed entry {entry_id(names[2])} (header {names[2]}): a block it needs has "
+                                "been missing for a grace period and no node had a good copy"]
+    (again,) = run_all(["check", "--remote", url, "--json", *TIMING], env=env_for(endpoint))
     (fp,) = parsed(again)["fingerprints"]  # clean: what the broken entry shared, the others still name
-    assert fp["report"]["entries"] == 2 and fp["report"]["in_flight"] == filled["garbage"]
+    assert fp["clean"] and fp["report"]["entries"] == 2 and fp["report"]["in_flight"] == filled["garbage"]
     for name in names[:2]:  # the entries that were sound still restore bit-exact
         assert list(node.raw_state(node.restore(bucket, name))) == list(node.raw_state(entries[name]["caches"]))
 

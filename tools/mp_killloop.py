@@ -155,6 +155,22 @@ def _open(root: Path) -> BlockStore:
     return BlockStore(root, **PARAMS)  # type: ignore[arg-type]
 
 
+def store_one(store: BlockStore, journal: Journal, rng: random.Random, ns: str) -> tuple[str, dict[str, Any]] | None:
+    """Store a new entry in ``ns`` on one of the shared prefixes, journalled
+    (``storing`` before, ``stored`` once acknowledged); its id and spec, or None."""
+    spec = {"ns": ns, "prefix": rng.randrange(PREFIXES),
+            "plen": BLOCK_TOKENS * rng.randint(0, PREFIX_MAX // BLOCK_TOKENS),
+            "suffix": rng.randrange(1 << 62), "slen": rng.randint(1, 3 * BLOCK_TOKENS)}
+    tokens, caches = spec_entry(spec)
+    journal.write(op="storing", **spec)
+    if store.store(tokens, caches, ns):
+        match = store.find_exact(tokens, ns)
+        if match is not None:
+            journal.write(op="stored", id=match.entry.id, **spec)
+            return match.entry.id, spec
+    return None
+
+
 def worker(root: Path, journal_path: Path, slot: int, seed: int) -> None:
     """The workload of one worker; its entries live in namespace ``w<slot>``."""
     logging.disable(logging.WARNING)
@@ -167,16 +183,9 @@ def worker(root: Path, journal_path: Path, slot: int, seed: int) -> None:
     while True:
         op = rng.choices(("store", "restore", "remove", "evict", "gc"), (6, 3, 1, 0.4, 1))[0]
         if op == "store":
-            spec = {"ns": ns, "prefix": rng.randrange(PREFIXES),
-                    "plen": BLOCK_TOKENS * rng.randint(0, PREFIX_MAX // BLOCK_TOKENS),
-                    "suffix": rng.randrange(1 << 62), "slen": rng.randint(1, 3 * BLOCK_TOKENS)}
-            tokens, caches = spec_entry(spec)
-            journal.write(op="storing", **spec)
-            if store.store(tokens, caches, ns):
-                match = store.find_exact(tokens, ns)
-                if match is not None:
-                    mine[match.entry.id] = spec
-                    journal.write(op="stored", id=match.entry.id, **spec)
+            stored = store_one(store, journal, rng, ns)
+            if stored is not None:
+                mine[stored[0]] = stored[1]
         elif op == "restore" and mine:
             entry_id, spec = rng.choice(list(mine.items()))
             tokens, expected = spec_entry(spec)

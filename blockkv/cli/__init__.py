@@ -21,7 +21,7 @@ This module is the parser and ``main``; a module per command family does the
 work: ``reads`` (``stats``, ``ls``), ``check``, ``maintenance`` (``gc``,
 ``rebuild-index``, ``evict``), ``remove`` (``rm``), ``portable`` (``export``,
 ``import``, ``warm``: mlx-lm prompt-cache files and system prompts, importing
-mlx-lm only when they run) and ``passthrough`` (``demo``, ``serve``,
+mlx-lm only when they run) and ``passthrough`` (``demo``, ``serve``, ``route``,
 ``bench``), over what they share: ``common`` (exit codes, output, choosing
 fingerprints), ``remote`` (reaching a bucket) and ``stores`` (opening a local
 store, the one module that imports ``blockkv.store``).

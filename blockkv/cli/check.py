@@ -64,6 +64,9 @@ PROBLEMS = {
     "refcount_mismatches": "refcount mismatch (block, index says, headers say)",
     "unreadable": "unreadable file (a transient error such as EMFILE or EIO; kept, never deleted)",
     "newer_headers": "header of a newer blockkv format (kept, never served; blocks are not swept while it is here)",
+    "bad_headers": "bad header (names a good block with another namespace key or size; the block is kept)",
+    "unsealed_headers": "header not sealed with the fleet key (never served; left for an operator)",
+    "suspect_blocks": "block that does not verify, without proof it is bad (kept; a lying header looks the same)",
 }
 
 
@@ -125,7 +128,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         )
         return EXIT_PROBLEMS if problems else EXIT_OK
     for fp, report, owners in results:
-        found = [(what, item) for kind, what in PROBLEMS.items() for item in getattr(report, kind)]
+        found = [(what, item) for kind, what in PROBLEMS.items() for item in getattr(report, kind, ())]
         count = len(found) + report.index_missing
         status = "ok" if not count else f"{count} problem(s)"
         print(
@@ -145,6 +148,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             )
         for action in report.actions:
             print(f"  repaired: {action}")
+        if args.remote and getattr(report, "waiting_for_copy", None):
+            print(f"  {len(report.waiting_for_copy)} block(s) asked of the fleet (a node holding a good copy "
+                  "uploads it); their entries are removed if none comes back within the grace period")
         if args.remote and report.in_flight:
             print(f"  {len(report.in_flight)} block(s) named by no header: stores in progress, or garbage "
                   "'blockkv gc --remote' deletes after the grace period (not problems)")
@@ -158,9 +164,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def check_remote(args: argparse.Namespace, results: list[tuple[Any, CheckReport, list[dict[str, Any]]]]) -> list[str]:
     """``check --remote``: each chosen fingerprint directory in the bucket,
-    verified (``remote.view.check_bucket``; without ``--repair`` no write)
+    verified (``remote.check.check_bucket``; without ``--repair`` no write)
     into ``results``; returns the directories whose IDENTITY does not read."""
-    from blockkv.remote.view import check_bucket
+    from blockkv.remote.check import check_bucket
 
     unreadable: list[str] = []
     for fp in remote_fingerprints(args, mutating="check --repair" if args.repair else None, unreadable=unreadable):
@@ -169,7 +175,7 @@ def check_remote(args: argparse.Namespace, results: list[tuple[Any, CheckReport,
             identities = []
             for name in report.foreign_headers:
                 try:
-                    identities.append(bucket.fetch_header(name)[1].identity)
+                    identities.append(bucket.fetch_header(name).header.identity)
                 except BlockKVError:
                     continue  # gone or damaged since check read it
         results.append((fp, report, owner_rows(identities)))

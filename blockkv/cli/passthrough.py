@@ -1,7 +1,7 @@
-"""``demo``, ``serve`` and ``bench``: the commands whose arguments belong to
-another program. The rest of the command line goes, untouched, to that
-program's own ``main``, imported only then, so that ``blockkv stats`` never
-imports mlx-lm's server.
+"""``demo``, ``serve``, ``route`` and ``bench``: the commands whose arguments
+belong to another program. The rest of the command line goes, untouched, to
+that program's own ``main``, imported only then, so that ``blockkv stats``
+never imports mlx-lm's server or the router.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from blockkv.cli.common import EXIT_USAGE, UsageError
 PASSTHROUGH = {
     "demo": "run the blockkv demo (arguments go to blockkv.serving.demo)",
     "serve": "run mlx-lm's server with blockkv as its cold tier (arguments go to blockkv.serving.serve)",
+    "route": "route requests to a fleet of blockkv serve nodes by what each holds (arguments go to "
+             "blockkv.serving.route)",
     "bench": "run tools/bench.py from a source checkout (arguments go to it)",
 }
 

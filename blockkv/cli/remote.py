@@ -17,17 +17,17 @@ from typing import Any
 from blockkv.cli.common import UsageError, choose_fingerprints
 
 
-def remote_options(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, float | int]]:
+def remote_options(args: argparse.Namespace) -> Any:
     """``--remote-option KEY=VALUE`` pairs, the ``remote_options`` a node runs
-    with: (endpoint and credentials, over the AWS environment variables; the
-    bucket protocol's settings such as ``grace`` and ``timeout``)."""
+    with, split (``remote.options.RemoteOptions``: endpoint and credentials
+    over the AWS environment variables, the bucket protocol's settings such as
+    ``grace`` and ``timeout``, the fleet key over ``BLOCKKV_FLEET_KEY``)."""
     from blockkv.remote.options import split_options
 
     try:
-        s3, settings, _ = split_options(dict(args.remote_option or ()))
+        return split_options(dict(args.remote_option or ()))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return s3, settings
 
 
 def remote_fingerprints(
@@ -49,10 +49,10 @@ def remote_fingerprints(
         from blockkv.remote.view import list_bucket_fingerprints
     except ImportError as exc:
         raise UsageError(f"--remote needs the s3 extra: {exc}") from None
-    s3, settings = remote_options(args)
+    opts = remote_options(args)
     try:
-        known, bad = list_bucket_fingerprints(args.remote, s3, **{
-            k: v for k, v in settings.items() if k in ("timeout", "connect_timeout", "max_retries")})
+        known, bad = list_bucket_fingerprints(args.remote, opts.s3, key=opts.key, **{
+            k: v for k, v in opts.settings.items() if k in ("timeout", "connect_timeout", "max_retries")})
     except ValueError as exc:  # not an s3:// URL, an unknown option
         raise UsageError(str(exc)) from None
     if unreadable is not None:
@@ -68,9 +68,9 @@ def open_bucket(args: argparse.Namespace, fp: Any) -> Iterator[Any]:
     as the nodes run with them."""
     from blockkv.remote.bucket import Bucket
 
-    s3, settings = remote_options(args)
+    opts = remote_options(args)
     try:
-        bucket = Bucket(args.remote, fp.name, s3, **settings)
+        bucket = Bucket(args.remote, fp.name, opts.s3, key=opts.key, **opts.settings)
     except ValueError as exc:  # a grace too short for the timeout
         raise UsageError(str(exc)) from None
     try:

@@ -111,6 +111,26 @@ def _part_nbytes(part: Part) -> int:
     return math.prod(part[1]) * DTYPES[part[0]][1].itemsize
 
 
+def frame_name(data: bytes | memoryview, payload: bytes | memoryview, key: bytes | None = None) -> str:
+    """The name a frame's content has under ``key`` (``payload``: what
+    ``decode_block(..., verify=False)`` returned for ``data``): to find which
+    key, if any, a block was named with."""
+    view = memoryview(data).cast("B")
+    layout_len = _HEADER.unpack_from(view)[5]
+    return finish_name(hasher(key, payload), bytes(view[_HEADER.size : _HEADER.size + layout_len]))
+
+
+def frame_raw_bytes(data: bytes | memoryview) -> int:
+    """The raw (payload) length a frame declares; check it with ``decode_block`` first."""
+    return _HEADER.unpack_from(memoryview(data).cast("B"))[4]
+
+
+def max_frame_bytes(raw_bytes: int) -> int:
+    """The most bytes a frame of a block of ``raw_bytes`` payload can have: its
+    header, the largest layout and the payload, stored or as zstd's worst case."""
+    return _HEADER.size + MAX_LAYOUT_BYTES + raw_bytes + (raw_bytes >> 7) + (64 << 10)
+
+
 def max_raw_bytes(stored: int) -> int:
     """The most payload bytes a block file of ``stored`` bytes can decode to:
     what a reader may allocate for it, whatever a header declares."""

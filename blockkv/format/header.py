@@ -127,3 +127,44 @@ def _str(meta: dict[str, Any], key: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{key} is not a string")
     return value
+
+
+# -- the fleet seal: a keyed MAC a bucket's writers add (remote/fleet_key.py) --------------
+# A sealed header's JSON object ends with one more member, ``"fleet_mac":"<64 hex>"``,
+# appended after the last member its writer encoded; the trailing digest covers it. The MAC
+# is over the header as it was before sealing, which ``unsealed`` rebuilds byte for byte
+# whatever other members it has, so a reader of any later version can check it. Readers
+# that do not know the member ignore it, like any JSON member they do not read.
+_SEAL_HEAD = b',"fleet_mac":"'
+_SEAL_LEN = len(_SEAL_HEAD) + 64 + 2  # the member, its closing quote and the object's brace
+
+
+def sealed(data: bytes, mac_hex: str) -> bytes:
+    """``data`` (an unsealed header: whole framing, digest matching) with the
+    member ``fleet_mac`` appended to its JSON object and its digest recomputed."""
+    magic, version, reserved, meta_len, n_tokens = _FIXED.unpack_from(data)
+    if len(mac_hex) != 64 or meta_len + _SEAL_LEN - 1 > MAX_META_BYTES:
+        raise ValueError("a seal is 64 hex digits, and the header must have room for it")
+    meta_end = _FIXED.size + meta_len
+    if data[meta_end - 1 : meta_end] != b"}":
+        raise CorruptHeaderError("header metadata is not a JSON object")
+    meta = data[_FIXED.size : meta_end - 1] + _SEAL_HEAD + mac_hex.encode() + b'"}'
+    body = b"".join((_FIXED.pack(magic, version, reserved, len(meta), n_tokens), meta, data[meta_end:-_DIGEST]))
+    return body + blake3.blake3(body).digest()
+
+
+def unsealed(data: bytes) -> tuple[bytes, str] | None:
+    """(the header's bytes before sealing, less the digest; its seal) if ``data``
+    ends its JSON object with a ``fleet_mac`` member, else None. Checks the
+    framing only: the caller has verified the digest (``decode_header``)."""
+    magic, version, reserved, meta_len, n_tokens = _FIXED.unpack_from(data)
+    meta_end = _FIXED.size + meta_len
+    if meta_len < _SEAL_LEN + 1 or len(data) != meta_end + 4 * n_tokens + _DIGEST:
+        return None
+    tail = data[meta_end - _SEAL_LEN : meta_end]
+    mac = tail[len(_SEAL_HEAD) : len(_SEAL_HEAD) + 64]
+    if not tail.startswith(_SEAL_HEAD) or tail[-2:] != b'"}' or not all(c in b"0123456789abcdef" for c in mac):
+        return None
+    meta = data[_FIXED.size : meta_end - _SEAL_LEN] + b"}"
+    fixed = _FIXED.pack(magic, version, reserved, len(meta), n_tokens)
+    return fixed + meta + data[meta_end:-_DIGEST], mac.decode()

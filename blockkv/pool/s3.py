@@ -19,16 +19,23 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from urllib.parse import urlparse
 
-from blockkv.errors import BlockMissingError
+from blockkv.errors import BlockKVError, BlockMissingError, OversizedError
 from blockkv.fs import Buffer
-from blockkv.pool.protocol import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, check_range
+from blockkv.pool.protocol import (
+    BLOCK_LAYOUT,
+    BlockFile,
+    Layout,
+    PoolCapabilities,
+    check_range,
+)
 
 try:
     import obstore
-    from obstore.exceptions import AlreadyExistsError
+    from obstore.exceptions import AlreadyExistsError, PreconditionError
     from obstore.store import S3Store
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("blockkv.pool.s3 needs obstore: pip install 'blockkv[s3]'") from exc
@@ -42,6 +49,12 @@ OPTION_ENV = {
     "region": "AWS_REGION",
 }
 _CONFLICT_RETRIES = 3  # AWS answers 409 to a create racing another write of the key: retry
+_NO_SUCH_BUCKET = "<Code>NoSuchBucket</Code>"  # the S3 error code, in the body obstore quotes
+
+
+class NoSuchBucketError(BlockKVError):
+    """The bucket itself does not exist: a configuration mistake, never a
+    missing object (S3 answers 404 to both; the body names which)."""
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -84,6 +97,8 @@ class S3Pool:
         bucket, prefix = parse_url(url)
         config = resolve_options(options)
         endpoint = config.pop("endpoint_url", None)
+        self.bucket = bucket
+        self._where = f" at {endpoint}" if endpoint else ""
         self._store = S3Store(
             bucket,
             prefix=prefix or None,
@@ -100,15 +115,43 @@ class S3Pool:
     def __repr__(self) -> str:
         return f"S3Pool({self.url!r})"
 
+    @contextmanager
+    def _bucket_must_exist(self) -> Iterator[None]:
+        """A 404 whose body says NoSuchBucket is the bucket missing, not an
+        object: NoSuchBucketError, one line naming it (obstore's message is pages)."""
+        try:
+            yield
+        except Exception as exc:
+            if _NO_SUCH_BUCKET in str(exc):
+                raise NoSuchBucketError(f"bucket {self.bucket!r} does not exist{self._where}: "
+                                        "create it first (docs/scale-out.md)") from None
+            raise
+
+    def check_bucket(self) -> None:
+        """One LIST of at most one key: NoSuchBucketError if the bucket does not exist."""
+        with self._bucket_must_exist():
+            next(iter(obstore.list(self._store, chunk_size=1)), None)
+
     def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
         """One conditional PUT; the body goes whole (a multipart upload cannot be conditional)."""
+        return self._put_conditional(name, parts, "create")
+
+    def put_if_match(self, name: str, parts: Sequence[Buffer], etag: str) -> bool:
+        """Replace ``name`` only if it still has ``etag`` (``If-Match``): False if
+        it changed or went since. For replacing a copy proven bad, never another."""
+        return self._put_conditional(name, parts, {"e_tag": f'"{etag.strip(chr(34))}"'})
+
+    def _put_conditional(self, name: str, parts: Sequence[Buffer], mode: object) -> bool:
         key = self.layout.location(self.layout.check(name))
         data = b"".join(parts)
         for attempt in range(_CONFLICT_RETRIES + 1):
             try:
-                obstore.put(self._store, key, data, mode="create", use_multipart=False)
+                with self._bucket_must_exist():
+                    obstore.put(self._store, key, data, mode=mode, use_multipart=False)
                 return True
-            except AlreadyExistsError:
+            except (AlreadyExistsError, PreconditionError):
+                return False
+            except FileNotFoundError:  # If-Match on a name that went: nothing to replace
                 return False
             except Exception as exc:
                 if " 409 " not in str(exc) or attempt == _CONFLICT_RETRIES:
@@ -116,29 +159,61 @@ class S3Pool:
                 time.sleep(0.05 * (attempt + 1))
         raise AssertionError("unreachable")
 
+    def get_limited(self, name: str, limit: int) -> tuple[bytes, dict]:
+        """(the whole object, its metadata: size, last_modified, e_tag) if it has
+        at most ``limit`` bytes: one GET of the range ``[0, limit + 1)``, so
+        nothing larger is ever received or allocated; OversizedError if it is larger."""
+        key = self.layout.location(self.layout.check(name))
+        try:
+            with self._bucket_must_exist():
+                result = obstore.get(self._store, key, options={"range": (0, limit + 1)})
+                meta = result.meta
+                if meta["size"] > limit:
+                    raise OversizedError(f"{name} in {self.url} has {meta['size']} bytes, more than "
+                                         f"{limit}: not read")
+                data = bytes(result.bytes())
+        except FileNotFoundError:
+            raise BlockMissingError(f"{name} is not in {self.url}") from None
+        except (NoSuchBucketError, OversizedError):
+            raise
+        except Exception as exc:
+            if " 416 " not in str(exc):
+                raise
+            meta, data = self._head(name), b""  # no byte to range over: an empty object
+        if len(data) != meta["size"]:
+            raise OversizedError(f"{name} in {self.url} changed size while read: not used")
+        return data, meta
+
     def get(self, name: str, start: int = 0, end: int | None = None) -> bytes:
         check_range(start, end)
         key = self.layout.location(self.layout.check(name))
         try:
-            if start == 0 and end is None:
-                return bytes(obstore.get(self._store, key).bytes())
-            if end is not None and end == start:
-                self._head(name)  # an empty slice of a missing name is still missing
-                return b""
-            if end is None:
-                return bytes(obstore.get(self._store, key, options={"range": {"offset": start}}).bytes())
-            return bytes(obstore.get_range(self._store, key, start=start, end=end))
+            with self._bucket_must_exist():
+                return self._get(name, key, start, end)
         except FileNotFoundError:
             raise BlockMissingError(f"{name} is not in {self.url}") from None
+        except NoSuchBucketError:
+            raise
         except Exception:
             if start >= self._head(name)["size"]:  # 416: a range past the end is an empty slice
                 return b""
             raise
 
+    def _get(self, name: str, key: str, start: int, end: int | None) -> bytes:
+        if start == 0 and end is None:
+            return bytes(obstore.get(self._store, key).bytes())
+        if end is not None and end == start:
+            self._head(name)  # an empty slice of a missing name is still missing
+            return b""
+        if end is None:
+            return bytes(obstore.get(self._store, key, options={"range": {"offset": start}}).bytes())
+        return bytes(obstore.get_range(self._store, key, start=start, end=end))
+
     def read_into(self, name: str, buffer: bytearray) -> memoryview:
         key = self.layout.location(name)
         try:
-            result = obstore.get(self._store, key)
+            with self._bucket_must_exist():
+                result = obstore.get(self._store, key)
         except FileNotFoundError:
             raise BlockMissingError(f"{name} is not in {self.url}") from None
         size = result.meta["size"]
@@ -154,7 +229,8 @@ class S3Pool:
 
     def _head(self, name: str) -> dict:
         try:
-            return obstore.head(self._store, self.layout.location(name))
+            with self._bucket_must_exist():
+                return obstore.head(self._store, self.layout.location(name))
         except FileNotFoundError:
             raise BlockMissingError(f"{name} is not in {self.url}") from None
 
@@ -171,16 +247,27 @@ class S3Pool:
         return BlockFile(name, meta["size"], meta["last_modified"].timestamp(), etag.strip('"') if etag else None)
 
     def delete(self, name: str) -> None:
-        obstore.delete(self._store, self.layout.location(name))  # S3 deletes of a missing key succeed
+        with self._bucket_must_exist():
+            obstore.delete(self._store, self.layout.location(name))  # S3 deletes of a missing key succeed
 
     def list_prefix(self, prefix: str = "") -> Iterator[str]:
         """One listing of the deepest directory that holds every match (object_store
         lists whole path segments), filtered by the exact location prefix."""
+        for name, _ in self._listed(prefix):
+            yield name
+
+    def _listed(self, prefix: str) -> Iterator[tuple[str, dict]]:
+        """(name, object metadata) of every object of the layout's shape under ``prefix``."""
         wanted = self.layout.location_prefix(prefix)
         directory = wanted.rpartition("/")[0]
-        for batch in obstore.list(self._store, prefix=directory or None, chunk_size=1000):
+        batches = iter(obstore.list(self._store, prefix=directory or None, chunk_size=1000))
+        while True:
+            with self._bucket_must_exist():
+                batch = next(batches, None)
+            if batch is None:
+                return
             for meta in batch:
                 location = meta["path"]
                 name = self.layout.name_of(location)
                 if name is not None and location.startswith(wanted):
-                    yield name
+                    yield name, meta

@@ -1,5 +1,5 @@
 """What a store's remote tier keeps on the local disk, beside the fingerprint
-directory (remote.py): copies of the bucket's headers, and the backlog of
+directory (tier.py): copies of the bucket's headers, and the backlog of
 stores the bucket has not acknowledged. Neither is fsynced: a copy lost or
 torn by a power cut fails its checksum or is missing and is fetched again; a
 backlog marker lost leaves its entry local-only."""
@@ -11,52 +11,71 @@ import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from blockkv.errors import CorruptError
-from blockkv.format.header import Header
+from blockkv.errors import CorruptError, NewerFormatError
+from blockkv.format.header import MAX_HEADER_BYTES
 from blockkv.fs import DIR_MODE, FILE_MODE, FileLayer, refuse_linked
-from blockkv.local.directory import verified_header
+
+if TYPE_CHECKING:
+    from blockkv.remote.bucket import HeaderCopy
 
 _UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog holds
+_COPY_MAGIC = b"BKVRH1 "  # a cached copy: this, the object's ETag, a newline, the header's bytes
+_MAX_COPY_BYTES = MAX_HEADER_BYTES + 256
 
 
 class HeaderCache:
-    """``remote-headers/<ns dir>/<uuid>.bkv``: copies of the bucket's headers
-    (immutable, checksummed), so a node that restarts reads the remote
-    catalog from its disk and fetches only headers new to it."""
+    """``remote-headers/<ns dir>/<uuid>.bkv``: copies of the bucket's headers,
+    each with the ETag of the object it copies, so a node that restarts reads
+    the remote catalog from its disk, fetches only headers new to it, and
+    drops a copy the bucket's object no longer matches."""
 
     def __init__(self, directory: Path, fs: FileLayer, warn: Callable[[str, str], None]) -> None:
         self.directory = directory
         self._fs = fs
         self._warn = warn
 
-    def get(self, names: list[str]) -> dict[str, tuple[bytes, Header]]:
-        """The headers of ``names`` the cache holds, verified; a damaged copy is removed."""
+    def get(self, names: Iterable[str], verify: Callable[[str, bytes, str], HeaderCopy]) -> dict[str, HeaderCopy]:
+        """The copies of ``names`` the cache holds, each checked by ``verify(name,
+        bytes, etag)``; one too large to be a copy is not read, and one that does
+        not verify is removed."""
         found = {}
         for name in names:
-            path = self.directory / name
             try:
-                data = self._fs.read(path)
-                found[name] = (data, verified_header(name, data))
-            except CorruptError:
+                data, etag = self._read(self.directory / name)
+                found[name] = verify(name, data, etag)
+            except (CorruptError, NewerFormatError):
                 self.drop([name])
             except (OSError, MemoryError):
                 continue  # not cached (or unreadable now): fetched
         return found
 
-    def keep(self, fetched: Mapping[str, tuple[bytes, Header]]) -> None:
-        """Cache fetched headers: tmp then rename, no fsync (a copy lost or torn
+    def _read(self, path: Path) -> tuple[bytes, str]:
+        """A copy's bytes and ETag; its size is checked before anything is read."""
+        with open(self._fs.open_regular(path), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_COPY_BYTES:
+                raise CorruptError(f"{path.name}: {size} bytes is not a cached header")
+            raw = f.read(size)
+        head, newline, data = raw.partition(b"\n")
+        if not newline or not head.startswith(_COPY_MAGIC):
+            raise CorruptError(f"{path.name} is not a cached header")
+        return data, head[len(_COPY_MAGIC):].decode("ascii", "replace")
+
+    def keep(self, copies: Mapping[str, HeaderCopy]) -> None:
+        """Cache verified copies: tmp then rename, no fsync (a copy lost or torn
         by a power cut fails its checksum or is missing, and is fetched again)."""
         try:
             refuse_linked(self.directory)
-            for name, (data, _) in fetched.items():
+            for name, copy in copies.items():
                 path = self.directory / name
                 refuse_linked(path.parent)
                 os.makedirs(path.parent, DIR_MODE, exist_ok=True)
                 tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
                 with open(fd, "wb") as f:
-                    f.write(data)
+                    f.write(_COPY_MAGIC + copy.etag.encode("ascii", "replace") + b"\n" + copy.data)
                 os.replace(tmp, path)
         except OSError as exc:
             self._warn("remote-cache", f"could not cache headers in {self.directory} ({exc}); they are fetched again")

@@ -20,22 +20,22 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("blockkv.remote needs obstore: pip install 'blockkv[s3]'") from exc
 
-from blockkv.errors import BlockKVError, BlockMissingError, CorruptError
+from blockkv.errors import BlockKVError, BlockMissingError, CorruptError, OversizedError
 from blockkv.format.header import SUFFIX
 from blockkv.fs import Buffer
 from blockkv.local.directory import HEADER_LAYOUT, ns_dirname
 from blockkv.pool.protocol import Layout
-from blockkv.pool.s3 import S3Pool
+from blockkv.pool.s3 import NoSuchBucketError, S3Pool
 
 _HEX32 = r"[0-9a-f]{32}"
 # the fingerprint directory's own objects: IDENTITY, MANIFEST (headers packed in one
 # object: an accelerator for a node's open, manifest.py), a node's clock probe, GC
-# run markers and per-entry last-use marks (``used/<header name>``)
-META_LAYOUT = Layout(re.compile(rf"IDENTITY|MANIFEST|clock/{_HEX32}|gc/{_HEX32}(\.done)?|used/{HEADER_LAYOUT.pattern.pattern}"),
-                     sharded=False)
-# Last-Modified has one-second resolution (an HTTP date): every comparison of
-# server times gives this much away, always in the safe direction
-CLOCK_SLACK = 1.0
+# run markers, per-entry last-use marks (``used/<header name>``) and requests for a
+# good copy of a block proven damaged (``wanted/<block name>``, heal.py)
+META_LAYOUT = Layout(re.compile(rf"IDENTITY|MANIFEST|clock/{_HEX32}|gc/{_HEX32}(\.done)?"
+                                rf"|used/{HEADER_LAYOUT.pattern.pattern}|wanted/[0-9a-f]{{64}}"), sharded=False)
+MAX_IDENTITY_BYTES = 64 << 10  # an IDENTITY is a few hundred bytes of JSON
+MAX_MARKER_BYTES = 64  # a protocol mark is empty, or holds its 64-hex seal
 
 
 def header_name(ns: str, entry_id: str) -> str:
@@ -47,11 +47,18 @@ class BucketError(BlockKVError):
     """The bucket is unreachable, slow or refusing requests (not a definite answer)."""
 
 
+class BucketMissingError(BucketError):
+    """The bucket does not exist: at open a configuration mistake (the store
+    raises FileNotFoundError), while running an outage like any other."""
+
+
 @contextmanager
 def outage(what: str) -> Iterator[None]:
     """Definite answers pass through; everything else the client raises is an outage."""
     try:
         yield
+    except NoSuchBucketError as exc:
+        raise BucketMissingError(str(exc)) from None
     except (BlockMissingError, FileNotFoundError, CorruptError, ValueError, TypeError, BucketError):
         raise
     except Exception as exc:  # noqa: BLE001 - obstore raises many types for one meaning
@@ -64,28 +71,51 @@ class ObjectInfo:
     name: str
     size: int
     last_modified: float  # server time, seconds since the epoch
+    etag: str = ""  # the server's entity tag, quotes stripped ("" where it gave none)
+
+
+def _etag(meta: dict) -> str:
+    return (meta.get("e_tag") or "").strip('"')
 
 
 class BucketPool(S3Pool):
-    """S3Pool plus what only the bucket protocol needs: overwrite (a refresh
-    resets Last-Modified) and listings that carry size and Last-Modified."""
+    """S3Pool plus what only the bucket protocol needs: overwrite (a refresh of
+    verified bytes resets Last-Modified; a clock probe) and listings that carry
+    size, Last-Modified and ETag."""
 
-    def put_overwrite(self, name: str, parts: Sequence[Buffer]) -> None:
+    def put_overwrite(self, name: str, parts: Sequence[Buffer]) -> str:
+        """An unconditional PUT; returns the new object's ETag."""
         key = self.layout.location(self.layout.check(name))
-        obstore.put(self._store, key, b"".join(parts), mode="overwrite", use_multipart=False)
+        with self._bucket_must_exist():
+            result = obstore.put(self._store, key, b"".join(parts), mode="overwrite", use_multipart=False)
+        return _etag(result)
+
+    def info(self, name: str) -> ObjectInfo:
+        """A HEAD: size, Last-Modified and ETag (BlockMissingError if absent)."""
+        meta = self._head(name)
+        return ObjectInfo(name, meta["size"], meta["last_modified"].timestamp(), _etag(meta))
+
+    def stream_limited(self, name: str, limit: int, chunk: int = 1 << 20) -> Iterator[bytes]:
+        """The object's bytes in chunks of about ``chunk``, if it has at most
+        ``limit`` bytes (OversizedError, before any of its bytes, if it has more)."""
+        try:
+            with self._bucket_must_exist():
+                result = obstore.get(self._store, self.layout.location(self.layout.check(name)))
+        except FileNotFoundError:
+            raise BlockMissingError(f"{name} is not in {self.url}") from None
+        if result.meta["size"] > limit:
+            raise OversizedError(f"{name} in {self.url} has {result.meta['size']} bytes, more than {limit}: not read")
+        for part in result.stream(min_chunk_size=chunk):
+            yield bytes(part)
 
     def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        wanted = self.layout.location_prefix(prefix)
-        directory = wanted.rpartition("/")[0]
-        for batch in obstore.list(self._store, prefix=directory or None, chunk_size=1000):
-            for meta in batch:
-                name = self.layout.name_of(meta["path"])
-                if name is not None and meta["path"].startswith(wanted):
-                    yield ObjectInfo(name, meta["size"], meta["last_modified"].timestamp())
+        for name, meta in self._listed(prefix):
+            yield ObjectInfo(name, meta["size"], meta["last_modified"].timestamp(), _etag(meta))
 
     def last_modified(self, name: str) -> float:
         return self.stat(name).mtime
 
     def delete_many(self, names: Sequence[str]) -> None:
         if names:
-            obstore.delete(self._store, [self.layout.location(n) for n in names])
+            with self._bucket_must_exist():
+                obstore.delete(self._store, [self.layout.location(n) for n in names])

@@ -143,21 +143,25 @@ class PersistentPromptCache(LRUPromptCache):
         if model not in self._stores:
             try:
                 ident = self._identity(model)
-                self._stores[model] = BlockStore(
-                    self.cache_dir,
-                    model_id=ident.model_id,
-                    config_fingerprint=ident.config_fingerprint,
-                    tokenizer_hash=ident.tokenizer_hash,
-                    max_bytes=self._cache_bytes,
-                    block_tokens=self._block_tokens,
-                    fs=self._fs,
-                    remote=self._remote,
-                    remote_options=self._remote_options,
-                )
+                self._stores[model] = self._open_store(ident, self._remote)
             except Exception as e:  # noqa: BLE001 - any failure here only costs the disk tier
                 log.warning("blockkv: cannot open cache %s for %r (%s); RAM-only for it", self.cache_dir, model, e)
                 self._stores[model] = None
         return self._stores[model]
+
+    def _open_store(self, ident: Any, remote: str | None) -> BlockStore:
+        """The model's store; if its bucket refuses it (missing, another
+        model's or a planted IDENTITY), the local tier alone, with one warning."""
+        try:
+            return BlockStore(self.cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
+                              tokenizer_hash=ident.tokenizer_hash, max_bytes=self._cache_bytes,
+                              block_tokens=self._block_tokens, fs=self._fs, remote=remote,
+                              remote_options=self._remote_options if remote is not None else None)
+        except (FileNotFoundError, ValueError) as e:
+            if remote is None:
+                raise
+            log.warning("blockkv: the bucket %s refused the cache (%s); local disk tier only", remote, e)
+            return self._open_store(ident, None)
 
     def stores(self) -> list[BlockStore]:
         """The stores opened so far, one per model key that has one."""

@@ -2,16 +2,20 @@
 
 Nothing of mlx-lm's server is copied. Its ``main`` parses every one of its
 flags as usual; blockkv only takes its own flags (``--cache-dir``,
-``--cache-bytes``, ``--min-restore-tokens``, ``--remote``, ``--remote-option``) off the command line first and, for the duration of the call, replaces the two names
-the server looks up when it starts (``run`` and ``LRUPromptCache``) so the
-prompt cache it builds is a ``PersistentPromptCache`` configured with the
-server's own KV-quantisation and chat-template flags; its HTTP server also
-answers ``GET /metrics`` (``metrics.py``).
+``--cache-bytes``, ``--min-restore-tokens``, ``--remote``, ``--remote-option``,
+``--fleet-salt``) off the command line first and, for the duration of the call,
+replaces the names the server looks up when it starts (``run``,
+``LRUPromptCache`` and ``_run_http_server``) so the prompt cache it builds is a
+``PersistentPromptCache`` configured with the server's own KV-quantisation and
+chat-template flags; its HTTP server also answers ``GET /metrics``
+(``metrics.py``) and, for ``blockkv route``, what the server holds
+(``GET /blockkv/events``, ``GET /blockkv/residency``: ``publish.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -23,10 +27,13 @@ from typing import Any, NoReturn
 
 from blockkv.human import format_size, parse_cap, parse_count, parse_option
 from blockkv.local.directory import default_root
+from blockkv.serving.digests import SALT_ENV, fleet_key
 from blockkv.serving.identity import KVQuant
 from blockkv.serving.metrics import ServeMetrics
 from blockkv.serving.metrics import install as install_metrics
-from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, PersistentPromptCache, check_remote
+from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, check_remote
+from blockkv.serving.publish import ResidentPromptCache, residency_handler
+from blockkv.serving.residency import Journal
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +85,12 @@ def _own_parser() -> argparse.ArgumentParser:
         help="remote_options (repeatable): endpoint_url, access_key_id, secret_access_key, session_token, "
         "region, and the bucket settings grace, timeout, sync_interval... (docs/scale-out.md)",
     )
+    parser.add_argument(
+        "--fleet-salt",
+        metavar="SECRET",
+        help=f"salt of the prefix digests this server publishes for blockkv route; the same on every node "
+        f"and the router (default: ${SALT_ENV}, else none)",
+    )
     return parser
 
 
@@ -97,13 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = dict(args.remote_option) if args.remote_option else None
         check_remote(args.remote, options)
-    except (ValueError, TypeError, ImportError) as e:
-        own.exit(2, f"blockkv serve: error: {e}\n")
+        # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
+        # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
+        unreachable = None
+        if args.remote is not None:
+            from blockkv.remote.options import probe_bucket
 
-    caches: list[PersistentPromptCache] = []
+            unreachable = probe_bucket(args.remote, options)
+    except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
+        own.exit(2, f"blockkv serve: error: {e}\n")
+    if unreachable:
+        log.warning("blockkv: %s; serving from the local cache until it answers", unreachable)
+
+    caches: list[ResidentPromptCache] = []
     metrics = ServeMetrics(lambda: list(caches))
     original_run: Callable[..., Any] = server.run
     original_cache_class = server.LRUPromptCache
+    journal = Journal(fleet_key(args.fleet_salt))
 
     def run(host: str, port: int, model_provider: Any, *more: Any, **kw: Any) -> Any:
         # Only now, with every flag parsed: --help or a typo must not create directories.
@@ -114,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         cli = model_provider.cli_args
         kv = KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start)
 
-        def make_cache(max_size: int = 10, max_bytes: int = 1 << 63) -> PersistentPromptCache:
-            cache = PersistentPromptCache(
+        def make_cache(max_size: int = 10, max_bytes: int = 1 << 63) -> ResidentPromptCache:
+            cache = ResidentPromptCache(
                 max_size,
                 max_bytes,
+                journal=journal,
+                model_key=(cli.model, cli.adapter_path, cli.draft_model),  # mlx-lm's key of the default model
                 cache_dir=args.cache_dir,
                 cache_bytes=args.cache_bytes,
                 min_restore_tokens=args.min_restore_tokens,
@@ -131,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
             return cache
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
+        http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
+        handler = residency_handler(server.APIHandler, journal)
+        setattr(server, "_run_http_server", functools.partial(http_server, handler_class=handler))
         try:
             return original_run(host, port, model_provider, *more, **kw)
         finally:
             setattr(server, "LRUPromptCache", original_cache_class)
+            setattr(server, "_run_http_server", http_server)
 
     # SIGTERM (systemd, docker stop) shuts down like Ctrl-C, so pending spills are flushed.
     in_main_thread = threading.current_thread() is threading.main_thread()

@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,15 +42,22 @@ def remote_available() -> bool:
 def moto_child(port: int) -> int:
     """moto's S3 server, built as its ThreadedMotoServer builds it, behind a
     middleware that counts requests and their bodies (``GET /_bench/received``):
-    what the nodes uploaded, refused creates included (their bodies are sent)."""
+    what the nodes uploaded, refused creates included (their bodies are sent),
+    and the bytes of blocks it sent (``blob_bytes_read``: GETs under ``/blobs/``)."""
     import threading
 
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
 
     app = DomainDispatcherApplication(create_backend_app)
-    counts = {"bytes": 0, "requests": 0}
+    counts = {"bytes": 0, "requests": 0, "blob_bytes_read": 0}
     lock = threading.Lock()
+
+    def sent(body: Iterable[bytes]) -> Iterator[bytes]:
+        for chunk in body:
+            with lock:
+                counts["blob_bytes_read"] += len(chunk)
+            yield chunk
 
     def counting(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         if environ.get("PATH_INFO") == "/_bench/received":
@@ -61,7 +68,10 @@ def moto_child(port: int) -> int:
         with lock:
             counts["bytes"] += int(environ.get("CONTENT_LENGTH") or 0)
             counts["requests"] += 1
-        return app(environ, start_response)
+        body = app(environ, start_response)
+        if environ.get("REQUEST_METHOD") == "GET" and "/blobs/" in environ.get("PATH_INFO", ""):
+            return sent(body)
+        return body
 
     make_server("127.0.0.1", port, counting, True, request_handler=MotoRequestHandler).serve_forever()
     return 0

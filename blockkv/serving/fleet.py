@@ -1,0 +1,291 @@
+"""The router's view of its nodes: what each holds (learned from its residency
+events, publish.py), what the router sent it and has not finished, and whether
+it answers.
+
+Everything here can be lost: a restarted router snapshots every node again.
+A node's digests come from a less trusted process, so every read is bounded
+(size and time) and every value checked; one that is not as published is a
+node with unknown residency (it still serves requests), never an exception.
+A node that does not answer is skipped, and tried again after a backoff that
+doubles up to ``MAX_BACKOFF_S``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from blockkv.serving.digests import is_digest, salt_check
+from blockkv.serving.residency import MEDIA
+
+log = logging.getLogger(__name__)
+
+MAX_SNAPSHOT_BYTES = 64 << 20
+MAX_EVENTS_BYTES = 16 << 20
+LONG_POLL_S = 10.0
+POLL_TIMEOUT_S = 5.0  # beyond the long poll: a busy node still answers a poll within this
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+NO_RESIDENCY_RETRY_S = 30.0  # a node that publishes nothing (plain mlx_lm server, other salt): asked again
+PREDICTED_TTL_S = 10.0  # a routed prompt counts as hot there this long after it finished, until events confirm it
+
+
+class BadResidency(ValueError):
+    """A node's residency answer is not as published: its residency is unknown."""
+
+
+@dataclass
+class InFlight:
+    """A request the router sent a node and has not finished relaying."""
+
+    work: float  # its start cost when it was routed
+    digests: list[str]
+    started: bool = False  # its first token came back: its prefill is done
+
+
+@dataclass
+class Node:
+    """One ``blockkv serve`` node, named by ``url`` exactly as ``--node`` gave it."""
+
+    url: str
+    host: str = field(init=False)
+    port: int = field(init=False)
+    prefix: str = field(init=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    up: bool = True  # until a request or a poll says otherwise
+    failures: int = 0
+    retry_at: float = 0.0
+    epoch: str | None = None
+    seq: int = 0
+    block_size: int = 0  # 0: residency unknown
+    remote: bool = False
+    held: dict[str, set[str]] = field(default_factory=lambda: {m: set() for m in MEDIA})
+    predicted: dict[str, float] = field(default_factory=dict)  # digest -> until (inf while in flight)
+    in_flight: dict[int, InFlight] = field(default_factory=dict)
+    routed: int = 0
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme != "http" or not parts.hostname or parts.query or parts.fragment:
+            raise ValueError(f"--node must be an http://HOST:PORT URL, got {self.url!r}")
+        self.host, self.port, self.prefix = parts.hostname, parts.port or 80, parts.path.rstrip("/")
+
+    def connection(self, timeout: float) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    # -- health ------------------------------------------------------------------
+    def usable(self, now: float) -> bool:
+        return self.up or now >= self.retry_at
+
+    def answered(self) -> None:
+        with self.lock:
+            self.up, self.failures = True, 0
+
+    def failed(self, why: object) -> None:
+        """Skip this node for a backoff that doubles with each failure in a row."""
+        with self.lock:
+            if self.up:
+                log.warning("blockkv route: node %s is not answering (%s); skipped, retried with backoff", self.url, why)
+            self.up = False
+            self.retry_at = time.monotonic() + min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** self.failures)
+            self.failures += 1
+
+    # -- residency -----------------------------------------------------------------
+    def forget(self) -> None:
+        """Residency unknown: the next poll reads a snapshot."""
+        with self.lock:
+            self.epoch, self.seq, self.block_size = None, 0, 0
+            for digests in self.held.values():
+                digests.clear()
+            self.predicted.clear()
+
+    def load_snapshot(self, snap: Any, key: bytes) -> bool:
+        """Take a ``/blockkv/residency`` answer; False if it is salted with another key."""
+        if not isinstance(snap, dict) or not isinstance(snap.get("media"), dict):
+            raise BadResidency("snapshot is not an object with media")
+        epoch, seq, block_size = _head(snap)
+        if snap.get("salt_check") != salt_check(key):
+            self.forget()
+            return False
+        held = {m: _digests(snap["media"].get(m, [])) for m in MEDIA}
+        with self.lock:
+            if epoch != self.epoch:
+                self.predicted.clear()  # a restarted node holds nothing the router sent its last life
+            self.epoch, self.seq, self.block_size = epoch, seq, block_size
+            self.remote = snap.get("remote") is True
+            self.held = held
+        return True
+
+    def apply_events(self, answer: Any) -> bool:
+        """Take a ``/blockkv/events`` answer; False if the node says to resync."""
+        if not isinstance(answer, dict):
+            raise BadResidency("events answer is not an object")
+        epoch, seq, block_size = _head(answer)
+        if epoch != self.epoch or block_size != self.block_size or answer.get("resync") is not False:
+            return False
+        batches = answer.get("batches")
+        if not isinstance(batches, list):
+            raise BadResidency("batches is not a list")
+        changes = [_event(e) for b in batches for e in (b.get("events") if isinstance(b, dict) else None) or ()]
+        with self.lock:
+            for kind, medium, digests in changes:
+                if kind == "AllBlocksCleared":
+                    self.held[medium].clear()
+                elif kind == "BlockStored":
+                    self.held[medium].update(digests)
+                    for d in digests:
+                        self.predicted.pop(d, None)  # confirmed
+                else:
+                    self.held[medium].difference_update(digests)
+            self.seq = seq
+        return True
+
+    def matched_blocks(self, digests: list[str], now: float) -> tuple[int, int]:
+        """How many leading blocks of a prompt are in RAM (or routed here lately), and on disk."""
+        with self.lock:
+            ram, disk, predicted = self.held["RAM"], self.held["DISK"], self.predicted
+            hot = next((i for i, d in enumerate(digests) if d not in ram and predicted.get(d, 0.0) <= now),
+                       len(digests))
+            cold = next((i for i, d in enumerate(digests) if d not in disk), len(digests))
+        return hot, cold
+
+    # -- what the router sent it ---------------------------------------------------------
+    def begin(self, request_id: int, work: float, digests: list[str]) -> None:
+        with self.lock:
+            self.in_flight[request_id] = InFlight(work, digests)
+            self.routed += 1
+            for d in digests:
+                self.predicted[d] = float("inf")
+
+    def started(self, request_id: int) -> None:
+        with self.lock:
+            if request_id in self.in_flight:
+                self.in_flight[request_id].started = True
+
+    def abandon(self, request_id: int) -> None:
+        """The request never reached the node: no trace of it here."""
+        with self.lock:
+            done = self.in_flight.pop(request_id, None)
+            for d in done.digests if done is not None else ():
+                if self.predicted.get(d) == float("inf") and not any(d in r.digests for r in self.in_flight.values()):
+                    del self.predicted[d]
+
+    def end(self, request_id: int) -> None:
+        now = time.monotonic()
+        with self.lock:
+            done = self.in_flight.pop(request_id, None)
+            for d in done.digests if done is not None else ():
+                self.predicted[d] = now + PREDICTED_TTL_S
+            self.predicted = {d: t for d, t in self.predicted.items() if t > now}
+
+    def queue(self) -> tuple[float, int]:
+        """(unstarted work, requests) in flight here."""
+        with self.lock:
+            return sum(r.work for r in self.in_flight.values() if not r.started), len(self.in_flight)
+
+
+def _head(answer: dict[str, Any]) -> tuple[str, int, int]:
+    epoch, seq, block_size = answer.get("epoch"), answer.get("seq"), answer.get("block_size")
+    if not isinstance(epoch, str) or not 0 < len(epoch) <= 64:
+        raise BadResidency("epoch is not a short string")
+    if not _int(seq) or seq < 0 or not _int(block_size) or not 1 <= block_size <= 4096:
+        raise BadResidency("seq or block_size out of range")
+    return epoch, seq, block_size
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _digests(values: object) -> set[str]:
+    if not isinstance(values, list) or not all(is_digest(v) for v in values):
+        raise BadResidency("digests are not a list of 16 hex characters each")
+    return set(values)  # type: ignore[arg-type]
+
+
+def _event(event: object) -> tuple[str, str, set[str]]:
+    if not isinstance(event, dict) or event.get("medium") not in MEDIA:
+        raise BadResidency("an event without a known medium")
+    kind = event.get("type")
+    if kind == "AllBlocksCleared":
+        return kind, event["medium"], set()
+    if kind in ("BlockStored", "BlockRemoved"):
+        return kind, event["medium"], _digests(event.get("block_hashes"))
+    raise BadResidency(f"unknown event type {kind!r}")
+
+
+def read_json(node: Node, path: str, limit: int, timeout: float) -> Any:
+    """GET ``path`` on ``node``: the JSON body of a 200, at most ``limit`` bytes.
+    ``LookupError`` for another status (the node runs, but not this endpoint)."""
+    conn = node.connection(timeout)
+    try:
+        conn.request("GET", node.prefix + path)
+        response = conn.getresponse()
+        body = response.read(limit + 1)
+        if response.status != 200:
+            raise LookupError(f"{path}: HTTP {response.status}")
+        if len(body) > limit:
+            raise BadResidency(f"{path}: answer over {limit} bytes")
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise BadResidency(f"{path}: not JSON ({e})") from e
+    finally:
+        conn.close()
+
+
+class Follower:
+    """Follows one node's residency on a thread: a snapshot, then long-polled
+    events; a missed event, a restart or a bad answer means a new snapshot."""
+
+    def __init__(self, node: Node, key: bytes) -> None:
+        self.node = node
+        self._key = key
+        self._stopped = threading.Event()
+        self._warned: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name=f"blockkv-follow {node.url}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _warn_once(self, kind: str, message: str, *args: object) -> None:
+        log.log(logging.WARNING if kind not in self._warned else logging.DEBUG, message, *args)
+        self._warned.add(kind)
+
+    def _run(self) -> None:
+        node = self.node
+        while not self._stopped.is_set():
+            wait = max(0.0, node.retry_at - time.monotonic()) if not node.up else 0.0
+            if wait and self._stopped.wait(wait):
+                return
+            try:
+                if node.epoch is None:
+                    snap = read_json(node, "/blockkv/residency", MAX_SNAPSHOT_BYTES, POLL_TIMEOUT_S)
+                    if not node.load_snapshot(snap, self._key):
+                        self._warn_once("salt", "blockkv route: node %s publishes digests with another "
+                                        "--fleet-salt; its residency is ignored", node.url)
+                        node.answered()
+                        self._stopped.wait(NO_RESIDENCY_RETRY_S)
+                        continue
+                else:
+                    path = f"/blockkv/events?since={node.seq}&wait={LONG_POLL_S:g}"
+                    if not node.apply_events(read_json(node, path, MAX_EVENTS_BYTES, LONG_POLL_S + POLL_TIMEOUT_S)):
+                        node.forget()
+                node.answered()
+            except (BadResidency, LookupError) as e:  # it answers, but its residency is unknown
+                self._warn_once("bad", "blockkv route: residency of node %s unusable (%s); routing without it",
+                                node.url, e)
+                node.forget()
+                node.answered()
+                self._stopped.wait(NO_RESIDENCY_RETRY_S)
+            except (OSError, http.client.HTTPException) as e:
+                node.failed(e)

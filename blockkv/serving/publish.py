@@ -1,0 +1,175 @@
+"""How a ``blockkv serve`` node publishes what it holds (residency.py's journal)
+for ``blockkv route``: its RAM tier, its local disk, and whether that disk is
+shared through a bucket.
+
+- ``ResidentPromptCache``: ``PersistentPromptCache`` that, after every call that
+  can change mlx-lm's RAM tier, compares the tier's entries with the last
+  look (by identity: at most ``max_size`` entries, no token is hashed twice)
+  and journals the difference. Only the server's default model is published.
+- ``DiskWatcher``: follows the store's index change log (``BlockStore.changes``,
+  one LMDB read when nothing changed) on a thread, so the disk tier, its
+  evictions and what other processes on the same root did are journalled
+  without a scan per request. It starts when the store opens, at the node's
+  first request (not earlier: opening a store with a bucket lists the bucket,
+  and a listing at start would be stale by the first request).
+- ``residency_handler``: mlx-lm's ``APIHandler`` plus ``GET /blockkv/events``
+  (``?since=SEQ&wait=SECONDS``, a long poll) and ``GET /blockkv/residency``
+  (the snapshot).
+
+Publishing never fails a request: a fault here is one warning, after which
+that medium is published as empty (a router then sends fewer requests to this
+node, never wrong ones).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+from urllib.parse import parse_qs
+
+from blockkv import BlockStore
+from blockkv.serving.prompt_cache import PersistentPromptCache
+from blockkv.serving.residency import MAX_WAIT_S, Journal
+
+log = logging.getLogger(__name__)
+
+DISK_POLL_S = 0.25
+
+
+class ResidentPromptCache(PersistentPromptCache):
+    """A ``PersistentPromptCache`` whose RAM tier (entries of ``model_key``) and
+    disk tier are journalled in ``journal``."""
+
+    def __init__(self, *args: Any, journal: Journal, model_key: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.journal = journal
+        self.model_key = model_key
+        self._ram: dict[int, list[int]] = {}  # id(tokens) -> tokens: mlx-lm's own key lists, kept alive here
+        self._ram_broken = False
+        self._watcher: DiskWatcher | None = None
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        if model == self.model_key and self._watcher is None:
+            self.store_for(model)  # the disk is published from the first request on, whatever its length
+        found = super().fetch_nearest_cache(model, tokens)  # a disk hit is also inserted into the RAM tier
+        self._ram_changed()
+        return found
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
+                     cache_type: str = "assistant") -> None:
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        self._ram_changed()
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+        self._ram_changed()
+
+    def store_for(self, model: Any) -> BlockStore | None:
+        store = super().store_for(model)
+        if store is not None and model == self.model_key and self._watcher is None:
+            self.journal.remote = store.remote is not None
+            self._watcher = DiskWatcher(self.journal, store)
+            self._watcher.start()
+        return store
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        super().close()
+
+    def _ram_changed(self) -> None:
+        """Journal what entered and left the RAM tier since the last call. mlx-lm
+        keeps each entry's key list in its LRU order (``CacheOrder``): a list
+        seen before is the same entry, one gone is an eviction or a trim."""
+        if self._ram_broken:
+            return
+        try:
+            now = {id(tokens): tokens for lru in self._lru._lrus.values()
+                   for model, tokens in lru if model == self.model_key}
+        except Exception as e:  # noqa: BLE001 - another mlx-lm's internals: publish no RAM tier
+            self._ram_broken = True
+            log.warning("blockkv: cannot follow mlx-lm's RAM tier (%r); its residency is not published", e)
+            self.journal.apply("RAM", cleared=True)
+            return
+        added = [(i, t) for i, t in now.items() if i not in self._ram and t and min(t) >= 0]  # image keys: not shared
+        removed = [i for i in self._ram if i not in now]
+        self._ram = now
+        if added or removed:
+            self.journal.apply("RAM", added, removed)
+
+
+class DiskWatcher:
+    """Journals a store's local entries (the default namespace, the store's own
+    identity) by following its index's change log every ``interval`` seconds."""
+
+    def __init__(self, journal: Journal, store: BlockStore, interval: float = DISK_POLL_S) -> None:
+        self._journal = journal
+        self._store = store
+        self._owner = store.identity.digest()
+        self._interval = interval
+        self._position: tuple[bytes, int] | None = None
+        self._stopped = threading.Event()
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name="blockkv-disk-residency", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self.poll()
+            self._stopped.wait(self._interval)
+
+    def poll(self) -> None:
+        try:
+            changes = self._store.changes(self._position)
+        except Exception as e:  # noqa: BLE001 - a closed or failing store: start over when it answers
+            if not self._warned:
+                log.warning("blockkv: cannot follow the disk tier's changes (%r); retrying", e)
+                self._warned = True
+            self._position = None
+            return
+        self._warned = False
+        ours = [(r.id, r.tokens) for r in changes.added if r.owner == self._owner and r.ns == ""]
+        if ours or changes.removed or changes.reset:
+            self._journal.apply("DISK", ours, changes.removed, cleared=changes.reset)
+        self._position = changes.position
+
+
+def residency_handler(base: type, journal: Journal) -> type:
+    """mlx-lm's request handler class ``base`` with the two residency endpoints."""
+
+    class ResidencyHandler(base):  # type: ignore[misc, valid-type]
+        def do_GET(self) -> None:
+            path, _, query = self.path.partition("?")
+            if path == "/blockkv/residency":
+                self._send_json(200, journal.snapshot())
+            elif path == "/blockkv/events":
+                try:
+                    args = {k: v[-1] for k, v in parse_qs(query, strict_parsing=bool(query)).items()}
+                    since, wait = int(args.get("since", "0")), float(args.get("wait", "0"))
+                    if since < 0 or not 0 <= wait <= MAX_WAIT_S:
+                        raise ValueError("since must be >= 0 and wait in [0, 30]")
+                except ValueError as e:
+                    self._send_json(400, {"error": str(e)})
+                    return
+                self._send_json(200, journal.read(since, wait))
+            else:
+                super().do_GET()
+
+        def _send_json(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body, separators=(",", ":")).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return ResidencyHandler

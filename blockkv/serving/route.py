@@ -1,0 +1,303 @@
+"""``blockkv route``: one OpenAI-compatible address for a fleet of ``blockkv
+serve`` nodes, sending each request where it should start fastest.
+
+It tokenizes a request as the nodes will (route_tokens.py), looks up how much
+of it each node holds in RAM, on its disk or (fleet-wide) in the bucket
+(fleet.py, from the nodes' residency events), weighs that against what is
+queued on each (scoring.py) and relays the request to the best node, then the
+node's answer back byte for byte, streamed as it comes, with
+``X-Blockkv-Node: <url>``. A conversation's next turn follows the node that
+served the last one because that node now holds it; no session id is needed.
+
+A node that refuses the connection or does not answer in time is skipped
+(the next best one gets the request) and retried with backoff. The router
+holds nothing that cannot be lost: restarted, it learns again from the nodes.
+Whatever goes wrong in the router's own bookkeeping costs at worst a request
+sent to a node that must prefill it, never a different answer: every answer
+is a node's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType
+from typing import Any
+
+from blockkv.serving.digests import SALT_ENV, fleet_key, prefix_digests
+from blockkv.serving.fleet import Follower, Node
+from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
+from blockkv.serving.scoring import (
+    Matches,
+    Option,
+    Start,
+    order,
+    queue_cost,
+    start_cost,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413)
+MAX_ANSWER_BYTES = 1 << 30  # a node's answer is cut off past this
+CONNECT_TIMEOUT_S = 3.0
+NODE_HEADER = "X-Blockkv-Node"
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
+               "proxy-authorization"}
+
+
+class Router:
+    """The fleet and the choice of a node for a prompt."""
+
+    def __init__(self, urls: list[str], tokenizer: PromptTokenizer | None, salt: str | None,
+                 node_timeout: float) -> None:
+        if not urls:
+            raise ValueError("at least one --node is needed")
+        if len(set(urls)) != len(urls):
+            raise ValueError("a --node is given twice")
+        self.nodes = [Node(url) for url in urls]
+        self.tokenizer = tokenizer
+        self.node_timeout = node_timeout
+        self._key = fleet_key(salt)
+        self._followers = [Follower(node, self._key) for node in self.nodes]
+        self._ids = itertools.count()
+        self._choosing = threading.Lock()
+
+    def start(self) -> None:
+        for follower in self._followers:
+            follower.start()
+
+    def stop(self) -> None:
+        for follower in self._followers:
+            follower.stop()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def prompt(self, path: str, body: bytes) -> list[int] | None:
+        """The request's prompt tokens, or None (routed by load alone)."""
+        if self.tokenizer is None or path not in (*CHAT_PATHS, *TEXT_PATHS):
+            return None
+        try:
+            return self.tokenizer.tokens(path, json.loads(body))
+        except Exception as e:  # noqa: BLE001 - the node will answer whatever this was; only the choice suffers
+            log.debug("blockkv route: request not tokenized (%r); routed by load", e)
+            return None
+
+    def rank(self, tokens: list[int] | None) -> list[tuple[Node, Start, list[str]]]:
+        """Usable nodes, best first (scoring.order), each with its start and the prompt's digests in its block size."""
+        now = time.monotonic()
+        usable = [n for n in self.nodes if n.usable(now)] or list(self.nodes)  # none usable: try them all anyway
+        length = len(tokens) if tokens is not None else 0
+        digests_by_size: dict[int, list[str]] = {}
+
+        def digests(size: int) -> list[str]:
+            if tokens is None or not size:
+                return []
+            if size not in digests_by_size:
+                digests_by_size[size] = prefix_digests(tokens, self._key, size)
+            return digests_by_size[size]
+
+        def capped(blocks: int, size: int) -> int:
+            return min(blocks * size, max(length - 1, 0))  # a node always computes the last prompt token
+
+        held = {n.url: n.matched_blocks(digests(n.block_size), now) for n in self.nodes}
+        bucket = {size: max((held[n.url][1] for n in self.nodes if n.remote and n.block_size == size), default=0)
+                  for size in {n.block_size for n in self.nodes}}
+        options = []
+        for node in usable:
+            ram, disk = held[node.url]
+            size = node.block_size
+            start = start_cost(length, Matches(capped(ram, size), capped(disk, size), capped(bucket[size], size)))
+            work, in_flight = node.queue()
+            options.append(Option(start, queue_cost(work, in_flight), in_flight, node.routed))
+        return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
+
+    def candidates(self, tokens: list[int] | None, request_id: int) -> Iterator[tuple[Node, Start]]:
+        """The nodes to try, best first, each already charged with the request when
+        yielded: ranking and charging the first are one step, so requests arriving
+        together see each other's queue."""
+        with self._choosing:
+            ranked = self.rank(tokens)
+            if ranked:
+                ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2])
+        for i, (node, start, digests) in enumerate(ranked):
+            if i:
+                node.begin(request_id, start.cost, digests)
+            yield node, start
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Relays ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models``."""
+
+    router: Router  # set on the subclass made per server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s - %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/v1/models"):
+            self._relay("GET", None, None)
+        elif self.path == "/health":
+            self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0}
+                                                        for n in self.router.nodes}})
+        else:
+            self._reply(404, {"error": "Not Found"})
+
+    def do_POST(self) -> None:
+        if self.path not in (*CHAT_PATHS, *TEXT_PATHS):
+            self._reply(404, {"error": "Not Found"})
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._reply(411, {"error": "Content-Length header is required"})
+            return
+        if not 0 <= length <= MAX_BODY_BYTES:
+            self._reply(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"})
+            return
+        body = self.rfile.read(length)
+        self._relay("POST", body, self.router.prompt(self.path, body))
+
+    def _relay(self, method: str, body: bytes | None, tokens: list[int] | None) -> None:
+        """Send the request to the best node that answers; relay its answer."""
+        router = self.router
+        request_id = router.next_id()
+        for node, start in router.candidates(tokens, request_id):  # queued there from now: its prefill may start
+            try:
+                conn, response = self._send(node, method, body)
+            except (OSError, http.client.HTTPException) as e:
+                node.abandon(request_id)
+                node.failed(e)
+                continue
+            node.answered()
+            log.debug("blockkv route: %s -> %s (%s, %d tokens reused)", self.path, node.url, start.tier, start.reused)
+            try:
+                self._answer(node, request_id, response)
+            finally:
+                conn.close()
+                node.end(request_id)
+            return
+        self._reply(503, {"error": "no blockkv serve node answered"})
+
+    def _send(self, node: Node, method: str, body: bytes | None) -> tuple[http.client.HTTPConnection, Any]:
+        conn = node.connection(CONNECT_TIMEOUT_S)
+        try:
+            conn.connect()
+            conn.sock.settimeout(self.router.node_timeout)  # the first byte may wait for a long prefill
+            headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
+            conn.request(method, node.prefix + self.path, body=body, headers=headers)
+            return conn, conn.getresponse()
+        except BaseException:
+            conn.close()
+            raise
+
+    def _answer(self, node: Node, request_id: int, response: http.client.HTTPResponse) -> None:
+        """The node's status, headers and body, relayed as they arrive (an SSE stream chunk by chunk)."""
+        self.send_response_only(response.status, response.reason)
+        for name, value in response.getheaders():
+            if name.lower() not in _HOP_BY_HOP and name.lower() != NODE_HEADER.lower():
+                self.send_header(name, value)
+        self.send_header(NODE_HEADER, node.url)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.flush()
+        sent = 0
+        try:
+            while sent < MAX_ANSWER_BYTES:
+                chunk = response.read1(64 << 10)
+                if not chunk:
+                    break
+                if b"data: " in chunk:
+                    node.started(request_id)  # a token streamed back: its prefill is over
+                self.wfile.write(chunk)
+                self.wfile.flush()
+                sent += len(chunk)
+        except (OSError, http.client.HTTPException) as e:  # the node died, or the client left: cut short
+            log.warning("blockkv route: relaying the answer of %s ended early (%s)", node.url, e)
+        self.close_connection = True
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def serve(router: Router, host: str, port: int) -> ThreadingHTTPServer:
+    """An HTTP server for ``router`` on ``host:port`` (not yet serving)."""
+    handler = type("RouteHandler", (Handler,), {"router": router})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="blockkv route", description="An OpenAI-compatible front for a fleet of "
+                                "blockkv serve nodes: each request goes where its prompt is already cached.")
+    p.add_argument("--model", required=True, metavar="PATH_OR_REPO",
+                   help="the nodes' --model (only its tokenizer is loaded)")
+    p.add_argument("--node", action="append", required=True, metavar="URL",
+                   help="a blockkv serve node, http://HOST:PORT (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
+    p.add_argument("--fleet-salt", metavar="SECRET",
+                   help=f"the nodes' --fleet-salt (default: ${SALT_ENV}, else none)")
+    p.add_argument("--node-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="longest wait for a node's next byte, prefill included (default: %(default)s)")
+    p.add_argument("--chat-template", default="", help="the nodes' --chat-template, if they use one")
+    p.add_argument("--chat-template-args", type=json.loads, default={}, metavar="JSON",
+                   help="the nodes' --chat-template-args, if they use them")
+    p.add_argument("--use-default-chat-template", action="store_true", help="if the nodes use it")
+    p.add_argument("--trust-remote-code", action="store_true", help="if the nodes use it")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s - %(levelname)s - %(message)s")
+    try:
+        nodes = [Node(url).url for url in args.node]  # checked before the tokenizer loads
+        if not isinstance(args.chat_template_args, dict):
+            raise TypeError("--chat-template-args must be a JSON object")
+        tokenizer = PromptTokenizer(args.model, chat_template=args.chat_template or None,
+                                    chat_template_args=args.chat_template_args,
+                                    use_default_chat_template=args.use_default_chat_template,
+                                    trust_remote_code=args.trust_remote_code)
+        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout)
+        server = serve(router, args.host, args.port)
+    except (ValueError, TypeError, OSError) as e:
+        parser.exit(2, f"blockkv route: error: {e}\n")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    router.start()
+    log.info("blockkv route: listening on http://%s:%d for %d nodes", args.host, server.server_address[1], len(nodes))
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        router.stop()
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

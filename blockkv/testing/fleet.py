@@ -1,0 +1,67 @@
+"""A fleet on one machine, as a user starts it: ``blockkv serve`` nodes and
+``blockkv route`` as their own processes on 127.0.0.1, each logging to a
+file. For the fleet tests and tools/route_bench.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+START_BOUND_S = 180.0  # a process that is not serving by then has failed (a safety bound, not a timing claim)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Process:
+    """``python -m blockkv ARGS --host 127.0.0.1 --port <free port>``, output in ``log``."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "blockkv", *args, "--host", "127.0.0.1",
+                                          "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})})
+
+    def get(self, path: str, timeout: float = 10.0) -> Any:
+        """GET ``path``: its JSON body."""
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def wait_ready(self, bound: float = START_BOUND_S) -> None:
+        """Until ``/health`` answers; RuntimeError (with the log) if the process
+        exits or ``bound`` seconds pass first."""
+        deadline = time.monotonic() + bound
+        while True:
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise RuntimeError(f"{self.url} did not come up:\n{self.log.read_text()}") from None
+                time.sleep(0.2)
+
+    def stop(self, bound: float = 60.0) -> int | None:
+        """Ctrl-C (a node flushes its spills), then kill after ``bound`` seconds; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=bound)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,214 @@
+"""Prefix-aware routing against round-robin (issue #23), in one run: the same
+agent workload sent through ``blockkv route`` and, round-robin, straight to
+the same kind of fleet — three ``blockkv serve`` nodes on one machine, each
+with its own --cache-dir, sharing one bucket on moto's S3 server (its own
+process on loopback). Each run gets a fresh fleet (new roots, a new bucket
+prefix), so neither way inherits the other's caches, and the ways alternate
+(router, round-robin, round-robin, router) so a load that drifts during the
+run weighs on both alike.
+
+Agents run concurrently, each a conversation of several turns (streamed, as
+agents do) on one of two system prompts. Per way it reports:
+
+- later turns served from the node's own RAM or disk: the node held the
+  conversation so far (its published residency, read just before the request
+  was sent) and did not prefill it (``cached_tokens`` covers it);
+- prompt tokens prefilled (``prompt_tokens - cached_tokens``, summed);
+- bytes of blocks read from the bucket (counted by the S3 server);
+- time to first token (first streamed chunk), median and p95, of later turns
+  and of all turns.
+
+    python tools/route_bench.py                    # the run in docs/scale-out.md
+    python tools/route_bench.py --sessions 3 --turns 2 --system-words 200 --user-words 40   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, for benchmarks/
+
+import openai
+from benchmarks.remote import moto_bucket
+
+from blockkv.serving.demo import DEMO_MODEL
+from blockkv.serving.digests import fleet_key, prefix_digests
+from blockkv.serving.route import NODE_HEADER
+from blockkv.serving.route_tokens import PromptTokenizer
+from blockkv.testing.fleet import Process
+from blockkv.testing.model_dir import build_model_dir, sample_text
+
+SALT = "route bench"
+BEGAN = time.perf_counter()
+WAYS = ("router", "round-robin")
+
+
+@dataclass
+class Sent:
+    """One request and what came back."""
+
+    way: str
+    session: int
+    turn: int
+    node: str
+    sent_at: float  # seconds since the run began
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    own: bool | None  # later turns: served from the node's own RAM or disk
+
+
+def _held(node: Process) -> set[str]:
+    media = node.get("/blockkv/residency")["media"]
+    return set(media["RAM"]) | set(media["DISK"])
+
+
+def run_way(way: str, args: argparse.Namespace, model: Path, tokenizer: PromptTokenizer, url: str,
+            options: dict[str, str], work: Path) -> list[Sent]:
+    """The workload through ``way`` on a fresh fleet (new roots and bucket prefix
+    under ``work``); every request it sent."""
+    options = {**options, **({"sync_interval": str(args.sync_interval)} if args.sync_interval is not None else {})}
+    remote = ["--remote", f"{url}-{work.name}", *(a for k, v in options.items() for a in ("--remote-option", f"{k}={v}"))]
+    work.mkdir()
+    nodes = [Process(["serve", "--model", str(model), "--cache-dir", str(work / f"node{i}"), "--fleet-salt", SALT,
+                      "--log-level", "WARNING", *remote], work / f"node{i}.log") for i in range(3)]
+    router = None
+    try:
+        for node in nodes:
+            node.wait_ready()
+        if way == "router":
+            router = Process(["route", "--model", str(model), "--fleet-salt", SALT, "--log-level", "WARNING",
+                              *(a for n in nodes for a in ("--node", n.url))], work / "router.log")
+            router.wait_ready()
+        by_url = {n.url: n for n in nodes}
+        turn_robin = itertools.count()
+        key = fleet_key(SALT)
+        systems = [{"role": "system", "content": sample_text(args.system_words, seed=s)} for s in (1, 2)]
+
+        def agent(session: int) -> list[Sent]:
+            messages = [systems[session % 2]]
+            sent: list[Sent] = []
+            before: list[str] = []
+            for turn in range(args.turns):
+                messages.append({"role": "user", "content": sample_text(args.user_words, seed=1000 * session + turn)})
+                tokens = tokenizer.tokens("/v1/chat/completions", {"messages": messages})
+                held = {u: _held(n) for u, n in by_url.items()}  # what each node holds as the request leaves
+                base = router.url if router is not None else nodes[next(turn_robin) % len(nodes)].url
+                client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+                start = time.perf_counter()
+                raw = client.chat.completions.with_raw_response.create(
+                    model="default_model", messages=messages, max_tokens=args.max_tokens, temperature=0.0,
+                    stream=True, stream_options={"include_usage": True})
+                ttft, text, usage = None, [], None
+                for chunk in raw.parse():
+                    if chunk.choices and ttft is None:
+                        ttft = time.perf_counter() - start
+                    text.extend(c.delta.content or "" for c in chunk.choices)
+                    usage = chunk.usage or usage
+                node = raw.headers.get(NODE_HEADER) or base
+                assert ttft is not None and usage is not None and usage.prompt_tokens == len(tokens)
+                cached = usage.prompt_tokens_details.cached_tokens
+                own = None
+                if before:  # the conversation so far, as whole blocks: on this node, and not prefilled
+                    own = set(before) <= held[node] and cached >= 32 * len(before)
+                sent.append(Sent(way, session, turn, node, start - BEGAN, ttft, time.perf_counter() - start,
+                                 usage.prompt_tokens, cached, own))
+                messages.append({"role": "assistant", "content": "".join(text)})
+                before = prefix_digests(tokens, key)
+            return sent
+
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            return [s for sent in pool.map(agent, range(args.sessions)) for s in sent]
+    finally:
+        for process in [router, *nodes]:
+            if process is not None:
+                process.stop()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]  # nearest rank
+
+
+def summary(sent: list[Sent], bucket_bytes: int) -> dict[str, Any]:
+    later = [s for s in sent if s.turn > 0]
+    return {
+        "requests": len(sent),
+        "later_turns": len(later),
+        "later_from_own_ram_or_disk": sum(1 for s in later if s.own) / len(later),
+        "prompt_tokens": sum(s.prompt_tokens for s in sent),
+        "prefilled_tokens": sum(s.prompt_tokens - s.cached_tokens for s in sent),
+        "bucket_bytes_read": bucket_bytes,
+        "ttft_later_median_s": statistics.median(s.ttft_s for s in later),
+        "ttft_later_p95_s": _percentile([s.ttft_s for s in later], 0.95),
+        "ttft_all_median_s": statistics.median(s.ttft_s for s in sent),
+        "ttft_all_p95_s": _percentile([s.ttft_s for s in sent], 0.95),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sessions", type=int, default=8, help="agents (conversations), default %(default)s")
+    p.add_argument("--turns", type=int, default=8, help="turns per conversation, default %(default)s")
+    p.add_argument("--concurrency", type=int, default=4, help="agents at once, default %(default)s (not the "
+                   "number of nodes: agents in lockstep would each meet the same node every turn under round-robin)")
+    p.add_argument("--system-words", type=int, default=800, help="words per system prompt, default %(default)s")
+    p.add_argument("--user-words", type=int, default=150,
+                   help="words per user turn (an agent's tool output), default %(default)s")
+    p.add_argument("--max-tokens", type=int, default=12, help="tokens per answer, default %(default)s")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="fleets per way, in the order router, round-robin, round-robin, router, ... (default %(default)s)")
+    p.add_argument("--sync-interval", type=float, metavar="SECONDS",
+                   help="the nodes' sync_interval: how soon a node learns what the others stored (default: theirs, 30)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="blockkv-route-bench-"))
+    load = [os.getloadavg()]
+    started = time.perf_counter()
+    try:
+        model = build_model_dir(work / "model", "llama", overrides=DEMO_MODEL)
+        tokenizer = PromptTokenizer(str(model))
+        sent: dict[str, list[Sent]] = {way: [] for way in WAYS}
+        read = dict.fromkeys(WAYS, 0)
+        with moto_bucket() as (url, options, received):
+            for r in range(args.rounds):  # A B B A ...: a load that drifts weighs on both ways alike
+                for way in WAYS if r % 2 == 0 else WAYS[::-1]:
+                    before = received()["blob_bytes_read"]
+                    sent[way] += run_way(way, args, model, tokenizer, url, options, work / f"{way}-{r}")
+                    read[way] += received()["blob_bytes_read"] - before
+                    load.append(os.getloadavg())
+        results = {way: summary(sent[way], read[way]) for way in WAYS}
+        requests = {way: [asdict(s) for s in sent[way]] for way in WAYS}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    router, robin = results["router"], results["round-robin"]
+    report = {"config": vars(args) | {"json": None}, "load_average_1_5_15": load,
+              "wall_s": time.perf_counter() - started, **results,
+              "ttft_later_median_ratio": router["ttft_later_median_s"] / robin["ttft_later_median_s"]}
+    print(f"{'':32s}{'router':>14s}{'round-robin':>14s}")
+    for name in router:
+        a, b = router[name], robin[name]
+        print(f"{name:32s}{a:14.3f}{b:14.3f}" if isinstance(a, float) else f"{name:32s}{a:14d}{b:14d}")
+    print(f"TTFT median of later turns, router / round-robin: {report['ttft_later_median_ratio']:.2f}")
+    print("load average (1, 5, 15 min) at start and after each fleet: "
+          + "; ".join(", ".join(f"{x:.1f}" for x in la) for la in load))
+    if args.json:
+        args.json.write_text(json.dumps({**report, "requests": requests}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
