@@ -70,11 +70,13 @@ _last_id = (0, 0)  # (milliseconds, sequence) of this process's last entry id
 
 
 def new_entry_id(now: float) -> str:
-    """A new entry's id: a UUIDv7 (RFC 9562, 32 hex) of ``now`` in milliseconds,
-    a 12-bit sequence that keeps this process's ids strictly increasing, and
-    62 random bits. The id carries the entry's store order (``find``'s
-    tie-break), which a rebuild must keep and can no longer read from the
-    header's mtime: that is the entry's last use."""
+    """A new entry's id, 32 hex: 48 random bits, the format nibble ``c``, a
+    12-bit sequence, ``now`` in milliseconds (48 bits), 16 random bits. The
+    id carries the entry's store order (``find``'s tie-break), which a rebuild
+    must keep and can no longer read from the header's mtime: that is the
+    entry's last use. The sequence keeps one process's ids of a millisecond in
+    order; the random bits lead, so a short prefix still names one entry (the
+    CLI takes prefixes), as a uuid4's did."""
     global _last_id
     ms = int(now * 1000)
     with _ids_mutex:
@@ -84,16 +86,16 @@ def new_entry_id(now: float) -> str:
         else:
             seq = 0
         _last_id = (ms, seq)
-    value = (ms << 80) | (0x7 << 76) | (seq << 64) | (0b10 << 62) | secrets.randbits(62)
-    return f"{value:032x}"
+    return f"{secrets.randbits(48):012x}c{seq:03x}{ms & (1 << 48) - 1:012x}{secrets.randbits(16):04x}"
 
 
 def stored_at(entry_id: str) -> float | None:
     """When an id from ``new_entry_id`` says its entry was stored (ordered as
-    the ids are); None for another id (a uuid4 of an older blockkv)."""
-    if len(entry_id) != 32 or entry_id[12] != "7" or entry_id[16] not in "89ab":
+    the store order); None for another id (a uuid4 of an older blockkv: its
+    nibble there is 4)."""
+    if len(entry_id) != 32 or entry_id[12] != "c":
         return None
-    return int(entry_id[:12], 16) / 1e3 + int(entry_id[13:16], 16) / 4096e3
+    return int(entry_id[16:28], 16) / 1e3 + int(entry_id[13:16], 16) / 4096e3
 
 
 def fingerprint_dirname(config_fingerprint: str) -> str:
