@@ -348,7 +348,8 @@ class BlockStore:
             if entry.id not in self._catalog and not self._remote.materialise(entry):
                 return None
         for attempt in range(2):
-            read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
+            read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"),
+                             self._executor("alloc"))
             try:
                 header, caches, attachments = read.run(cut)
                 break

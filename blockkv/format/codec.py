@@ -107,6 +107,7 @@ def device_buffers(specs: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[m
         if not (view.flags.writeable and view.flags.c_contiguous and view.shape == shape):
             raise RuntimeError("mlx did not expose a writable contiguous buffer")
         out.append((bits.view(DTYPES[dtype][0]) if dtype in _BITS_VIEW else bits, view))
+    mx.eval([a for a, _ in out])  # evaluated here: usable from any thread, whichever one made them
     advise_huge_pages([view for _, view in out])
     return out
 

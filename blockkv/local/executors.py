@@ -12,13 +12,15 @@ _WORKERS = {
     # (4096 tokens: 0.76x -> 1.32x mlx-lm's save + fsync, alternating, load ~8)
     "hash": 2,  # a store's block hashing: one per core
     "read": 2,  # a restore's block reads and checks: one per core (four read no faster)
+    "alloc": 1,  # a restore's destination arrays: always one thread, whose arena keeps freed pages (restore.py)
 }
 
 
 class Executors:
     """Made on first use: "store" and "restore" (the async calls), one thread
     each; "io" (a store's block writes), four; "hash" (a store's block
-    hashing) and "read" (a restore's block reads and checks), two each."""
+    hashing) and "read" (a restore's block reads and checks), two each;
+    "alloc" (a restore's destination arrays), one."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
