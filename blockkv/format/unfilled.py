@@ -36,7 +36,6 @@ no memory outside the arrays changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import io
 import logging
 import mmap
@@ -89,12 +88,13 @@ class _Unfilled(io.RawIOBase):
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise`` on Linux (None elsewhere, or if it cannot be found)."""
+    """libc's ``madvise`` on Linux (None elsewhere, or if it cannot be found),
+    from the symbols the process has loaded (no library search: ``import
+    blockkv`` stays cheap)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
+        fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
