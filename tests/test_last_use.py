@@ -45,6 +45,17 @@ def open_store(root: Path, clock: Clock) -> BlockStore:
     return BlockStore(root, max_bytes=1 << 30, clock=clock, **IDENT)
 
 
+def store_in_turn(store: BlockStore, clock: Clock, model: Any, seeds: range) -> list[str]:
+    """One 40-token entry per seed, each stored a tick after the last; their ids."""
+    ids = []
+    for seed in seeds:
+        clock.tick()
+        tokens = random_tokens(40, seed=seed)
+        assert store.store(tokens, prefill(model, tokens)[0])
+        ids.append(store.find_exact(tokens).entry.id)
+    return ids
+
+
 def lru(store: BlockStore) -> list[str]:
     """Every entry, in the order eviction would take them."""
     return [e.id for e in store.evict_plan(0)]
@@ -74,12 +85,7 @@ def used(tmp_path: Path, llama: Any) -> tuple[Path, Clock, list[str]]:
     that order: the LRU order is 2, 4, 5, 1, 0, 3 (by store index)."""
     clock = Clock()
     with open_store(tmp_path, clock) as s:
-        ids = []
-        for i in range(6):
-            clock.tick()
-            tokens = random_tokens(40, seed=300 + i)
-            assert s.store(tokens, prefill(llama, tokens)[0])
-            ids.append(s.find_exact(tokens).entry.id)
+        ids = store_in_turn(s, clock, llama, range(300, 306))
         entries = {e.id: e for e in s.entries()}
         for k in (1, 0, 3):
             clock.tick()
@@ -148,12 +154,7 @@ def test_a_use_the_index_has_not_seen_is_not_evicted(tmp_path: Path, llama: Any)
     the entry that really was used least recently."""
     clock = Clock()
     with open_store(tmp_path, clock) as a, open_store(tmp_path, clock) as b:
-        ids = []
-        for i in range(3):
-            clock.tick()
-            tokens = random_tokens(40, seed=400 + i)
-            assert a.store(tokens, prefill(llama, tokens)[0])
-            ids.append(a.find_exact(tokens).entry.id)
+        ids = store_in_turn(a, clock, llama, range(400, 403))
         oldest = next(e for e in a.entries() if e.id == ids[0])
         busy = DirLock(a.directory / "LOCK")  # another holder of the lock: flock is per open file
         with busy.held(None):

@@ -97,29 +97,12 @@ def test_flipped_block_byte_is_a_miss_for_every_kind(tmp_path: Path, kind: str, 
         assert store.check().clean
 
 
-def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(tmp_path: Path) -> None:
-    tokens = list(range(1, 12))
-    caches = make_caches("llama", tokens)
-    with _open(tmp_path, True) as store:
-        assert store.store(tokens, caches)
-        assert store.store(tokens, caches, ns="other")  # shares every block
-        entry = store.find_exact(tokens).entry
-        path = store._dir.header_path("", entry.id)
-        header = store._dir.read_header(path)
-        wrong = ["0" * 32] + header.block_xxh3[1:]
-        path.write_bytes(encode_header(Header(header.identity, header.ns, header.tokens, header.descriptor,
-                                              header.checkpoint, wrong)))
-        assert store.restore(entry) is None
-        assert all(store._pool.exists(n) for n in entry.blocks)  # no good block deleted
-        other = store.find_exact(tokens, ns="other")
-        assert other is not None and store.restore(other.entry) is not None
-
-
-@pytest.mark.parametrize("wrong", [0, 1])
-def test_a_wrong_xxh3_of_a_cut_block_convicts_the_header(tmp_path: Path, wrong: int) -> None:
-    """A partial restore keeps only the rows its cut keeps of its last block:
-    confirming an xxh3 mismatch with blake3 must hash all the block's bytes
-    (the dropped rows too), or a good shared block is called corrupt."""
+@pytest.mark.parametrize("wrong, prefix_len", [(0, None), (0, 6), (1, 6)])
+def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(
+        tmp_path: Path, wrong: int, prefix_len: int | None) -> None:
+    """Also of a cut block (block 1 holds tokens 4-7: a prefix of 6 keeps only
+    some of its rows): confirming an xxh3 mismatch with blake3 must hash all
+    the block's bytes, the dropped rows too, or a good shared block is called corrupt."""
     tokens = list(range(1, 12))
     caches = make_caches("llama", tokens)
     with _open(tmp_path, True) as store:
@@ -129,14 +112,15 @@ def test_a_wrong_xxh3_of_a_cut_block_convicts_the_header(tmp_path: Path, wrong: 
         path = store._dir.header_path("", entry.id)
         header = store._dir.read_header(path)
         xxh3 = list(header.block_xxh3)
-        xxh3[wrong] = "f" * 32  # block 1 holds tokens 4-7: a prefix of 6 cuts it
+        xxh3[wrong] = "0" * 32
         path.write_bytes(encode_header(Header(header.identity, header.ns, header.tokens, header.descriptor,
                                               header.checkpoint, xxh3)))
-        assert store.restore(entry, prefix_len=6) is None
+        assert store.restore(entry, prefix_len) is None
         assert all(store._pool.exists(n) for n in entry.blocks)  # no good block deleted
         other = store.find_exact(tokens, ns="other")
-        loaded = store.restore(other.entry, prefix_len=6)
-        assert loaded is not None and loaded.tokens == tuple(tokens[:6])
+        assert other is not None
+        loaded = store.restore(other.entry, prefix_len)
+        assert loaded is not None and loaded.tokens == tuple(tokens[:prefix_len])
 
 
 def test_headers_without_xxh3_verify_blake3(tmp_path: Path) -> None:
