@@ -238,8 +238,10 @@ class BlockStore:
     @property
     @_open_only
     def total_bytes(self) -> int:
-        """Headers plus every referenced block, each counted once."""
-        return self._index.total_bytes()
+        """Headers plus every block this identity's entries reference, each
+        counted once: what the cap counts (another identity sharing the
+        directory counts its own)."""
+        return self._retention.footprint()
 
     @property
     def max_bytes(self) -> int:

@@ -419,6 +419,52 @@ def test_check_reports_planted_faults_and_repair_fixes_them(root: Root) -> None:
     assert run_json("check", root.path)["clean"] is True
 
 
+def every_path(root: Path) -> dict[str, tuple[Any, ...]]:
+    """Every path under ``root``: its type, size and mtime, and a file's content digest."""
+    out: dict[str, tuple[Any, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else ""
+            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, digest)
+    return out
+
+
+def plant_recovery_work(fp_dir: Path) -> None:
+    """What opening a store would clean up: a corrupt header, a dead writer's
+    temp files and intent file, an unreferenced block that is not one, and a
+    dead store's pending references."""
+    header = next((fp_dir / "entries").rglob("*.bkv"))
+    data = bytearray(header.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (header.parent / ("ab" * 16 + ".bkv")).write_bytes(bytes(data))
+    dead = "w0123456789abcdef"
+    (fp_dir / "writers" / dead).write_bytes(b"")
+    block = next(p for p in (fp_dir / "blobs").rglob("*") if p.is_file())
+    (block.parent / f".{block.name}.{dead}.0badf00d.tmp").write_bytes(block.read_bytes()[:10])
+    (header.parent / f".{'cd' * 16}.bkv.{dead}.deadbeef.tmp").write_bytes(b"half a header")
+    (fp_dir / "blobs" / "ee" / ("ee" + "0" * 62)).write_bytes(b"not a block")
+    with BlockStore.open_dir(fp_dir) as store:
+        store._index.take_refs("ff" * 16, "entries/x/y.bkv", {block.name: block.stat().st_size})
+
+
+def test_read_commands_and_dry_runs_leave_a_damaged_root_byte_for_byte(root: Root) -> None:
+    """``ls``, ``stats``, ``check`` without ``--repair`` and ``evict --dry-run``
+    have no recovery side effect: every path, size, mtime and content stays
+    (llama's directory with work for recovery, mamba's without its index)."""
+    plant_recovery_work(root.fp_dir(root.llama))
+    plant_faults(root)
+    before = every_path(root.path)
+    r, fp = root.path, root.llama.fingerprint
+    procs = run_all(["evict", r, "-f", fp, "--to", "0", "--dry-run"], ["evict", r, "--all", "--to", "1", "--dry-run", "--json"],
+                    ["ls", r], ["ls", r, "--json"], ["stats", r], ["stats", r, "--json"],
+                    ["check", r], ["check", r, "-f", fp, "--json"])
+    assert [p.returncode for p in procs] == [0] * 6 + [1, 1], [p.stderr for p in procs]
+    assert "would remove" in procs[0].stdout
+    assert every_path(root.path) == before
+
+
 def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root) -> None:
     llama_dir, mamba_dir = root.fp_dir(root.llama), root.fp_dir(root.mamba)
     mamba_before = tree(mamba_dir)

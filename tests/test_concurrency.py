@@ -377,10 +377,10 @@ def test_rebuild_elsewhere_never_gives_a_phantom_or_a_false_store(store_root: Pa
     assert problems == [], "\n".join(problems)
 
 
-# -- 6. two identities in one fingerprint directory share the cap ------------------------------------
+# -- 6. two identities in one fingerprint directory: each cap counts and evicts its own --------------
 
 
-def test_two_identities_share_the_cap_without_evicting_a_fresh_store(store_root: Path, tmp_path: Path) -> None:
+def test_two_identities_each_evict_only_their_own_entries(store_root: Path, tmp_path: Path) -> None:
     size = 128 * ENTRY_BYTES
     cap = int(4.5 * size)
     barrier = CTX.Barrier(2)
@@ -396,8 +396,15 @@ def test_two_identities_share_the_cap_without_evicting_a_fresh_store(store_root:
     acked = [s for r in results for s in load(r)["acked"]]
     assert len(acked) == 6
     assert [s for s in acked if not s["present"]] == []  # each store still there right after it returned
-    with open_store(store_root, max_bytes=cap) as store:
-        assert store.total_bytes <= cap
+    for kw in kws:
+        with open_store(store_root, **kw) as store:
+            assert store.total_bytes <= cap
+    with open_store(store_root, **kws[0]) as store:
+        mine = len(store)
+    with open_store(store_root, **kws[1]) as store:  # evicting everything of its own...
+        assert store.evict_to(0) and store.total_bytes == 0
+    with open_store(store_root, **kws[0]) as store:  # ...takes none of the other identity's
+        assert len(store) == mine and store.check().clean
 
 
 # -- also: LMDB map growth under threads, lock timeouts, dead writers, clock steps --------------------

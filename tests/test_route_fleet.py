@@ -205,15 +205,17 @@ def test_a_node_killed_mid_run_loses_nothing_it_acknowledged(fleet: Fleet) -> No
     acknowledged = _headers_under(fleet.roots[victim.url], "entries")
     victim.proc.kill()  # kill -9: no flush, no goodbye
     victim.proc.wait()
-    time.sleep(1.1)  # the survivors' sync_interval: their next lookup lists the bucket
-    for node in survivors:
-        fleet.client(node.url).chat.completions.create(model="default_model", max_tokens=1,
-                                                       messages=[{"role": "user", "content": "list"}])
     deadline = time.monotonic() + BOUND_S
     while not all(acknowledged <= _headers_under(fleet.roots[n.url], "remote-headers")
                   | _headers_under(fleet.roots[n.url], "entries") for n in survivors):  # listed, or restored
         assert time.monotonic() < deadline
-        time.sleep(0.2)
+        # a lookup lists the bucket in the background once the last listing began more than
+        # sync_interval (1 s) ago; one that began before the victim's upload landed saw none of it,
+        # so keep looking up until a later listing has run
+        time.sleep(1.1)
+        for node in survivors:
+            fleet.client(node.url).chat.completions.create(model="default_model", max_tokens=1,
+                                                           messages=[{"role": "user", "content": "list"}])
 
     _converse(fleet, sessions, range(2, 4), record)
     for s in mine:

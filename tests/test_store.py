@@ -410,33 +410,45 @@ def test_foreign_fingerprints_and_models_are_untouched(tmp_path: Path, llama: An
         s.gc()
         report = s.check()
         assert report.clean and report.foreign_headers == [str(foreign_header.relative_to(s.directory))]
-        assert s.total_bytes > 0  # its bytes count toward the directory's cap
+        assert s.total_bytes == 0  # its bytes are not ours to count
     assert foreign_header.read_bytes() == header_bytes
+    with open_store(tmp_path, max_bytes=1) as s:  # a 1-byte cap counts and evicts its own identity's entries only
+        s.evict_to_cap()
+        assert s.evict_to(0) == [] and foreign_header.read_bytes() == header_bytes
     with open_store(tmp_path, model_id="someone-else") as s:
         assert_same_kv(s.restore(s.find_exact(t).entry).caches, caches_for(llama, t), 120)
-    with open_store(tmp_path, max_bytes=1) as s:  # the cap is shared: LRU eviction takes any identity's entry
-        s.evict_to_cap()
-        assert s.total_bytes == 0 and not foreign_header.exists()
     assert _snapshot(foreign_dir) == before  # another fingerprint directory is never touched
 
 
-def test_identities_sharing_a_directory_share_its_cap(tmp_path: Path, llama: Any) -> None:
-    """Two chat templates of one model: each store evicts the least recently
-    used entries of either identity, never the one it just acknowledged."""
+def test_identities_sharing_a_directory_each_keep_their_own_cap(
+        tmp_path: Path, llama: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The seed's rule: another identity's entries are never ours to delete or
+    serve. Two chat templates of one model in one directory (a configuration
+    mistake, warned about once per handle): each handle's cap counts and evicts
+    its own identity's entries, least recently used first, never the other's."""
     cap = 160_000  # about three of these entries
-    acked = []
-    for i in range(6):
+    acked: dict[int, list[list[int]]] = {0: [], 1: []}
+    for i in range(8):
         t = random_tokens(100, seed=200 + i)
-        with open_store(tmp_path, tokenizer_hash=f"tok{i % 2}", max_bytes=cap) as s:
-            assert s.store(t, caches_for(llama, t))
+        with caplog.at_level(logging.WARNING, "blockkv"), \
+                open_store(tmp_path, tokenizer_hash=f"tok{i % 2}", max_bytes=cap) as s:
+            caplog.clear()
+            assert s.store(t, caches_for(llama, t)) and s.store(t, caches_for(llama, t))
             assert s.find_exact(t) is not None  # not evicted at once
             assert s.total_bytes <= cap
-            acked.append((i % 2, t))
-    with open_store(tmp_path, tokenizer_hash="tok1", max_bytes=cap) as s, \
-            open_store(tmp_path, tokenizer_hash="tok0", max_bytes=cap) as s0:
-        assert s.find_exact(acked[-1][1]) is not None and s0.find_exact(acked[-2][1]) is not None
-        assert 2 <= len(s) + len(s0) < len(acked)  # the oldest went, whichever identity they had
-        assert s.check().clean
+            acked[i % 2].append(t)
+            if i:
+                assert sum("another identity" in r.getMessage() for r in caplog.records) == 1
+    for ident, mine in acked.items():
+        with open_store(tmp_path, tokenizer_hash=f"tok{ident}", max_bytes=cap) as s:
+            kept = [t for t in mine if s.find_exact(t) is not None]
+            assert 2 <= len(kept) < len(mine) and kept == mine[-len(kept):]  # its own oldest went
+            assert s.check().clean
+    with open_store(tmp_path, tokenizer_hash="tok0", max_bytes=1) as s:  # a 1-byte cap: every entry of its own goes
+        s.evict_to_cap()
+        assert len(s) == 0
+    with open_store(tmp_path, tokenizer_hash="tok1", max_bytes=cap) as s:
+        assert len(s) >= 2  # and none of the other identity's
 
 
 # -- recovery -----------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ Safety rules, because this tool deletes on other people's disks:
 * a command that changes a store names its fingerprint (``-f``) or says ``--all``;
 * ``ls``, ``stats`` and ``check`` without ``--repair`` only look
   (``local/reader.py``, ``local/check.py``): they never write, rename, delete or
-  lock, even on a damaged directory; ``evict --dry-run`` deletes nothing.
+  lock, even on a damaged directory; ``evict --dry-run`` opens no store and
+  changes nothing either.
 * with ``--remote s3://bucket/prefix`` the same commands work on the bucket a
   fleet shares (``remote/view.py``): ``ls``, ``stats``, ``check`` only list and
   GET; ``gc`` is the bucket's mark-and-sweep run and ``evict`` its fleet-wide

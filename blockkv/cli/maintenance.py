@@ -7,6 +7,10 @@ and, but for ``rebuild-index``, on a bucket's (``gc --remote``: mark and sweep;
 They change a store, or with ``--remote`` the bucket every node shares, so
 each needs a fingerprint named (``-f``) or ``--all``; a local store is opened
 through ``blockkv.cli.stores``, so that what a command deletes is what it reports.
+``evict --dry-run`` opens no store: opening one recovers the directory (a
+dead writer's temp files reaped, a corrupt header removed), and a dry run
+leaves the root byte for byte as it was; it plans from the read-only view
+``ls`` and ``stats`` use, with the store's own LRU rule.
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ from blockkv.cli.common import (
     show_ns,
 )
 from blockkv.cli.remote import open_bucket, remote_fingerprints
-from blockkv.cli.stores import open_store
+from blockkv.cli.stores import default_gc_grace, open_store
 from blockkv.human import format_size, format_time, render_table
+from blockkv.local.catalog import footprint, lru_plan
+from blockkv.local.directory import FingerprintDir
+from blockkv.local.reader import read_directory
+from blockkv.records import Entry
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -76,11 +84,15 @@ def cmd_evict(args: argparse.Namespace) -> int:
     root = check_root(args.root)
     out: list[dict[str, Any]] = []
     for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="evict"):
-        with open_store(fp) as store:
-            before, blocks_before = store.total_bytes, store.block_count
-            gone = store.evict_plan(args.to) if args.dry_run else store.evict_to(args.to)
-            after, released = store.total_bytes, blocks_before - store.block_count
-            grace = store.gc_grace
+        if args.dry_run:
+            before, gone = planned_eviction(fp, args.to)
+            after, released, grace = before, 0, default_gc_grace()
+        else:
+            with open_store(fp) as store:
+                before, blocks_before = store.total_bytes, store.block_count
+                gone = store.evict_to(args.to)
+                after, released = store.total_bytes, blocks_before - store.block_count
+                grace = store.gc_grace
         out.append(
             {**fp_json(fp), "target_bytes": args.to, "disk_bytes_before": before,
              "disk_bytes_after": after, "blocks_released": released, "gc_grace": grace,
@@ -116,6 +128,17 @@ def cmd_evict(args: argparse.Namespace) -> int:
         if fp_out["blocks_released"]:
             print(gc_hint(fp_out["fingerprint"], fp_out["blocks_released"], fp_out["gc_grace"]))
     return EXIT_OK
+
+
+def planned_eviction(fp: FingerprintDir, target: int) -> tuple[int, list[Entry]]:
+    """What ``evict`` would remove to bring ``fp`` down to ``target`` bytes,
+    from the files alone (``read_directory``), with the store's LRU rule over
+    the directory identity's entries (``catalog.lru_plan``); and the bytes it
+    counts now. Changes nothing."""
+    view = read_directory(fp.path)
+    total = footprint(view.entries, view.block_sizes)
+    last_use = {e.id: e.last_use for e in view.entries}
+    return total, lru_plan(view.entries, last_use, view.block_sizes, total, target)
 
 
 def gc_remote(args: argparse.Namespace) -> int:

@@ -6,9 +6,12 @@ lives here."""
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
@@ -107,6 +110,48 @@ def decode_block(name: str, data: bytes | memoryview, verify: bool = True, key: 
     return payload
 
 
+class Judgement(enum.Enum):
+    GOOD = "good"
+    BROKEN = "broken"  # the frame does not decode: bad under any key
+    UNNAMED = "unnamed"  # decodes, but is not its name under any key tried
+
+
+@dataclass(frozen=True)
+class Verdict:
+    judgement: Judgement
+    key: bytes | None = None  # the key it verified under (GOOD)
+    raw_bytes: int = 0  # the payload length its frame declares (GOOD, UNNAMED)
+
+    @property
+    def good(self) -> bool:
+        return self.judgement is Judgement.GOOD
+
+
+def judge_block(name: str, data: bytes | memoryview, keys: Iterable[bytes | None]) -> Verdict:
+    """A copy of block ``name`` judged under each of ``keys`` in turn (each
+    once). A block is named with the key of the namespace that stored it
+    (``namespace_key``; None: unkeyed) and its name does not say which, so a
+    header naming it under another key proves nothing against it; what an
+    UNNAMED verdict proves is the caller's to say (``remote/verify.py``,
+    ``local/verdicts.py``)."""
+    try:
+        payload = decode_block(name, data, verify=False)
+    except CorruptBlockError:
+        return Verdict(Judgement.BROKEN)
+    raw = frame_raw_bytes(data)
+    for key in dict.fromkeys(keys):
+        if frame_name(data, payload, key) == name:
+            return Verdict(Judgement.GOOD, key, raw)
+    return Verdict(Judgement.UNNAMED, None, raw)
+
+
+def frame_layout(data: bytes | memoryview) -> bytes:
+    """The layout bytes of a frame ``decode_block`` accepted: with the payload,
+    what its name was hashed from."""
+    layout_len = _HEADER.unpack_from(memoryview(data).cast("B"))[5]
+    return bytes(memoryview(data).cast("B")[_HEADER.size : _HEADER.size + layout_len])
+
+
 def _part_nbytes(part: Part) -> int:
     return math.prod(part[1]) * DTYPES[part[0]][1].itemsize
 
@@ -115,9 +160,7 @@ def frame_name(data: bytes | memoryview, payload: bytes | memoryview, key: bytes
     """The name a frame's content has under ``key`` (``payload``: what
     ``decode_block(..., verify=False)`` returned for ``data``): to find which
     key, if any, a block was named with."""
-    view = memoryview(data).cast("B")
-    layout_len = _HEADER.unpack_from(view)[5]
-    return finish_name(hasher(key, payload), bytes(view[_HEADER.size : _HEADER.size + layout_len]))
+    return finish_name(hasher(key, payload), frame_layout(data))
 
 
 def frame_raw_bytes(data: bytes | memoryview) -> int:

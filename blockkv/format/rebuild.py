@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError, CorruptHeaderError
+from blockkv.errors import BlockMissingError, CorruptError, CorruptHeaderError
 from blockkv.format.blocks import (
     BlockRef,
     block_key,
@@ -71,11 +71,19 @@ class Target:
         """The exact bytes an uncompressed frame of this block has before its payload."""
         return frame_head(self.ref.raw_bytes, self.layout) + self.layout
 
-    def scatter(self, payload: bytes | memoryview) -> None:
-        """Fill the pieces from a decoded, verified payload."""
+    def fits(self, payload: bytes | memoryview, layout: bytes | None = None) -> bool:
+        """Whether a block's payload (and its frame's ``layout``, when known) is
+        the size and layout the header declares for it."""
+        return memoryview(payload).nbytes == self.ref.raw_bytes and layout in (None, self.layout)
+
+    def scatter(self, payload: bytes | memoryview, layout: bytes | None = None) -> None:
+        """Fill the pieces from a decoded payload verified against its name (and
+        its frame's ``layout``). One that does not fit convicts the header: the
+        block is what its name says, the header's account of it is wrong."""
+        if not self.fits(payload, layout):
+            raise CorruptHeaderError(f"the header's size or layout of block {self.ref.name} "
+                                     f"does not fit the block ({memoryview(payload).nbytes} bytes)")
         view, offset = memoryview(payload).cast("B"), 0
-        if view.nbytes != self.ref.raw_bytes:
-            raise CorruptBlockError(f"block {self.ref.name} has {view.nbytes} bytes, expected {self.ref.raw_bytes}")
         for piece in self.pieces:
             piece[:] = view[offset : offset + piece.nbytes]
             offset += piece.nbytes

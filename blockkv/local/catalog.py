@@ -4,14 +4,16 @@ lookup that reads no file.
 
 It mirrors the index's ``entries`` table and follows it through the change
 log (``apply_changes``); it is never the truth and never writes. Another
-identity's entries are kept apart: counted and evictable, never served.
-Thread-safe: one mutex guards every structure.
+identity's entries are kept apart: never served, never counted toward the
+handle's cap nor evicted by it (the seed's rule: never ours to delete or
+serve). Thread-safe: one mutex guards every structure.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -21,13 +23,41 @@ from blockkv.local.prefix_index import PrefixIndex
 from blockkv.records import CHECKPOINT_NS, Entry, EntryRecord, Match
 
 
+def footprint(entries: Iterable[Entry], sizes: Mapping[str, int]) -> int:
+    """Headers plus every block ``entries`` reference, each counted once
+    (``sizes``: each block's stored bytes)."""
+    entries = list(entries)
+    return sum(e.header_bytes for e in entries) + sum(sizes.get(n, 0) for n in {n for e in entries for n in e.blocks})
+
+
+def lru_plan(entries: Iterable[Entry], last_use: Mapping[str, float], sizes: Mapping[str, int],
+             total: int, target: int) -> list[Entry]:
+    """The entries whose removal brings ``total`` bytes (their ``footprint``)
+    down to ``target``, least recently used first (ties in the given order):
+    an entry frees its header and the blocks no other of ``entries`` still
+    references."""
+    entries = list(entries)
+    refs = Counter(n for e in entries for n in dict.fromkeys(e.blocks))
+    plan = []
+    for entry in sorted(entries, key=lambda e: last_use.get(e.id, 0.0)):
+        if total <= target:
+            break
+        plan.append(entry)
+        total -= entry.header_bytes
+        for name in dict.fromkeys(entry.blocks):
+            refs[name] -= 1
+            if refs[name] == 0:
+                total -= sizes.get(name, 0)
+    return plan
+
+
 class Catalog:
     def __init__(self, owner: str, clock: Callable[[], float]) -> None:
         self._owner = owner  # Identity.digest() of the handle: whose entries are served
         self._clock = clock
         self._mutex = threading.RLock()
         self._entries: dict[str, Entry] = {}
-        self._foreign: dict[str, Entry] = {}  # another identity's entries: counted and evictable, never served
+        self._foreign: dict[str, Entry] = {}  # another identity's entries: never served, counted or evicted
         self._tries: dict[str, PrefixIndex[Entry]] = {}
         self._exact: dict[tuple[str, bytes], str] = {}
         self._position: tuple[bytes, int] = (b"", 0)
@@ -110,28 +140,26 @@ class Catalog:
             return [e for e in self._entries.values() if ns is None or e.ns == ns]
 
     def every_identity(self) -> list[Entry]:
-        """Served and foreign entries: every identity of the directory shares its cap (design.md, "Identities")."""
+        """Served and foreign entries: every entry the directory's files hold."""
         with self._mutex:
             return [*self._entries.values(), *self._foreign.values()]
 
+    def foreign(self) -> list[Entry]:
+        """Other identities' entries: never served."""
+        with self._mutex:
+            return list(self._foreign.values())
+
+    def footprint(self, index: Index) -> int:
+        """The bytes the handle's cap counts: its own identity's entries
+        (``footprint``). With no other identity in the directory that is every
+        referenced byte, which the index keeps as one number."""
+        if not self._foreign:
+            return index.total_bytes()
+        return footprint(self.entries(), index.block_sizes())
+
     def eviction_plan(self, index: Index, last_use: Mapping[str, float], total: int, target: int) -> list[Entry]:
-        """The entries whose removal brings ``total`` bytes down to ``target``,
-        least recently used first by ``last_use``, of every identity (they share
-        the cap). An entry frees its header and the blocks no other entry still references."""
-        rows = index.blocks()
-        refs = {n: row.refs for n, row in rows.items()}
-        plan = []
-        for entry in sorted(self.every_identity(), key=lambda e: last_use.get(e.id, 0.0)):
-            if total <= target:
-                break
-            plan.append(entry)
-            total -= entry.header_bytes
-            for name in dict.fromkeys(entry.blocks):
-                if name in refs:
-                    refs[name] -= 1
-                    if refs[name] == 0:
-                        total -= rows[name].size
-        return plan
+        """``lru_plan`` over the handle's own identity's entries, by ``last_use``."""
+        return lru_plan(self.entries(), last_use, index.block_sizes(), total, target)
 
     def in_namespace(self, ns: str) -> list[Entry]:
         """One namespace's entries, in its trie's order."""

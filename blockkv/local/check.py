@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptError, NewerFormatError
+from blockkv.errors import BlockMissingError, CorruptError, NewerFormatError
 from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
-from blockkv.format.frame import decode_block
+from blockkv.format.frame import Judgement, Verdict, judge_block
 from blockkv.local import writers
 from blockkv.local.directory import Directory
 from blockkv.local.index import BlockRow, read_only_block_rows
 from blockkv.local.locks import DirLock
+from blockkv.records import EntryRecord
 
 Progress = Callable[[int, int], None]
 
@@ -41,7 +42,7 @@ class CheckReport:
     corrupt_blocks: list[str] = field(default_factory=list)
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
     newer_headers: list[str] = field(default_factory=list)  # a newer blockkv's format: kept, never served
-    unreadable: list[str] = field(default_factory=list)  # headers and blocks a transient error kept us from reading
+    unreadable: list[str] = field(default_factory=list)  # headers, blocks and live intent files not read
     stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
     in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
     index_missing: bool = False
@@ -57,66 +58,81 @@ class CheckReport:
         return {**self.__dict__, "clean": self.clean}
 
 
-Keys = dict[str, "bytes | None"]  # block name -> the key its referencing header names it with
-Verified = tuple[dict[str, bool], list[str]]  # block -> corrupt?, and the blocks that could not be read
+Keys = dict[str, "list[bytes | None]"]  # block name -> every key a referencing header names it with
+
+
+Verified = tuple[dict[str, Verdict], list[str]]  # block -> verdict, and the blocks that could not be read
 
 
 def block_keys(directory: Directory) -> Keys:
-    """The key of every block some readable header references (None: not keyed).
-    Headers that do not read are left out here; ``inspect`` reports them."""
+    """Every key each block is named with by some readable header (None: not
+    keyed). Headers that do not read are left out here; ``inspect`` reports them."""
     keys: Keys = {}
     for p in directory.listing().headers.values():
         try:
             header = directory.read_header(Path(p))
         except Exception:  # noqa: BLE001 - reported by inspect, which reads every header again
             continue
-        key = block_key(header.identity, header.ns)
-        keys.update((r.name, key) for r in blocks_for_prefix(header.descriptor, None))
+        _add_keys(keys, block_key(header.identity, header.ns), (r.name for r in blocks_for_prefix(header.descriptor, None)))
     return keys
 
 
-def _verify(name: str, data: bytes, keys: Keys) -> None:
-    """Check a block's frame and, when a header names it, its hash under that
-    header's key; a block no header references has no known key (isolation
-    keys blocks by namespace), so only its frame is checked."""
-    if name in keys:
-        decode_block(name, data, key=keys[name])
-    else:
-        decode_block(name, data, verify=False)
+def _add_keys(keys: Keys, key: bytes | None, names: Iterable[str]) -> None:
+    for name in names:
+        known = keys.setdefault(name, [])
+        if key not in known:
+            known.append(key)
 
 
-def _verdict(directory: Directory, name: str, keys: dict[str, bytes | None]) -> bool | None:
-    """Whether one block file is corrupt; None if it is gone. Any other error
-    (EMFILE, EIO, MemoryError) is raised: it proves nothing about the block."""
+def _corrupt(verdict: Verdict, keys: Keys, name: str) -> bool:
+    """Proof that a block is bad: its frame does not decode, or it hashes to
+    its name under none of the keys the headers referencing it name it with (a
+    header naming it under another namespace's key proves nothing against it).
+    A block no header references has no known key (isolation keys blocks by
+    namespace): only its frame counts."""
+    return verdict.judgement is Judgement.BROKEN or (verdict.judgement is Judgement.UNNAMED and bool(keys.get(name)))
+
+
+def _verdict(directory: Directory, name: str, keys: Keys) -> Verdict | None:
+    """One block file judged under the keys its headers name it with
+    (``frame.judge_block``); None if it is gone. Any other error (EMFILE, EIO,
+    MemoryError) is raised: it proves nothing about the block."""
     try:
-        _verify(name, directory.pool.read(name), keys)
-        return False
-    except CorruptBlockError:
-        return True
+        return judge_block(name, directory.pool.read(name), keys.get(name, []))
     except BlockMissingError:
         return None
 
 
 def verify_blocks(directory: Directory, progress: Progress | None = None) -> Verified:
-    """Hash every block file: name → whether it is corrupt, and the blocks a
-    transient error kept us from reading (never corrupt). The slow part of a
-    check, so it runs without the directory lock (a block deleted meanwhile is
-    left out; one written meanwhile is verified by ``inspect``)."""
+    """Hash every block file: name → its verdict, and the blocks a transient
+    error kept us from reading (never corrupt). The slow part of a check, so it
+    runs without the directory lock (a block deleted meanwhile is left out; one
+    written meanwhile, or found corrupt here, is hashed again by ``inspect``)."""
     keys = block_keys(directory)
     names = sorted(directory.pool.names())
-    out: dict[str, bool] = {}
+    out: dict[str, Verdict] = {}
     unreadable: list[str] = []
     for done, name in enumerate(names, 1):
         try:
-            bad = _verdict(directory, name, keys)
+            verdict = _verdict(directory, name, keys)
         except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
             unreadable.append(name)
         else:
-            if bad is not None:
-                out[name] = bad
+            if verdict is not None:
+                out[name] = verdict
         if progress is not None:
             progress(done, len(names))
     return out, unreadable
+
+
+@dataclass
+class _Read:
+    """A header ``inspect`` read: where it is, what it records, the key it names its blocks with."""
+
+    rel: str
+    record: EntryRecord
+    key: bytes | None
+    own: bool
 
 
 def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
@@ -126,8 +142,13 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
 
     Meant to run under the directory lock, so no store is between taking its
     references and making its entry visible: what it reads is consistent.
-    ``verified``: block hashes already checked (``verify_blocks``); the rest
-    are hashed here. Blocks live writers announced (writers.py) are in flight,
+    ``verified``: block hashes already checked (``verify_blocks``), without the
+    lock; a verdict of corrupt is never carried over that wait (another handle
+    may have quarantined the copy and a store written a good one since), so
+    those blocks are hashed again here, with the blocks not hashed yet. A
+    header naming a good block under a key it does not verify under (another
+    namespace's, under isolation) is a corrupt header; the block stays.
+    Blocks live writers announced (writers.py) are in flight,
     not orphans; the writers are surveyed *after* the listing, so every listed
     block a live writer wants was announced by then. ``tmp_cutoff``: a temp
     file without a writer token older than this is stale (default: one
@@ -138,9 +159,8 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     report = CheckReport(index_missing=rows is None, in_flight=sorted(live.names),
                          stale_tmp=[directory.rel(p) for p in writers.stale_temp_files(listing.tmp, live, cutoff)])
     files = listing.blocks
-    truth: Counter[str] = Counter()
-    referencing: dict[str, tuple[str, ...]] = {}
-    keys: dict[str, bytes | None] = {}  # block -> the key its referencing header names it with
+    read: dict[str, _Read] = {}
+    keys: Keys = {}  # block -> the keys its referencing headers name it with
     for entry_id, p in listing.headers.items():
         path = Path(p)
         try:
@@ -157,31 +177,40 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
         except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
             report.unreadable.append(directory.rel(path))
             continue
-        if record.owner != directory.identity.digest():
-            report.foreign_headers.append(record.path)
-        else:
-            report.entries += 1
-            referencing[entry_id] = record.blocks
-        truth.update(record.blocks)
         key = block_key(header.identity, header.ns)
-        keys.update((n, key) for n in record.blocks)
+        read[entry_id] = _Read(record.path, record, key, record.owner == directory.identity.digest())
+        _add_keys(keys, key, record.blocks)
     known, unread = verified or ({}, [])
     rest = {n: known[n] for n in files if n in known}
-    fresh = [n for n in sorted(files) if n not in known and n not in unread]
+    fresh = [n for n in sorted(files) if n not in unread and (n not in rest or _corrupt(rest[n], keys, n))]
     report.unreadable += [directory.rel(directory.pool.path(n)) for n in unread if n in files]
     for done, name in enumerate(fresh, 1):
         try:
-            bad = _verdict(directory, name, keys)
+            verdict = _verdict(directory, name, keys)
         except Exception:  # noqa: BLE001 - not proof of corruption: neither corrupt nor an orphan
+            rest.pop(name, None)
             report.unreadable.append(directory.rel(directory.pool.path(name)))
         else:
-            if bad is None:
+            if verdict is None:
                 files.discard(name)
+                rest.pop(name, None)
             else:
-                rest[name] = bad
+                rest[name] = verdict
         if progress is not None and verified is None:
             progress(done, len(fresh))
-    corrupt = {n for n, bad in rest.items() if bad and n in files}
+    corrupt = {n for n, v in rest.items() if _corrupt(v, keys, n) and n in files}
+    truth: Counter[str] = Counter()
+    referencing: dict[str, tuple[str, ...]] = {}
+    for entry_id, h in read.items():
+        if any(n in rest and rest[n].good and rest[n].key != h.key for n in h.record.blocks):
+            report.corrupt_headers.append(h.rel)  # it names a good block under a key the block is not named with
+            continue
+        if h.own:
+            report.entries += 1
+            referencing[entry_id] = h.record.blocks
+        else:
+            report.foreign_headers.append(h.rel)
+        truth.update(h.record.blocks)
     report.blocks = len(files)
     report.corrupt_blocks = sorted(corrupt)
     report.dangling = sorted(
@@ -189,9 +218,10 @@ def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
     )
     if report.newer_headers or any(u.startswith("entries/") for u in report.unreadable):
         return report  # a header we could not read may reference any block: no orphans, no refcounts
+    report.unreadable += [f"writers/{token}" for token in live.unread]  # may want any block: no orphans
     waiting_for_gc = {n for n, row in (rows or {}).items() if row.refs == 0}
     report.orphan_blocks = sorted(n for n in files if not truth[n] and n not in waiting_for_gc
-                                  and n not in live.names)
+                                  and n not in live.names) if live.complete else []
     if rows is not None:
         report.refcount_mismatches = sorted(
             (n, rows[n].refs if n in rows else 0, truth[n])
@@ -234,9 +264,8 @@ def repair(directory: Directory, report: CheckReport) -> None:
     corrupt = []
     for name in report.corrupt_blocks:
         try:
-            _verify(name, directory.pool.read(name), keys)
-        except CorruptBlockError:
-            corrupt.append(name)
+            if _corrupt(judge_block(name, directory.pool.read(name), keys.get(name, [])), keys, name):
+                corrupt.append(name)
         except Exception:  # noqa: BLE001 - gone, or unreadable now: not proof
             continue
     orphans = report.orphan_blocks

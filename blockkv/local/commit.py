@@ -180,9 +180,10 @@ class Commits:
 
     def delete_unreferenced(self, index: Index, names: Iterable[str]) -> None:
         """Under the lock: delete the blocks of ``names`` that nothing references
-        and no live writer (of any handle) may still reference."""
+        and no live writer (of any handle) may still reference (none at all while
+        a live writer's intents are unread)."""
         live = writers.survey(self._intents.directory)
-        for name in names:
+        for name in names if live.complete else ():
             if name not in live.names and index.block(name) is None:
                 self._pool.delete(name)
 

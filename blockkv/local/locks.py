@@ -6,6 +6,12 @@ that only need a consistent view (plain ``check``). flock is released by the
 kernel when its process dies, so a SIGKILLed holder never wedges the
 directory; a *stopped* or slow holder is why every wait is bounded: the
 serving path gives up (``store`` → False) rather than hang behind it.
+
+A flock belongs to an open file, which ``fork()`` shares with the child: a
+child forked without exec while a store held the lock would hold it for as
+long as it lived, the parent dead or not. So every holder of a kernel lock
+(this lock, a writer's intent file) closes its copy of the file in a forked
+child (``forget_in_forked_child``); the parent's lock is untouched.
 """
 
 from __future__ import annotations
@@ -15,13 +21,32 @@ import fcntl
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from blockkv.errors import LockTimeout
 
 _POLL_START, _POLL_MAX = 0.001, 0.05
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()  # what must let go of its kernel locks in a forked child
+
+
+def forget_in_forked_child(holder: Any) -> None:
+    """Call ``holder._forget_inherited()`` in every child this process forks:
+    it closes the child's copies of its locked files (never unlocking them:
+    that would unlock the parent's), so the locks live exactly as long as
+    the parent. It must take no lock: the fork may have caught one held."""
+    _HOLDERS.add(holder)
+
+
+def _after_fork_in_child() -> None:
+    for holder in list(_HOLDERS):
+        holder._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class DirLock:
@@ -33,6 +58,14 @@ class DirLock:
         self._thread = threading.RLock()
         self._depth = 0
         self._mode = 0
+        forget_in_forked_child(self)
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: close our copy of the file, whatever the parent holds."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+        self._thread, self._depth = threading.RLock(), 0
 
     @contextmanager
     def held(self, timeout: float | None, *, shared: bool = False) -> Iterator[None]:
@@ -78,4 +111,6 @@ class DirLock:
             pause = min(pause * 2, _POLL_MAX)
 
     def close(self) -> None:
-        os.close(self._fd)
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)

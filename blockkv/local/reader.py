@@ -34,7 +34,7 @@ class DirectoryView:
     foreign: Counter[Identity]  # entries of other identities sharing the directory: kept, never served
     corrupt_headers: list[str]  # relative paths; a store would delete these on open
     dangling: list[str]  # entry ids missing a block; a store would delete these on open
-    disk_bytes: int  # headers plus each referenced block once (what the store calls total_bytes)
+    disk_bytes: int  # headers plus each referenced block once, of every identity
     blocks: int  # distinct blocks referenced
     index_used: bool  # a trusted index stood in for the headers it lists
     records: list[EntryRecord]  # the servable entries' records, for a catalog (``ReadOnlyStore``)

@@ -185,9 +185,10 @@ class Recovery:
 
     def sweep_orphans(self, index: Index, gc_grace: float, files: set[str] | None = None, live: writers.Writers | None = None) -> int:
         """Under the lock: delete blocks nothing references and no live writer
-        may still reference (its intent file names them), and the temp files of
-        dead writers. ``files``/``live``: a pool listing and writer survey the
-        caller already has. A block freed less than ``gc_grace`` ago by this
+        may still reference (its intent file names them; none at all while a
+        live writer's intents are unread), and the temp files of dead writers.
+        ``files``/``live``: a pool listing and writer survey the caller
+        already has. A block freed less than ``gc_grace`` ago by this
         clock is kept for reuse; that is policy, not safety (design.md, "Block
         lifetime"), so a block stamped in our future is not kept."""
         if not self._index_unread_headers(index):
@@ -204,7 +205,7 @@ class Recovery:
         doomed = [name for name, row in rows.items()
                   if row.refs == 0 and not now - gc_grace < row.zero_since <= now]
         doomed += files - rows.keys()
-        doomed = [name for name in doomed if name not in live.names]
+        doomed = [name for name in doomed if name not in live.names] if live.complete else []
         for name in doomed:
             self._fs.crash_point("gc:block-unlinked")
             self._pool.delete(name)

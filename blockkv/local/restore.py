@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError
 from blockkv.format.codec import device_buffers
-from blockkv.format.frame import decode_block
+from blockkv.format.frame import decode_block, frame_layout
 from blockkv.format.header import Header, Identity
 from blockkv.format.rebuild import Check, ParsedEntry, Target
 from blockkv.local.directory import Directory
@@ -53,7 +53,7 @@ class EntryRead:
         self._alloc = alloc
         self._key: bytes | None = None  # the header's (``ParsedEntry.key``), once it is read
         self._reading = ""  # "header" while the header is read: its file gone is proof too
-        self._corrupt: list[tuple[BaseException, str]] = []  # (error, block) to quarantine
+        self._failed: list[tuple[BaseException, str]] = []  # (error, block): a corrupt or missing block
         self.bytes_read = 0  # the header and the blocks the restore needs, as stored
 
     def run(self, cut: int | None) -> tuple[Header, list[Any], dict[str, Any]]:
@@ -80,7 +80,7 @@ class EntryRead:
 
     def culprit(self, exc: BaseException) -> str:
         """What ``exc`` was raised reading: "header", a block's name, or ""."""
-        return self._reading or next((name for e, name in self._corrupt if e is exc), "")
+        return self._reading or next((name for e, name in self._failed if e is exc), "")
 
     def _fill(self, target: Target) -> Target:
         """Read a block straight into its destination and verify it there; a
@@ -96,9 +96,13 @@ class EntryRead:
                 if check is not None:
                     check.finish()
             else:
-                target.scatter(decode_block(name, self._pool.read(name), verify=bool(self._verify), key=self._key))
-        except CorruptBlockError as exc:
-            self._corrupt.append((exc, name))
+                data = self._pool.read(name)
+                payload, layout = decode_block(name, data, verify=bool(self._verify), key=self._key), frame_layout(data)
+                if not self._verify and not target.fits(payload, layout):
+                    decode_block(name, data, key=self._key)  # the block against its name before the header is blamed
+                target.scatter(payload, layout)
+        except (CorruptBlockError, BlockMissingError) as exc:
+            self._failed.append((exc, name))
             raise
         return target
 
@@ -114,9 +118,12 @@ class EntryRead:
         try:
             st = os.lstat(self._pool.path(name))
         except FileNotFoundError:
-            raise BlockMissingError(f"block {name} is not in the pool") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise BlockMissingError(f"block {name} is not a regular file")
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            missing = BlockMissingError(f"block {name} is not in the pool" if st is None else
+                                        f"block {name} is not a regular file")
+            self._failed.append((missing, name))
+            raise missing
         self.bytes_read += st.st_size
         return st.st_size
 

@@ -4,8 +4,9 @@ each taken under the directory lock.
 ``Retention`` applies the seed's rules once an entry is visible (an
 identical entry replaced, trimmable prefixes superseded, older checkpoints
 of a key dropped once the new one is durable), the byte cap (LRU eviction
-over every identity's entries), gc, check/repair, and what a failed restore
-proves (only proof of corruption drops an entry). It also holds the lock
+over the handle's own identity's entries: another identity's are never ours
+to delete), gc, check/repair, and what a failed restore proves (only fresh
+proof of corruption drops an entry, ``verdicts.py``). It also holds the lock
 discipline: the lock is taken with the index checked current
 (``IndexKeeper.locked``), and the stores a recovery found dead after their
 header landed get the rules and cap their store would have applied. The
@@ -22,12 +23,14 @@ import lmdb
 
 from blockkv.arguments import check_size
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
+from blockkv.format.blocks import block_key
 from blockkv.local.catalog import Catalog
 from blockkv.local.check import CheckReport, inspect, verify_blocks
 from blockkv.local.check import repair as repair_directory
 from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory
 from blockkv.local.index_keeper import IndexKeeper
+from blockkv.local.verdicts import Finding, judge_now, keys_naming
 from blockkv.records import Entry
 
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
@@ -160,17 +163,11 @@ class Retention:
         if not proof:
             self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc!r}); kept, served as a miss")
             return
-        corrupt_block = reading if isinstance(exc, CorruptBlockError) and reading != "header" else ""
-        self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}")
+        block = reading if isinstance(exc, (CorruptBlockError, BlockMissingError)) and reading != "header" else ""
         try:
             with self.locked(timeout=_SERVING_WAIT):
                 self.refresh()
-                doomed = {entry.id} if entry.id in self._catalog else set()
-                if corrupt_block:  # quarantine: every entry that needs it is damaged too;
-                    # the next store of this block writes a good copy
-                    self._dir.pool.delete(corrupt_block)
-                    doomed |= {e.id for e in self._catalog.entries() if corrupt_block in e.blocks}
-                for entry_id in doomed:
+                for entry_id in self._convicted(entry, exc, block):
                     self._remove_locked(entry_id)
         except (OSError, lmdb.Error, BlockKVError) as exc2:  # LockTimeout included: the next restore retries
             self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
@@ -192,6 +189,31 @@ class Retention:
         except (LockTimeout, OSError, lmdb.Error, CorruptError):
             pass  # kept with the handle; eviction reads the header's mtime meanwhile
 
+    def _convicted(self, entry: Entry, exc: BaseException, block: str) -> set[str]:
+        """Under the lock: the entries a failed restore of ``entry`` proves
+        damaged. A failure of ``block`` is decided again first, on the copy
+        there now and under every key that names it (``verdicts.judge_now``):
+        a corrupt block is quarantined with every entry that needs it (the
+        next store of it writes a good copy); a block good under another
+        entry's key convicts only this entry's header; a block that verifies
+        or cannot be read now proves nothing."""
+        own, finding = self._catalog.entries(), None
+        if block:
+            others = keys_naming(block, self._dir.identity, [e for e in own if e.id != entry.id],
+                                 self._catalog.foreign())
+            finding = judge_now(self._dir.pool, block, block_key(self._dir.identity, entry.ns), others)
+        if finding in (Finding.GOOD, Finding.UNREADABLE):
+            self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc}), but block {block} "
+                       f"{finding.value}: kept, served as a miss")
+            return set()
+        self._warn("restore", f"restore failed, dropping entry {entry.id}: {exc}"
+                   + (f"; the block {finding.value}" if finding is not None else ""))
+        doomed = {entry.id} if entry.id in self._catalog else set()
+        if finding is Finding.CORRUPT:
+            self._dir.pool.delete(block)
+            doomed |= {e.id for e in own if block in e.blocks}
+        return doomed
+
     # -- the cap ----------------------------------------------------------------------------
     def plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first."""
@@ -201,11 +223,10 @@ class Retention:
         """``plan``, and the last uses its candidates' headers showed later than the
         index records (another handle's restore not yet in the index): an entry
         is never evicted on a last use its header contradicts."""
-        index = self._keeper.index
-        total = index.total_bytes()
+        total = self.footprint()
         if total <= target_bytes:  # the common case: every store checks the cap
             return [], {}
-        self.refresh()
+        index = self._keeper.index
         last_use = index.last_use()
         later: dict[str, float] = {}
         checked: set[str] = set()
@@ -217,6 +238,19 @@ class Retention:
                 return plan, later
             last_use.update(found)
             later.update(found)
+
+    def footprint(self) -> int:
+        """What the cap counts: the handle's own identity's headers and blocks
+        (``Catalog.footprint``). Another identity in the directory is a
+        configuration mistake, warned about once; its entries are its own.
+        The catalog is brought current first: which entries are ours decides
+        what the total is."""
+        self.refresh()
+        if self._catalog.foreign():
+            self._warn("identities", "entries of another identity (another tokenizer or chat template) share "
+                       f"the fingerprint directory {self._dir.path.name}: give each its own config_fingerprint; "
+                       "each handle's cap counts and evicts only its own identity's entries")
+        return self._catalog.footprint(self._keeper.index)
 
     def evict_to(self, target_bytes: int) -> list[Entry]:
         """Remove least recently used entries until the total is at most ``target_bytes``."""
@@ -236,9 +270,10 @@ class Retention:
         return plan
 
     def _evict_to_cap(self) -> None:
-        """The cap bounds what the directory holds, blocks waiting out their
-        grace included: past it the grace (policy, not safety) yields and they
-        go at once, then least recently used entries. Blocks past their grace
+        """The cap bounds what the handle's identity holds in the directory
+        (``footprint``), blocks waiting out their grace included: past it the
+        grace (policy, not safety) yields and they go at once, then least
+        recently used entries of ours. Blocks past their grace
         go with the next store, without anyone running ``gc``."""
         cap = self._settings.max_bytes
         check_size("target_bytes", cap)  # a caller's ``limit`` may return anything
@@ -246,7 +281,7 @@ class Retention:
         rows = index.blocks()
         now, grace = self._clock(), self._settings.gc_grace
         waiting = sum(r.size for r in rows.values() if r.refs == 0)
-        if index.total_bytes() + waiting <= cap:
+        if self.footprint() + waiting <= cap:
             if any(r.refs == 0 and not now - grace < r.zero_since <= now for r in rows.values()):
                 self._sweep_quietly()
             return

@@ -17,12 +17,22 @@ writer look dead. The intent list is advisory (a deleter may read it a moment
 before a name is appended); what makes the store safe is that the writer
 re-checks every block under the directory lock before taking references and
 rewrites any that is gone (docs/design.md, "Block lifetime").
+
+What a deleter reads is bounded: each live writer's file by its size, known
+(``fstat``) before the read, and all of them together by ``MAX_INTENT_BYTES``
+and ``MAX_INTENT_FILES``. A live writer whose intents are not read (a file
+planted or grown past the bound) may want any block, so while it lives no
+unreferenced block is deleted (``Writers.complete``): sparing too much is
+safe, deleting is not. A writer whose file was removed under it (an
+operator's ``rm``) makes it anew at its next store, and a child forked
+without exec lets go of the parent's (``locks.forget_in_forked_child``).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -33,11 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from blockkv.fs import DIR_MODE, FILE_MODE, TMP_SUFFIX
+from blockkv.local.locks import forget_in_forked_child
 
 _TOKEN = re.compile(r"w[0-9a-f]{16}")
 _NAME_LINE = re.compile(rb"[0-9a-f]{64}")
-MAX_INTENT_BYTES = 64 << 20  # a planted giant file is not read whole
+MAX_INTENT_BYTES = 8 << 20  # read of live writers' intent files per survey, all together (~130k block names)
+MAX_INTENT_FILES = 256  # live writers' intent files read per survey
 DEFAULT_TMP_GRACE = 3600.0  # age after which a temp file with no writer token (an older blockkv's) is stale
+log = logging.getLogger("blockkv")
+_warned: set[str] = set()  # live writers whose unread intents this process has warned about
 
 
 def new_token() -> str:
@@ -68,20 +82,30 @@ class IntentFile:
         self._fd: int | None = None
         self._names: Counter[str] = Counter()
         self._mutex = threading.Lock()
+        forget_in_forked_child(self)
 
     @property
     def path(self) -> Path:
         return self.directory / self.token
 
     def _open(self) -> int:
-        """Create, lock, then publish under the final name: a deleter never sees
-        the file unlocked (it would take it for a dead writer's)."""
+        """Our intent file, in place. Created on first use, and anew (with the
+        names we hold) if it was removed or replaced under us: a deleter reads
+        only what ``writers/<token>`` holds. Create, lock, then publish under
+        the final name: a deleter never sees the file unlocked (it would take it
+        for a dead writer's)."""
+        if self._fd is not None and not self._in_place(self._fd):
+            os.close(self._fd)
+            self._fd = None
         if self._fd is None:
             os.makedirs(self.directory, DIR_MODE, exist_ok=True)
             tmp = self.directory / f".{self.token}{TMP_SUFFIX}"
+            _unlink(tmp)  # left by an attempt that failed part-way
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, FILE_MODE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if self._names:
+                    os.write(fd, "".join(f"{n}\n" for n in self._names).encode())
                 os.rename(tmp, self.path)
             except BaseException:
                 os.close(fd)
@@ -89,6 +113,22 @@ class IntentFile:
                 raise
             self._fd = fd
         return self._fd
+
+    def _in_place(self, fd: int) -> bool:
+        try:
+            st, ours = os.stat(self.path, follow_symlinks=False), os.fstat(fd)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino)
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: close our copy of the locked file (the parent's
+        lock stays the parent's: it ends with the parent), and never speak for
+        the parent's token again."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        self.token, self._names, self._mutex = new_token(), Counter(), threading.Lock()
 
     def add(self, names: Iterable[str]) -> None:
         """Declare names a store of this handle may reference (before it looks for them)."""
@@ -129,13 +169,24 @@ class Writers:
     names: set[str] = field(default_factory=set)
     live: set[str] = field(default_factory=set)
     dead: list[Path] = field(default_factory=list)  # intent files of dead writers (removed by ``reap``)
+    unread: list[str] = field(default_factory=list)  # live writers whose intents were not read
+
+    @property
+    def complete(self) -> bool:
+        """Whether ``names`` holds every live writer's intents. If not, an
+        unread writer may want any block: no unreferenced block may go."""
+        return not self.unread
 
 
 def survey(directory: Path) -> Writers:
-    """Read every intent file; a file whose lock we can take is a dead writer's
-    (so is an unpublished ``.<token>.tmp`` one). Never follows a symlink, never
-    reads more than ``MAX_INTENT_BYTES``."""
+    """Read every live writer's intent file, within the bounds; a file whose
+    lock we can take is a dead writer's (so is an unpublished ``.<token>.tmp``
+    one). Never follows a symlink; a file's size is known before it is read,
+    and a live writer whose file is past the bounds is left unread (one
+    warning per survey, naming the writers not warned about before), never
+    allocated for."""
     out = Writers()
+    budget = MAX_INTENT_BYTES
     try:
         listing = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -157,16 +208,33 @@ def survey(directory: Path) -> Writers:
                     raise
                 if not unpublished:
                     out.live.add(name)
-                    data = os.read(fd, MAX_INTENT_BYTES)
-                    out.names.update(line.decode() for line in data.split(b"\n") if _NAME_LINE.fullmatch(line))
+                    size = os.fstat(fd).st_size
+                    if size > budget or len(out.live) > MAX_INTENT_FILES:
+                        out.unread.append(name)
+                    else:
+                        budget -= size
+                        data = os.read(fd, size)
+                        out.names.update(line.decode() for line in data.split(b"\n") if _NAME_LINE.fullmatch(line))
             else:
                 out.dead.append(path)
         except OSError:
             if not unpublished:
-                out.live.add(name)  # cannot tell: treat as alive (that only delays a deletion)
+                out.live.add(name)  # cannot tell: treat as alive, its intents unknown (that only delays deletions)
+                out.unread.append(name)
         finally:
             os.close(fd)
+    _warn_unread(out.unread)
     return out
+
+
+def _warn_unread(tokens: list[str]) -> None:
+    """One warning for the live writers a survey could not read that this process has not warned about."""
+    new = [t for t in tokens if t not in _warned]
+    if new:
+        _warned.update(new)
+        log.warning("blockkv: intent files of %d live writer(s) not read (%s%s: over %d files or %d bytes, or "
+                    "unreadable): no unreferenced block is deleted while they live", len(new), ", ".join(new[:3]),
+                    "..." if len(new) > 3 else "", MAX_INTENT_FILES, MAX_INTENT_BYTES)
 
 
 def reap(writers: Writers) -> None:

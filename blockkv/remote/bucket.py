@@ -48,7 +48,8 @@ from blockkv.remote.objects import (
     outage,
 )
 from blockkv.remote.session import StoreSession
-from blockkv.remote.verify import Judgement, convicts, frame_limit, judge_block
+from blockkv.format.frame import Judgement, judge_block
+from blockkv.remote.verify import convicts, frame_limit
 
 _LARGE_HEADER = 1 << 20  # headers above this are fetched one at a time: bounds what planted ones cost
 

@@ -30,7 +30,8 @@ from blockkv.remote import heal
 from blockkv.remote.bucket import Bucket
 from blockkv.remote.clock import CLOCK_SLACK
 from blockkv.remote.objects import BucketError, outage
-from blockkv.remote.verify import convicts, frame_limit, judge_block
+from blockkv.format.frame import judge_block
+from blockkv.remote.verify import convicts, frame_limit
 from blockkv.remote.view import Listed, list_directory
 
 

@@ -18,48 +18,16 @@ one it verified under:
   look the same, and nothing is deleted.
 
 Every upload goes through ``verified_frame``: the bytes sent are the bytes
-verified, in the same pass.
+verified, in the same pass. The judging itself (``judge_block``) is
+``format/frame.py``'s, shared with the local store's checks.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from blockkv.errors import CorruptBlockError
-from blockkv.format.frame import decode_block, frame_name, frame_raw_bytes, max_frame_bytes
+from blockkv.format.frame import Judgement, Verdict, decode_block, max_frame_bytes
 from blockkv.fs import Buffer
-
-
-class Judgement(enum.Enum):
-    GOOD = "good"
-    BROKEN = "broken"  # the frame does not decode: bad under any key
-    UNNAMED = "unnamed"  # decodes, but is not its name under any key tried
-
-
-@dataclass(frozen=True)
-class Verdict:
-    judgement: Judgement
-    key: bytes | None = None  # the key it verified under (GOOD)
-    raw_bytes: int = 0  # the payload length its frame declares (GOOD, UNNAMED)
-
-    @property
-    def good(self) -> bool:
-        return self.judgement is Judgement.GOOD
-
-
-def judge_block(name: str, data: bytes | memoryview, keys: Iterable[bytes | None]) -> Verdict:
-    """A copy of block ``name`` judged under each of ``keys`` in turn (each once)."""
-    try:
-        payload = decode_block(name, data, verify=False)
-    except CorruptBlockError:
-        return Verdict(Judgement.BROKEN)
-    raw = frame_raw_bytes(data)
-    for key in dict.fromkeys(keys):
-        if frame_name(data, payload, key) == name:
-            return Verdict(Judgement.GOOD, key, raw)
-    return Verdict(Judgement.UNNAMED, None, raw)
 
 
 def convicts(verdict: Verdict, vouched: bool) -> bool:
@@ -81,3 +49,4 @@ def frame_limit(raw_bytes: int) -> int:
     """The most bytes a copy of a block with ``raw_bytes`` of payload may have:
     the read limit for it (``frame.max_frame_bytes``)."""
     return max_frame_bytes(raw_bytes)
+
