@@ -3,7 +3,16 @@
 Entries are small header files that reference deduplicated, content-addressed
 tensor blocks; an LMDB table of refcounts and last-use times makes open and
 find fast and can always be rebuilt from the files.
+
+The public names below are imported the first time they are used (PEP 562):
+``import blockkv`` and the ``blockkv`` console script's ``ls``/``stats`` load
+only what they use, and never mlx-lm (``format/kinds.py`` says why).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from blockkv.errors import (
     BlockKVError,
@@ -13,12 +22,28 @@ from blockkv.errors import (
     CorruptHeaderError,
     NewerFormatError,
 )
-from blockkv.format.codec import minimum_reusable_offset, register_codec, trimmable
-from blockkv.local.check import CheckReport
-from blockkv.local.directory import list_fingerprints
-from blockkv.local.read_only import ReadOnlyStore
-from blockkv.records import Entry, GenerationCheckpoint, Loaded, Match
-from blockkv.store import BlockStore
+
+if TYPE_CHECKING:
+    from blockkv.format.codec import minimum_reusable_offset, register_codec, trimmable
+    from blockkv.local.check import CheckReport
+    from blockkv.local.directory import list_fingerprints
+    from blockkv.local.read_only import ReadOnlyStore
+    from blockkv.records import Entry, GenerationCheckpoint, Loaded, Match
+    from blockkv.store import BlockStore
+
+_LAZY = {
+    "BlockStore": "blockkv.store",
+    "CheckReport": "blockkv.local.check",
+    "Entry": "blockkv.records",
+    "GenerationCheckpoint": "blockkv.records",
+    "Loaded": "blockkv.records",
+    "Match": "blockkv.records",
+    "ReadOnlyStore": "blockkv.local.read_only",
+    "list_fingerprints": "blockkv.local.directory",
+    "minimum_reusable_offset": "blockkv.format.codec",
+    "register_codec": "blockkv.format.codec",
+    "trimmable": "blockkv.format.codec",
+}
 
 __all__ = [
     "BlockKVError",
@@ -40,3 +65,16 @@ __all__ = [
     "trimmable",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'blockkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

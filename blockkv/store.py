@@ -22,7 +22,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lmdb
 import numpy as np
 
 from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
@@ -367,7 +366,8 @@ class BlockStore:
         """A local entry read back (``EntryRead``), healed from the bucket once if
         a block fails its hash; None (a miss) on any failure."""
         for attempt in range(2):
-            read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"))
+            read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"),
+                             self._executor("alloc"))
             try:
                 header, caches, attachments = read.run(cut)
                 break
@@ -380,10 +380,9 @@ class BlockStore:
                     continue  # the bucket's verified copy replaced a rotten local block: read again
                 self._retention.restore_failed(entry, exc, culprit)
                 return None
-        try:
-            self._index.touch(entry.id, self._clock())
-        except lmdb.Error:
-            pass
+        now = self._clock()
+        self._dir.mark_used(self._dir.header_path(entry.ns, entry.id), now)  # the truth a rebuild reads
+        self._retention.used(entry.id, now)
         return header, caches, attachments, read.bytes_read
 
     @_open_only

@@ -315,8 +315,31 @@ def test_demo_serve_route_bench_get_the_rest_of_the_command_line(reads: Reads, n
 def test_stats_does_not_import_the_server(reads: Reads) -> None:
     proc = reads.results["imports"]
     assert proc.returncode == 0
-    assert "blockkv.store" in proc.stderr and "mlx_lm.server" not in proc.stderr
+    assert "blockkv.local.reader" in proc.stderr and "mlx_lm.server" not in proc.stderr
     assert "blockkv.serving.route" not in proc.stderr
+
+
+def test_help_ls_stats_and_import_blockkv_do_not_import_mlx_lm(built: Root) -> None:
+    """Scripts call ``ls``/``stats`` often; mlx-lm (and transformers) cost ~1 s
+    to import. Each command runs in a fresh interpreter, which then lists its modules."""
+    run_cli = "from blockkv.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+    bodies = {
+        "--help": run_cli.format(argv=["--help"]),
+        "ls": run_cli.format(argv=["ls", str(built.path)]),
+        "stats": run_cli.format(argv=["stats", str(built.path), "--json"]),
+        "import blockkv": "import blockkv",
+        "BlockStore": "from blockkv import BlockStore, Entry, list_fingerprints",
+    }
+    report = "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+    procs = {name: subprocess.Popen([sys.executable, "-c", body + report], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True) for name, body in bodies.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (name, err)
+        modules = set(json.loads(err.splitlines()[-1]))
+        assert "blockkv" in modules, name
+        heavy = {m for m in modules if m.split(".")[0] in ("mlx_lm", "transformers")}
+        assert not heavy, (name, sorted(heavy)[:5])
 
 
 @pytest.mark.parametrize("name", BAD)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from blockkv.local.index import SETTLED
 from blockkv.testing.powerloss import RecordingFileLayer
 
 _PATH = Path(__file__).resolve().parents[1] / "tools" / "powerloss.py"
@@ -138,21 +139,27 @@ def test_a_store_that_forgets_a_barrier_is_caught(tmp_path: Path, forgets: str) 
 
 
 def test_index_forms_are_what_the_store_sees(tmp_path: Path) -> None:
-    """"lost" and "previous-boot" make the store rebuild from the files; "synced" is trusted."""
+    """"lost" makes the store rebuild from the files; "previous-boot" does too
+    until the closing handle settled the index (synced it, then wrote
+    ``index.settled``), and is trusted after; "synced" is trusted."""
     work = tmp_path / "w"
     (work / "live").mkdir(parents=True)
     driver = tool.Driver(work / "live", work / "base")
     tool.w_dedup_store(driver)
     rec = driver.finish()
-    point = rec.crash_points()[-1]
-    for state in rec.states(point, random.Random(0), n_random=0):
-        for form in ("lost", "previous-boot", "synced"):
-            dest = tmp_path / f"{state.label}-{form}"
-            rec.materialize(dataclasses.replace(state, index=form), dest)
-            with tool.BlockStore(dest, **tool.PARAMS) as store:
-                rebuilt = any("rebuilt" in note for note in store.recovery)
-                assert rebuilt == (form != "synced"), (form, store.recovery)
-                assert len(store) == 2
+    settled_at = max(i for i, op in enumerate(rec.log) if op.kind == "rename" and op.dst.endswith(SETTLED))
+    points = rec.crash_points()
+    dirty = max((p for p in points if p.ops <= settled_at), key=lambda p: (p.ops, p.lmdb_version))
+    for point, settled in ((dirty, False), (points[-1], True)):
+        for state in rec.states(point, random.Random(0), n_random=0):
+            for form in ("lost", "previous-boot", "synced"):
+                dest = tmp_path / f"{point.ops}-{state.label}-{form}"
+                rec.materialize(dataclasses.replace(state, index=form), dest)
+                with tool.BlockStore(dest, **tool.PARAMS) as store:
+                    rebuilt = any("rebuilt" in note for note in store.recovery)
+                    expected = form == "lost" or (form == "previous-boot" and not settled)
+                    assert rebuilt == expected, (point, settled, form, store.recovery)
+                    assert len(store) == 2
 
 
 def test_replaying_the_whole_log_gives_the_live_directory(tmp_path: Path) -> None:

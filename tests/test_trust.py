@@ -34,7 +34,7 @@ from blockkv import BlockStore, NewerFormatError
 from blockkv.format.codec import codec_for, register_codec
 from blockkv.format.header import Header, decode_header, encode_header
 from blockkv.fs import FileLayer
-from blockkv.local.index import Index
+from blockkv.local.index import SETTLED, Index
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 IDENT = dict(model_id="m", config_fingerprint="fp", tokenizer_hash="t", max_bytes=1 << 30)
@@ -76,7 +76,9 @@ def _assert_restores(s: BlockStore, tokens: list[int], cache: list[Any]) -> None
 
 
 def _files(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and "index" not in p.parts)
+    """The files of a directory but the index's (its tables and ``index.settled``)."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                  if p.is_file() and "index" not in p.parts and p.name != SETTLED)
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

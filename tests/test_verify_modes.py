@@ -97,7 +97,12 @@ def test_flipped_block_byte_is_a_miss_for_every_kind(tmp_path: Path, kind: str, 
         assert store.check().clean
 
 
-def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(tmp_path: Path) -> None:
+@pytest.mark.parametrize("wrong, prefix_len", [(0, None), (0, 6), (1, 6)])
+def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(
+        tmp_path: Path, wrong: int, prefix_len: int | None) -> None:
+    """Also of a cut block (block 1 holds tokens 4-7: a prefix of 6 keeps only
+    some of its rows): confirming an xxh3 mismatch with blake3 must hash all
+    the block's bytes, the dropped rows too, or a good shared block is called corrupt."""
     tokens = list(range(1, 12))
     caches = make_caches("llama", tokens)
     with _open(tmp_path, True) as store:
@@ -106,13 +111,16 @@ def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(tmp_path: 
         entry = store.find_exact(tokens).entry
         path = store._dir.header_path("", entry.id)
         header = store._dir.read_header(path)
-        wrong = ["0" * 32] + header.block_xxh3[1:]
+        xxh3 = list(header.block_xxh3)
+        xxh3[wrong] = "0" * 32
         path.write_bytes(encode_header(Header(header.identity, header.ns, header.tokens, header.descriptor,
-                                              header.checkpoint, wrong)))
-        assert store.restore(entry) is None
+                                              header.checkpoint, xxh3)))
+        assert store.restore(entry, prefix_len) is None
         assert all(store._pool.exists(n) for n in entry.blocks)  # no good block deleted
         other = store.find_exact(tokens, ns="other")
-        assert other is not None and store.restore(other.entry) is not None
+        assert other is not None
+        loaded = store.restore(other.entry, prefix_len)
+        assert loaded is not None and loaded.tokens == tuple(tokens[:prefix_len])
 
 
 def test_headers_without_xxh3_verify_blake3(tmp_path: Path) -> None:

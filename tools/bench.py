@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks.agent_workload import bench_agent
 from benchmarks.baselines import bench_limits, bench_mlx_load
+from benchmarks.cli_start import bench_cli_start
 from benchmarks.config import FULL, QUICK, Config
 from benchmarks.entry_sizes import bench_sizes
 from benchmarks.fresh_process import rss_child
@@ -71,6 +72,7 @@ def run(cfg: Config, out: Path, workdir: Path | None) -> dict[str, Any]:
             ("large", lambda: bench_large(cfg, work)),
             ("agent", lambda: bench_agent(cfg, work)),
             ("index", lambda: bench_index(cfg, work)),
+            ("start", lambda: bench_cli_start(cfg, work)),
             ("remote", lambda: bench_remote(cfg, work)),
         ]
         for name, fn in sections:

@@ -26,30 +26,56 @@ mlx-lm only when they run) and ``passthrough`` (``demo``, ``serve``, ``route``,
 ``bench``), over what they share: ``common`` (exit codes, output, choosing
 fingerprints), ``remote`` (reaching a bucket) and ``stores`` (opening a local
 store, the one module that imports ``blockkv.store``).
+
+**Starting is cheap, and stays so.** Scripts and cron loops call ``ls`` and
+``stats`` often; importing mlx-lm (and transformers with it) costs ~1 s, a
+store ~0.1 s. So:
+
+* a command is registered here by name (``_run("reads", "cmd_ls")``) and its
+  module imported only when it runs, so ``--help`` loads argparse and little
+  else; a module that declares its own arguments (``remove``, ``portable``:
+  ``add_command(s)``) is imported to build the parser, so at module level it
+  imports only what that needs (``common``, ``human``);
+* a command module imports, at module level, only what every path of it
+  needs; the rest (``blockkv.store`` through ``stores``, ``local.directory``,
+  obstore through ``remote``, tqdm, a serving module) inside the function
+  that uses it;
+* nothing under ``cli/`` imports mlx-lm or ``blockkv.serving.prompt_cache``
+  at module level (``format/kinds.py`` decodes through mlx-lm only when a
+  cache is rebuilt; ``import blockkv`` loads its public names on first use).
+
+``tests/test_cli.py`` checks in a subprocess that ``--help``, ``ls`` and
+``stats`` import neither mlx-lm nor transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from importlib.metadata import version
 from typing import Any, NoReturn
 
 import lmdb
 
-from blockkv.cli.check import cmd_check
 from blockkv.cli.common import EXIT_BROKEN_PIPE, EXIT_PROBLEMS, EXIT_USAGE, UsageError
-from blockkv.cli.maintenance import cmd_evict, cmd_gc, cmd_rebuild_index
 from blockkv.cli.passthrough import PASSTHROUGH, run_passthrough
 from blockkv.cli.portable import add_commands as add_portable_commands
-from blockkv.cli.reads import cmd_ls, cmd_stats
 from blockkv.cli.remove import add_command as add_rm_command
 from blockkv.errors import BlockKVError
 from blockkv.human import parse_option, parse_seconds, parse_size
+
+
+def _run(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A command's function, its module (``blockkv.cli.<module>``) imported only when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(f"blockkv.cli.{module}"), function)(args))
+
+    return run
 
 
 class Parser(argparse.ArgumentParser):
@@ -65,13 +91,23 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked for (importlib.metadata costs ~15 ms of every start)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> NoReturn:
+        from importlib.metadata import version
+
+        print(f"blockkv {version('blockkv')}")
+        parser.exit()
+
+
 def build_parser() -> Parser:
     parser = Parser(
         prog="blockkv",
         description="Inspect, verify, repair and shrink a blockkv cache root.",
         epilog="exit codes: 0 clean/done, 1 problems found or failure, 2 usage error",
     )
-    parser.add_argument("--version", action="version", version=f"blockkv {version('blockkv')}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(
@@ -103,14 +139,14 @@ def build_parser() -> Parser:
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         return p
 
-    stats = command("stats", cmd_stats,
+    stats = command("stats", _run("reads", "cmd_stats"),
                     "per model and namespace: entries, bytes, dedup, blocks, use", mutating=False)
     stats.add_argument("--cap", type=parse_size, metavar="BYTES",
                        help="the byte cap your server runs with, to show use against it")
-    ls = command("ls", cmd_ls, "list entries, least recently used first", mutating=False)
+    ls = command("ls", _run("reads", "cmd_ls"), "list entries, least recently used first", mutating=False)
     ls.add_argument("-n", "--namespace", action="append", metavar="NS",
                     help="only this namespace (repeatable; '' is the default namespace)")
-    check = command("check", cmd_check,
+    check = command("check", _run("check", "cmd_check"),
                     "verify headers, refcounts and every block hash; --repair fixes",
                     mutating=False)
     check.add_argument("--repair", action="store_true",
@@ -118,14 +154,14 @@ def build_parser() -> Parser:
                        "(needs -f or --all)")
     check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
-    gc_cmd = command("gc", cmd_gc, "delete blocks no entry references", mutating=True)
+    gc_cmd = command("gc", _run("maintenance", "cmd_gc"), "delete blocks no entry references", mutating=True)
     gc_cmd.add_argument("--grace", type=parse_seconds, metavar="SECONDS",
                         help="only blocks unreferenced for this long (default: the store's, "
                         "which protects a writer in another process; not with --remote: there the "
                         "fleet's --remote-option grace=SECONDS applies)")
-    command("rebuild-index", cmd_rebuild_index, "rebuild the LMDB index from the files on disk",
+    command("rebuild-index", _run("maintenance", "cmd_rebuild_index"), "rebuild the LMDB index from the files on disk",
             mutating=True, remote=False)
-    evict = command("evict", cmd_evict,
+    evict = command("evict", _run("maintenance", "cmd_evict"),
                     "remove least recently used entries until a fingerprint fits in --to bytes",
                     mutating=True)
     evict.add_argument("--to", type=parse_size, required=True, metavar="BYTES",

@@ -14,11 +14,11 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from blockkv.local.directory import ROOT_MARKER, FingerprintDir, default_root, list_fingerprints
-from blockkv.records import Entry
-from blockkv.serving.identity import describe_fingerprint
+if TYPE_CHECKING:  # imported where used: ``--help`` loads none of them (cli/__init__.py)
+    from blockkv.local.directory import FingerprintDir
+    from blockkv.records import Entry
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -54,6 +54,8 @@ def where_key(args: argparse.Namespace) -> str:
 def check_root(text: str | None) -> Path:
     """The root as a Path (default: serve's, ``default_root``), or a UsageError
     if it is missing or not a blockkv root."""
+    from blockkv.local.directory import ROOT_MARKER, default_root
+
     path = Path(text).expanduser() if text is not None else default_root()
     text = str(path) if text is None else text
     if not path.exists():
@@ -74,6 +76,8 @@ def select_fingerprints(
     fingerprint or directory name, or a unique prefix of one), else all. A
     ``mutating`` command must name them or say ``--all`` so it never touches
     another model by default."""
+    from blockkv.local.directory import list_fingerprints
+
     if mutating and not (wanted or everything):
         raise UsageError(
             f"{mutating} changes the store: name a fingerprint with -f/--fingerprint or pass --all"
@@ -112,6 +116,8 @@ def fp_place(fp: Any) -> tuple[str, str]:
 
 def fp_json(fp: Any) -> dict[str, Any]:
     """How every JSON output names a fingerprint (local or in a bucket), so scripts can join them."""
+    from blockkv.serving.identity import describe_fingerprint
+
     words = describe_fingerprint(fp.config_fingerprint)
     name, where = fp_place(fp)
     return {

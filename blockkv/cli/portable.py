@@ -28,7 +28,6 @@ from blockkv.cli.common import (
     select_fingerprints,
 )
 from blockkv.human import format_size, parse_count
-from blockkv.local.directory import ROOT_MARKER, default_root, fingerprint_dirname, list_fingerprints
 
 
 def add_identity_options(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -151,6 +150,7 @@ def _kv(args: argparse.Namespace) -> Any:
 def _serve_store(args: argparse.Namespace) -> Iterator[Any]:
     """The store ``blockkv serve --model`` opens for these flags (the root is
     created if missing, as serve does)."""
+    from blockkv.local.directory import ROOT_MARKER, default_root
     from blockkv.serving.identity import identity_from_key
     from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES
     from blockkv.store import BlockStore
@@ -170,6 +170,8 @@ def _serve_store(args: argparse.Namespace) -> Iterator[Any]:
 
 @contextmanager
 def _store_for_export(args: argparse.Namespace) -> Iterator[tuple[Any, dict[str, Any]]]:
+    from blockkv.local.directory import default_root
+
     if args.model and args.fingerprint:
         raise UsageError("name the store by -f/--fingerprint or by --model, not both")
     root = check_root(args.root or str(default_root()))
@@ -189,6 +191,8 @@ def _store_for_export(args: argparse.Namespace) -> Iterator[tuple[Any, dict[str,
 
 
 def _fp_of(store: Any) -> dict[str, Any]:
+    from blockkv.local.directory import fingerprint_dirname, list_fingerprints
+
     name = fingerprint_dirname(store.identity.config_fingerprint)
     (fp,) = [fp for fp in list_fingerprints(store.root) if fp.path.name == name]
     return fp_json(fp)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
@@ -51,6 +52,10 @@ MAX_RAW_BYTES = 1 << 34  # the most payload bytes a block may declare
 CODEC_ID = f"blockkv-blocks-{FORMAT}"
 KEYED_CODEC_ID = f"{CODEC_ID}+ns-keyed"  # isolate_namespaces: blocks named with their namespace's key
 _NS_KEY_CONTEXT = "blockkv 2026-12 namespace block key v1"
+# A thread's staging buffer: within a core's L2, and far over the 64 KiB up to
+# which xxhash and blake3 hash under the GIL (a KV row slice is 32 KiB per head)
+STAGE_BYTES = 512 << 10
+_staging = threading.local()
 
 
 Part = tuple[str, tuple[int, ...]]  # (mlx dtype name, shape) of one part of a block
@@ -107,6 +112,45 @@ def chunks(a: np.ndarray) -> list[memoryview]:
     return [memoryview(r.view(np.uint8)) for r in rows]
 
 
+def hash_runs(parts: Sequence[np.ndarray]) -> Iterator[memoryview]:
+    """The parts' bytes in C order, in buffers large enough that a hash update
+    of one releases the GIL: a C-contiguous part as itself, strided ones (a
+    block's rows of a KV buffer, one 32 KiB piece per head) gathered by numpy,
+    which releases the GIL too, into this thread's staging buffer up to
+    ``STAGE_BYTES`` at a time. So a store's two hashing threads hash at once.
+    Each buffer is valid until the next one is asked for."""
+    stage = getattr(_staging, "buffer", None)
+    if stage is None:
+        stage = _staging.buffer = np.empty(STAGE_BYTES, np.uint8)  # kept for the thread's next blocks
+    whole, used = memoryview(stage), 0
+    for part in parts:
+        if part.flags.c_contiguous or not part.ndim or part.strides[-1] != part.itemsize:
+            if used:
+                yield whole[:used]
+                used = 0
+            yield from chunks(part)
+            continue
+        for piece in _pieces(part, STAGE_BYTES):
+            if used + piece.nbytes > STAGE_BYTES:
+                yield whole[:used]
+                used = 0
+            raw = piece.view(np.uint8)
+            np.copyto(stage[used : used + piece.nbytes].reshape(raw.shape), raw)
+            used += piece.nbytes
+    if used:
+        yield whole[:used]
+
+
+def _pieces(a: np.ndarray, limit: int) -> Iterator[np.ndarray]:
+    """``a`` split along its leading axes into sub-arrays of at most ``limit``
+    bytes (or single rows of its last two axes), in C order."""
+    if a.nbytes <= limit or a.ndim <= 2:
+        yield a
+        return
+    for i in range(a.shape[0]):
+        yield from _pieces(a[i], limit)
+
+
 def layout_bytes(layout: Sequence[Part]) -> bytes:
     """Canonical layout: compact JSON ``[[dtype, [dims...]], ...]`` (prefix-free)."""
     return json.dumps([[d, list(s)] for d, s in layout], separators=(",", ":")).encode()
@@ -143,10 +187,9 @@ def hasher(key: bytes | None, data: bytes | memoryview = b"") -> blake3:
 def _make_block(layout: list[Part], parts: list[np.ndarray], start: int, stop: int,
                 key: bytes | None = None) -> Block:
     h, check = hasher(key), xxhash.xxh3_128()
-    for p in parts:
-        for chunk in chunks(p):
-            h.update(chunk)
-            check.update(chunk)
+    for run in hash_runs(parts):
+        h.update(run)
+        check.update(run)
     raw, canonical = sum(p.nbytes for p in parts), layout_bytes(layout)
     ref = BlockRef(finish_name(h, canonical), raw, start, stop, finish_name(check, canonical))
     return Block(ref, parts, layout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -21,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from blockkv.errors import CorruptHeaderError
-from blockkv.format.unfilled import unfilled_arrays
+from blockkv.format.unfilled import advise_huge_pages, unfilled_arrays
 
 # mlx dtype name -> (mlx dtype, numpy dtype holding the same raw bits).
 DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
@@ -106,6 +107,8 @@ def device_buffers(specs: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[m
         if not (view.flags.writeable and view.flags.c_contiguous and view.shape == shape):
             raise RuntimeError("mlx did not expose a writable contiguous buffer")
         out.append((bits.view(DTYPES[dtype][0]) if dtype in _BITS_VIEW else bits, view))
+    mx.eval([a for a, _ in out])  # evaluated here: usable from any thread, whichever one made them
+    advise_huge_pages([view for _, view in out])
     return out
 
 
@@ -201,6 +204,7 @@ class CacheCodec(Protocol):
 
 _BY_TYPE: dict[type, tuple[str, CacheCodec]] = {}
 _BY_NAME: dict[str, CacheCodec] = {}
+_BY_PATH: dict[tuple[str, str], tuple[str, CacheCodec]] = {}  # (module, class name): classes not imported here
 
 
 def register_codec(cls: type, codec: CacheCodec, name: str | None = None) -> None:
@@ -216,16 +220,30 @@ def register_codec(cls: type, codec: CacheCodec, name: str | None = None) -> Non
 
 def register_kind(name: str, codec: CacheCodec) -> None:
     """Decode records of ``kind == name`` with ``codec``, with no class to
-    encode: a kind another mlx-lm version writes (``kinds.MambaCacheCodec``)."""
+    encode (yet: ``register_codec`` and ``register_codec_by_path`` add one)."""
     _BY_NAME[name] = codec
+
+
+def register_codec_by_path(module: str, class_name: str, codec: CacheCodec) -> None:
+    """Register ``codec`` under ``class_name`` for exactly the class ``module.class_name``
+    without importing it: the built-in kinds are mlx-lm's classes, and importing
+    mlx-lm (and transformers with it) costs ~1 s that ``import blockkv``, ``ls``
+    and ``stats`` need not pay. The class is matched when a cache of it is first
+    met (its module is then imported already); a record names it by ``class_name``."""
+    _BY_PATH[(module, class_name)] = (class_name, codec)
+    register_kind(class_name, codec)
 
 
 def codec_for(cache: Any) -> tuple[str, CacheCodec]:
     """The registered (name, codec) for ``cache``'s exact class; TypeError if none."""
-    try:
-        return _BY_TYPE[type(cache)]
-    except KeyError:
-        raise TypeError(f"no blockkv codec registered for cache class {type(cache).__name__}") from None
+    cls = type(cache)
+    found = _BY_TYPE.get(cls)
+    if found is None:
+        found = _BY_PATH.get((cls.__module__, cls.__qualname__))
+        if found is None or getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is not cls:
+            raise TypeError(f"no blockkv codec registered for cache class {cls.__name__}")
+        _BY_TYPE[cls] = found
+    return found
 
 
 def codec_named(kind: str) -> CacheCodec:

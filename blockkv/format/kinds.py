@@ -1,26 +1,22 @@
 """The built-in cache kinds: how each mlx-lm cache class becomes a record and
-back, and how far it can be cut. Each is registered (``codec.register_codec``)
-when the format package is imported, so every record a descriptor names by a
-built-in kind can be decoded."""
+back, and how far it can be cut. Each is registered by its class's path
+(``codec.register_codec_by_path``) when the format package is imported, so
+every record a descriptor names by a built-in kind can be checked and decoded.
+
+mlx-lm is imported only to decode (``_classes``, ``_state_api``): importing
+it costs ~1 s (it imports transformers), which ``import blockkv``, ``blockkv
+ls`` and ``stats`` must not pay; a caller that encodes a cache has imported
+it already."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    ChunkedKVCache,
-    ConcatenateKVCache,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-)
 
-from blockkv.format import state_api
 from blockkv.format.codec import (
     MAX_INT,
     CacheRecord,
@@ -31,9 +27,31 @@ from blockkv.format.codec import (
     decode_cache,
     dtype_name,
     encode_cache,
-    register_codec,
-    register_kind,
+    register_codec_by_path,
 )
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        ConcatenateKVCache,
+        KVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+    )
+
+_MODULE = "mlx_lm.models.cache"
+
+
+def _classes() -> ModuleType:
+    """mlx-lm's cache module, imported the first time a record is decoded."""
+    return importlib.import_module(_MODULE)
+
+
+def _state_api() -> ModuleType:
+    """``state_api`` (which imports mlx-lm), imported the first time a record is decoded."""
+    return importlib.import_module("blockkv.format.state_api")
 
 # ---------------------------------------------------------------- helpers
 
@@ -134,7 +152,7 @@ class KVCacheCodec(_KVLike):
 
     def decode(self, record: CacheRecord) -> KVCache:
         k, v = record.tensors
-        return state_api.kv_cache(_opt_array(k), _opt_array(v), record.meta["offset"])
+        return _state_api().kv_cache(_opt_array(k), _opt_array(v), record.meta["offset"])
 
 
 class ConcatenateKVCacheCodec(_KVLike):
@@ -145,8 +163,8 @@ class ConcatenateKVCacheCodec(_KVLike):
     def decode(self, record: CacheRecord) -> ConcatenateKVCache:
         k, v = record.tensors
         if k is None or v is None:
-            return ConcatenateKVCache()
-        return state_api.concatenate_kv_cache(k.array(), v.array())
+            return _classes().ConcatenateKVCache()
+        return _state_api().concatenate_kv_cache(k.array(), v.array())
 
 
 class QuantizedKVCacheCodec(_KVLike):
@@ -172,7 +190,7 @@ class QuantizedKVCacheCodec(_KVLike):
         n = m["parts"]
         arrays = [t.array() for t in record.tensors if t is not None]
         keys, values = (tuple(arrays[:n]), tuple(arrays[n:])) if n else (None, None)
-        return state_api.quantized_kv_cache(keys, values, m["offset"], m["group_size"], m["bits"])
+        return _state_api().quantized_kv_cache(keys, values, m["offset"], m["group_size"], m["bits"])
 
 
 class RotatingKVCacheCodec:
@@ -193,7 +211,7 @@ class RotatingKVCacheCodec:
     def decode(self, record: CacheRecord) -> RotatingKVCache:
         k, v = record.tensors
         m = record.meta
-        return state_api.rotating_kv_cache(_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"],
+        return _state_api().rotating_kv_cache(_opt_array(k), _opt_array(v), m["offset"], m["keep"], m["max_size"],
                                            m["_idx"])
 
     def check(self, record: CacheRecord) -> None:
@@ -232,7 +250,7 @@ class ChunkedKVCacheCodec(_KVLike):
     def decode(self, record: CacheRecord) -> ChunkedKVCache:
         k, v = record.tensors
         m = record.meta
-        return state_api.chunked_kv_cache(_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"],
+        return _state_api().chunked_kv_cache(_opt_array(k), _opt_array(v), m["offset"], m["chunk_size"],
                                           m["start_position"])
 
     def check(self, record: CacheRecord) -> None:
@@ -254,7 +272,8 @@ class ArraysCacheCodec:
 
     def encode(self, cache: ArraysCache, data: Data = True) -> CacheRecord:
         slots = [None if a is None else _tensor(a, False, data) for a in cache.cache]
-        for extra in (state_api.batch_extra(cache, "left_padding"), state_api.batch_extra(cache, "lengths")):
+        api = _state_api()
+        for extra in (api.batch_extra(cache, "left_padding"), api.batch_extra(cache, "lengths")):
             if extra is not None and extra.size != 1:
                 raise ValueError(f"batch size {extra.size} > 1 is not supported (ArraysCache padding)")
             slots.append(None if extra is None else _tensor(extra, False, data))
@@ -262,7 +281,7 @@ class ArraysCacheCodec:
 
     def decode(self, record: CacheRecord) -> ArraysCache:
         arrays = [_opt_array(t) for t in record.tensors]
-        return state_api.arrays_cache(arrays[:-2], arrays[-2], arrays[-1])
+        return _state_api().arrays_cache(arrays[:-2], arrays[-2], arrays[-1])
 
     def check(self, record: CacheRecord) -> None:
         _int_meta(record, "size")
@@ -292,8 +311,9 @@ class MambaCacheCodec(ArraysCacheCodec):
 
     def decode(self, record: CacheRecord) -> ArraysCache:
         cache = super().decode(record)
-        if _MambaCache is not None:
-            cache.__class__ = _MambaCache  # the same object layout: a subclass adding only a constructor
+        mamba = getattr(_classes(), "MambaCache", None)
+        if mamba is not None:
+            cache.__class__ = mamba  # the same object layout: a subclass adding only a constructor
         return cache
 
 
@@ -304,7 +324,7 @@ class CacheListCodec:
         return CacheRecord("CacheList", {}, (), tuple(encode_cache(c, data) for c in cache.caches))
 
     def decode(self, record: CacheRecord) -> CacheList:
-        return CacheList(*(decode_cache(c) for c in record.children))
+        return _classes().CacheList(*(decode_cache(c) for c in record.children))
 
     def check(self, record: CacheRecord) -> None:
         _require(not record.tensors and record.children, "CacheList needs children and no tensors")
@@ -324,15 +344,13 @@ class CacheListCodec:
         return max(offsets, default=None)
 
 
-register_codec(KVCache, KVCacheCodec())
-register_codec(ConcatenateKVCache, ConcatenateKVCacheCodec())
-register_codec(QuantizedKVCache, QuantizedKVCacheCodec())
-register_codec(RotatingKVCache, RotatingKVCacheCodec())
-register_codec(ChunkedKVCache, ChunkedKVCacheCodec())
-register_codec(ArraysCache, ArraysCacheCodec())
-register_codec(CacheList, CacheListCodec())
-_MambaCache: type | None = getattr(importlib.import_module("mlx_lm.models.cache"), "MambaCache", None)
-if _MambaCache is not None:
-    register_codec(_MambaCache, MambaCacheCodec())
-else:
-    register_kind("MambaCache", MambaCacheCodec())
+register_codec_by_path(_MODULE, "KVCache", KVCacheCodec())
+register_codec_by_path(_MODULE, "ConcatenateKVCache", ConcatenateKVCacheCodec())
+register_codec_by_path(_MODULE, "QuantizedKVCache", QuantizedKVCacheCodec())
+register_codec_by_path(_MODULE, "RotatingKVCache", RotatingKVCacheCodec())
+register_codec_by_path(_MODULE, "ChunkedKVCache", ChunkedKVCacheCodec())
+register_codec_by_path(_MODULE, "ArraysCache", ArraysCacheCodec())
+register_codec_by_path(_MODULE, "CacheList", CacheListCodec())
+# mlx-lm before 0.30 has the class (met by path when a cache of it is encoded);
+# where it has none, the name still decodes the records an older one wrote
+register_codec_by_path(_MODULE, "MambaCache", MambaCacheCodec())

@@ -38,6 +38,7 @@ from blockkv.format.frame import corrupt_block, frame_head, max_raw_bytes
 from blockkv.format.header import Header, decode_header
 
 Fetch = Callable[[BlockRef], "bytes | memoryview"]
+Allocate = Callable[[Sequence[tuple[str, tuple[int, ...]]]], list[tuple[mx.array, np.ndarray]]]
 
 
 def _fetcher(payloads: Mapping[str, bytes | memoryview] | Fetch) -> Fetch:
@@ -177,6 +178,7 @@ def rebuild(
     payloads: Mapping[str, bytes | memoryview] | Fetch | None = None,
     prefix_len: int | None = None,
     fill: Callable[[Iterator[Target]], Iterable[Target]] | None = None,
+    allocate: Allocate = device_buffers,
 ) -> tuple[list[Any], dict[str, mx.array]]:
     """Real mlx-lm caches (at ``prefix_len`` if given) and the attachments.
 
@@ -186,13 +188,15 @@ def rebuild(
     and yields each target once it is filled.
     Without it, ``payloads`` maps names to verified payloads, or is a function
     fetching one, asked one block at a time (a returned buffer may be reused
-    once the next is asked for), and each payload is scattered into its target."""
+    once the next is asked for), and each payload is scattered into its target.
+    ``allocate`` makes the destination arrays (``codec.device_buffers``, or it
+    run on another thread: ``EntryRead`` says why)."""
     entry = parse_descriptor(descriptor)
     records = entry.records_at(prefix_len)
     full = [t for t in present_tensors(entry.records) if t.token_axis]
     cut = [t for t in present_tensors(records) if t.token_axis]
     state_tensors = [t for t in present_tensors(entry.records) if not t.token_axis] + list(entry.attachments.values())
-    dest = device_buffers([(t.dtype, t.shape) for t in cut + state_tensors])  # not zeroed: see below
+    dest = allocate([(t.dtype, t.shape) for t in cut + state_tensors])  # not zeroed: see below
     token_dest, state_dest = dest[: len(cut)], [a for a, _ in dest[len(cut) :]]
     flats = [_flat(view) for _, view in token_dest]
     token_target = _TokenTargets(full, flats, [t.shape[-2] for t in cut])
@@ -248,7 +252,7 @@ class ParsedEntry:
 
     def rebuild(
         self, prefix_len: int | None, fill: Callable[[Iterator[Target]], Iterable[Target]],
-        stored_bytes: Callable[[str], int],
+        stored_bytes: Callable[[str], int], allocate: Allocate = device_buffers,
     ) -> tuple[list[Any], dict[str, mx.array]]:
         """``rebuild`` at ``prefix_len``, once each block it needs is known to fit
         the bytes stored for it (``stored_bytes(name)``): every array allocated is
@@ -259,4 +263,4 @@ class ParsedEntry:
             if ref.raw_bytes > max_raw_bytes(stored):
                 raise CorruptError(f"the header declares {ref.raw_bytes} bytes for block {ref.name}, "
                                    f"whose {stored}-byte file cannot hold them")
-        return rebuild(self.descriptor, None, prefix_len, fill)
+        return rebuild(self.descriptor, None, prefix_len, fill, allocate)

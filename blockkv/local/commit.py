@@ -16,7 +16,6 @@ visible, and what to remove.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -33,7 +32,7 @@ from blockkv.format.frame import encode_block
 from blockkv.format.header import Header, Identity, encode_header
 from blockkv.fs import FileLayer, refuse_linked
 from blockkv.local import writers
-from blockkv.local.directory import Directory
+from blockkv.local.directory import Directory, new_entry_id
 from blockkv.local.index import Index
 from blockkv.local.writers import IntentFile
 from blockkv.pool.local import LocalPool
@@ -82,7 +81,7 @@ class Commits:
         under the lock ``publish`` and ``landed(entry_id)``, the store's rules
         (returns the entries they removed). None, with a warning and its traces
         undone, if it was refused or failed."""
-        entry_id = uuid.uuid4().hex
+        entry_id = new_entry_id(self._clock())
         path = self._dir.header_path(ns, entry_id)
         writer = BlockWriter(self._pool, self._index(), self._intents, self._executor("io"), self._compression)
         try:
@@ -173,7 +172,9 @@ class Commits:
             writer.drop_header()
             raise
         self._fs.crash_point("store:header-written")
-        index.add_entry(self._dir.record(entry_id, path, header, len(encoded)), self._clock())
+        now = self._clock()
+        self._dir.mark_used(path, now)  # stored counts as used, in the file as in the index
+        index.add_entry(self._dir.record(entry_id, path, header, len(encoded)), now)
         writer.referenced = False
         return written
 

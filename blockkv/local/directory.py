@@ -7,7 +7,8 @@ to other models and is never read, counted or deleted)::
     <root>/<fingerprint dir>/
         IDENTITY                          JSON: model_id, config_fingerprint, tokenizer_hash
         LOCK                              flock(2) target for every mutation
-        entries/<ns hash>/<uuid>.bkv      header files (see header.py) — the entries
+        entries/<ns hash>/<uuid>.bkv      header files (see header.py) — the entries; a
+                                          header's mtime is its entry's last use
         blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py, frame.py)
         index/                            LMDB accelerator (see index.py)
 
@@ -23,6 +24,8 @@ import json
 import logging
 import os
 import re
+import secrets
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +70,38 @@ _HEADER_REL = re.compile(rf"entries/[0-9a-f]{{16}}/([0-9a-f]{{32}}){re.escape(SU
 _MAX_IDENTITY_BYTES = 1 << 20
 # headers as pool names (``<ns dir>/<uuid>.bkv``), for a pool protocol backend
 HEADER_LAYOUT = Layout(re.compile(rf"{_NS_DIR.pattern}/{_UUID.pattern}{re.escape(SUFFIX)}"), sharded=False)
+_USED_SLACK = 1e-3  # seconds: an mtime this much after the recorded last use is a later use
+_ids_mutex = threading.Lock()
+_last_id = (0, 0)  # (milliseconds, sequence) of this process's last entry id
+
+
+def new_entry_id(now: float) -> str:
+    """A new entry's id, 32 hex: 48 random bits, the format nibble ``c``, a
+    12-bit sequence, ``now`` in milliseconds (48 bits), 16 random bits. The
+    id carries the entry's store order (``find``'s tie-break), which a rebuild
+    must keep and can no longer read from the header's mtime: that is the
+    entry's last use. The sequence keeps one process's ids of a millisecond in
+    order; the random bits lead, so a short prefix still names one entry (the
+    CLI takes prefixes), as a uuid4's did."""
+    global _last_id
+    ms = int(now * 1000)
+    with _ids_mutex:
+        last_ms, seq = _last_id
+        if ms <= last_ms:
+            ms, seq = (last_ms, seq + 1) if seq < 0xFFF else (last_ms + 1, 0)
+        else:
+            seq = 0
+        _last_id = (ms, seq)
+    return f"{secrets.randbits(48):012x}c{seq:03x}{ms & (1 << 48) - 1:012x}{secrets.randbits(16):04x}"
+
+
+def stored_at(entry_id: str) -> float | None:
+    """When an id from ``new_entry_id`` says its entry was stored (ordered as
+    the store order); None for another id (a uuid4 of an older blockkv: its
+    nibble there is 4)."""
+    if len(entry_id) != 32 or entry_id[12] != "c":
+        return None
+    return int(entry_id[16:28], 16) / 1e3 + int(entry_id[13:16], 16) / 4096e3
 
 
 def fingerprint_dirname(config_fingerprint: str) -> str:
@@ -181,6 +216,10 @@ class Directory:
         if not marker.exists():
             self.fs.write_atomic(marker, [b"blockkv cache root\n"])
         self.fs.makedirs(self.path / "entries")
+        try:  # the default namespace's, as the shards: else a store's first header pays its mkdir and fsync
+            self.fs.makedirs(self.entries_dir / ns_dirname(""))
+        except OSError:
+            pass  # a full disk must not stop an open: made on first use
         self.fs.makedirs(self.path / "blobs")
         self.pool.create_shards()
         ident = self.path / "IDENTITY"
@@ -203,6 +242,29 @@ class Directory:
         ``../../victim.txt`` or an absolute path planted in the index."""
         m = _HEADER_REL.fullmatch(rel) if isinstance(rel, str) else None
         return self.path / rel if m is not None and m.group(1) == entry_id else None
+
+    def mark_used(self, path: Path, when: float) -> None:
+        """Record a use of the entry whose header is ``path`` in the header's mtime
+        (as the seed does): rebuilds take last use from it, so an index rebuilt
+        for any reason keeps the LRU order. Best effort: it may be gone."""
+        try:
+            os.utime(path, (when, when), follow_symlinks=False)
+        except OSError:
+            pass
+
+    def used_later(self, entries: list[tuple[str, str]], last_use: dict[str, float]) -> dict[str, float]:
+        """Of ``(ns, entry id)`` pairs, those whose header says a use later than
+        ``last_use`` records (a restore whose write into the index is pending in
+        another handle): id → the header's mtime."""
+        later = {}
+        for ns, entry_id in entries:
+            try:
+                mtime = os.lstat(self.header_path(ns, entry_id)).st_mtime
+            except (OSError, CorruptError):
+                continue
+            if mtime > last_use.get(entry_id, 0.0) + _USED_SLACK:
+                later[entry_id] = mtime
+        return later
 
     def rel(self, path: Path) -> str:
         return str(path.relative_to(self.path))

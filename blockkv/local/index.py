@@ -15,8 +15,13 @@ Five tables in one environment (``<fingerprint dir>/index/``):
 Nothing here is the truth: the header and block files are. The order of the
 store's operations makes every crash leave refcounts too high (a leak that
 ``check(repair=True)`` reclaims), never too low. Transactions are not synced
-(a process crash never loses a committed transaction); after an OS crash the
-boot id differs and the store rebuilds the tables from the files.
+(a process crash never loses a committed transaction); an OS crash can tear
+what was not synced, so the tables are trusted across a boot only when they
+were left settled: ``settle`` (under the directory lock) syncs them and then
+writes ``index.settled`` beside ``index/``; every write transaction runs
+under the lock once that file's removal is durable. After a reboot the file
+proves the tables are what was last synced; without it they are rebuilt
+(docs/design.md, "The LMDB accelerator").
 
 Here: the tables, through a handle (``Index``) or read without the lock by
 tools (``read_only_*``). The environment handles share is lmdb_env.py's; an
@@ -36,11 +41,16 @@ from typing import Any, TypeVar
 import lmdb
 
 from blockkv.errors import CorruptError
+from blockkv.fs import TMP_SUFFIX, FileLayer
 from blockkv.local.index_records import gc_paused, pack_record, unpack_record, unpack_records
 from blockkv.local.lmdb_env import boot_id, env_key, open_env, release_env
 from blockkv.records import EntryRecord
 
-FORMAT = b"blockkv-index-1"
+# 2: writes only once ``index.settled`` is gone. A blockkv that knows nothing
+# of it rebuilds these tables instead of writing into them, and this one
+# rebuilds its own earlier tables (format 1), which it cannot prove settled.
+FORMAT = b"blockkv-index-2"
+SETTLED = "index.settled"  # beside index/: every committed write is durable and none followed
 _BLOCK = struct.Struct("<IQd")
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct("<d")
@@ -60,9 +70,11 @@ class Index:
 
     _DBS = (b"meta", b"entries", b"lastuse", b"blocks", b"pending", b"log")
 
-    def __init__(self, path: Path, *, map_size: int = 256 << 20) -> None:
+    def __init__(self, path: Path, *, map_size: int = 256 << 20, fs: FileLayer | None = None) -> None:
         self.path = path
+        self._fs = fs or FileLayer()
         self._boot = boot_id()
+        self._settled = settled_marker(path)
         self._env = open_env(path, map_size, max_dbs=len(self._DBS), sync=not self._boot)
         (self._meta, self._entries, self._lastuse, self._blocks, self._pending, self._log) = (
             self._env.open_db(name) for name in self._DBS
@@ -82,13 +94,50 @@ class Index:
 
     # -- meta ---------------------------------------------------------------
     def is_trusted(self) -> bool:
-        """Written by this format, and not across an OS crash we cannot see into."""
+        """Written by this format, and not across an OS crash we cannot see into:
+        written in this boot, or settled (``settle``) since its last write."""
 
         def get(txn: lmdb.Transaction) -> tuple[bytes | None, bytes | None]:
             return txn.get(b"format", db=self._meta), txn.get(b"boot", db=self._meta)
 
         fmt, boot = self._env.read(get)
-        return fmt == FORMAT and boot == self._boot.encode()
+        return fmt == FORMAT and (boot == self._boot.encode() or os.path.lexists(self._settled))
+
+    def dirty(self) -> bool:
+        """Whether the tables may hold writes not yet synced: not settled
+        (never, where there is no boot id: transactions are synced there)."""
+        return bool(self._boot) and not os.path.lexists(self._settled)
+
+    def settle(self) -> bool:
+        """Under the directory lock: make every committed write durable, then
+        say so durably (``index.settled``), so that after a reboot the tables
+        are trusted as they are. False if there was nothing to settle. On a
+        full disk the file cannot be written: the tables stay unsettled, and
+        a reboot rebuilds them."""
+        if not self.dirty():
+            return False
+        self._env.sync()
+        for stale in self._settled.parent.glob(f".{SETTLED}.*{TMP_SUFFIX}"):  # a cut settle's
+            self._fs.unlink_tmp(stale)
+        self._fs.write_atomic(self._settled, [b"blockkv: the index was synced and nothing written since\n"])
+        return True
+
+    def _write(self, fn: Callable[[lmdb.Transaction], R]) -> R:
+        """Every write transaction: under the directory lock, once the tables
+        are durably not settled (no page of it can reach the disk before;
+        an unlink needs no space, so this holds on a full disk), stamped
+        with this boot's id."""
+        if self._boot and os.path.lexists(self._settled):
+            self._fs.unlink(self._settled)
+            self._fs.fsync_dir(self._settled.parent)
+        boot = self._boot.encode()
+
+        def stamped(txn: lmdb.Transaction) -> R:
+            if boot and txn.get(b"boot", db=self._meta) != boot:
+                txn.put(b"boot", boot, db=self._meta)
+            return fn(txn)
+
+        return self._env.write(stamped)
 
     def position(self) -> tuple[bytes, int]:
         """(generation, log sequence): where a handle's view of the tables stands.
@@ -184,7 +233,7 @@ class Index:
                 entry_id.encode(), json.dumps({"path": path, "blocks": list(sizes)}).encode(), db=self._pending
             )
 
-        self._env.write(fn)
+        self._write(fn)
 
     def add_entry(self, record: EntryRecord, last_use: float) -> int:
         """Make a durable header's entry visible; returns its log sequence."""
@@ -197,7 +246,7 @@ class Index:
             _add_bytes(txn, self._meta, record.header_bytes)
             return self._append_log(txn, b"+" + key)
 
-        return self._env.write(fn)
+        return self._write(fn)
 
     def add_scanned(self, record: EntryRecord, sizes: Mapping[str, int], last_use: float) -> int:
         """A header found on disk that the table did not know: reference and add it."""
@@ -210,7 +259,7 @@ class Index:
             _add_bytes(txn, self._meta, record.header_bytes)
             return self._append_log(txn, b"+" + key)
 
-        return self._env.write(fn)
+        return self._write(fn)
 
     def _ref(self, txn: lmdb.Transaction, sizes: Mapping[str, int]) -> None:
         added = 0
@@ -250,7 +299,7 @@ class Index:
             self._append_log(txn, b"-" + key)
             return record
 
-        return self._env.write(fn)
+        return self._write(fn)
 
     def rollback_pending(self, entry_id: str, now: float) -> None:
         def fn(txn: lmdb.Transaction) -> None:
@@ -259,18 +308,25 @@ class Index:
                 self._unref(txn, json.loads(raw)["blocks"], now)
                 txn.delete(entry_id.encode(), db=self._pending)
 
-        self._env.write(fn)
+        self._write(fn)
 
-    def touch(self, entry_id: str, now: float) -> None:
+    def touch(self, uses: Mapping[str, float]) -> None:
+        """Entries' last uses (id → when), each kept if later than the one recorded."""
+
         def fn(txn: lmdb.Transaction) -> None:
-            key = entry_id.encode()
-            if txn.get(key, db=self._lastuse) is not None:
-                txn.put(key, _F64.pack(now), db=self._lastuse)
+            for entry_id, when in uses.items():
+                key = entry_id.encode()
+                raw = txn.get(key, db=self._lastuse)
+                if raw is not None and _F64.unpack(raw)[0] < when:
+                    txn.put(key, _F64.pack(when), db=self._lastuse)
 
-        self._env.write(fn)
+        self._write(fn)
 
     def drop_blocks(self, names: Iterable[str]) -> None:
         """Forget rows of blocks that gc deleted (only while still unreferenced)."""
+        names = list(names)
+        if not names:
+            return  # no transaction: an open that swept nothing leaves a settled index settled
 
         def fn(txn: lmdb.Transaction) -> None:
             for name in names:
@@ -278,7 +334,7 @@ class Index:
                 if row is not None and row.refs == 0:
                     txn.delete(name.encode(), db=self._blocks)
 
-        self._env.write(fn)
+        self._write(fn)
 
     def rebuild(self, records: Iterable[tuple[EntryRecord, float]], sizes: Mapping[str, int], now: float) -> None:
         """Replace every table with what the files say. Block files nothing
@@ -311,7 +367,7 @@ class Index:
             txn.put(b"log_floor", _U64.pack(old_seq), db=self._meta)
             txn.put(b"bytes", _U64.pack(total), db=self._meta)
 
-        self._env.write(fn)
+        self._write(fn)
 
     def trim_log(self) -> None:
         def fn(txn: lmdb.Transaction) -> None:
@@ -329,7 +385,7 @@ class Index:
                     cur.delete()
             txn.put(b"log_floor", _U64.pack(floor), db=self._meta)
 
-        self._env.write(fn)
+        self._write(fn)
 
     def _append_log(self, txn: lmdb.Transaction, op: bytes) -> int:
         seq = _u64(txn.get(b"seq", db=self._meta)) + 1
@@ -353,11 +409,18 @@ def _add_bytes(txn: lmdb.Transaction, meta: Any, delta: int) -> None:
         txn.put(b"bytes", _U64.pack(total), db=meta)
 
 
+def settled_marker(index_dir: Path) -> Path:
+    """The file beside ``index_dir`` that is present only while its tables are
+    settled (outside the environment's directory, which LMDB and whoever moves
+    a broken environment aside own)."""
+    return index_dir.with_name(SETTLED)
+
+
 def _read_only(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R], *,
                this_boot: bool = False) -> R | None:
     """``fn`` over an index opened read-only without its lock file (for tools
-    that must change nothing), if it has our format (and, ``this_boot``, was
-    written since this boot: one a store would trust); None otherwise, or if
+    that must change nothing), if it has our format (and, ``this_boot``, one a
+    store would trust: written in this boot, or settled); None otherwise, or if
     anything fails to parse. Without the lock a writer may reuse pages under
     us, so garbage is possible and reads as "no usable index"."""
     if not (path / "data.mdb").is_file():
@@ -371,7 +434,9 @@ def _read_only(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R]
             meta = env.open_db(b"meta", txn=txn, create=False)
             if txn.get(b"format", db=meta) != FORMAT:
                 return None
-            if this_boot and txn.get(b"boot", db=meta) != boot_id().encode():
+            boot = boot_id()
+            if this_boot and boot and txn.get(b"boot", db=meta) != boot.encode() \
+                    and not os.path.lexists(settled_marker(path)):
                 return None
             return fn(env, txn)
     except (lmdb.Error, CorruptError, struct.error, UnicodeDecodeError):

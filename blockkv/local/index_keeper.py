@@ -10,17 +10,27 @@ order and hands back what the store must act on: the stores that died after
 their header landed, whose rules and cap are the store's to apply. ``refresh``
 (before a query) only flags an index it finds replaced; the next ``locked``
 reopens and recovers it.
+
+It also keeps the tables trusted across a reboot (``Index.settle``): a
+handle settles them once it has written nothing for ``SETTLE_AFTER``
+seconds, and at close. And it writes restores' last uses into the index
+under the lock: every write transaction runs under it, so that no write
+slips in between a settle's sync and its ``index.settled``. A restore that finds
+the lock busy leaves its use with the handle (``used``) until its next
+locked operation; the header's mtime already says it (the truth rebuilds read).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
 
-from blockkv.errors import CorruptError
+from blockkv.errors import CorruptError, LockTimeout
 from blockkv.local import writers
 from blockkv.local.catalog import Catalog
 from blockkv.local.directory import Directory
@@ -29,6 +39,9 @@ from blockkv.local.lmdb_env import BROKEN_INDEX
 from blockkv.local.locks import DirLock
 from blockkv.local.recovery import Recovery
 from blockkv.records import EntryRecord
+
+SETTLE_AFTER = 5.0  # seconds without an index write before a handle settles the index
+_CLOSE_WAIT = 1.0  # the longest close waits for the lock to settle
 
 
 class IndexKeeper:
@@ -44,16 +57,79 @@ class IndexKeeper:
         self._map_size = map_size
         self._warn = warn
         self._needs_recovery = False  # an index replaced, or an open that could not lock: recover under the lock
+        self._uses: dict[str, float] = {}  # restores' last uses not yet in the index
+        self._uses_mutex = threading.Lock()
+        self._settler: threading.Timer | None = None
+        self._last_locked = 0.0  # monotonic time the lock was last released
+        self._closed = False
         try:
-            self.index = Index(directory.index_dir, map_size=map_size)
+            self.index = Index(directory.index_dir, map_size=map_size, fs=directory.fs)
         except BROKEN_INDEX as exc:
             with lock.held(lock_timeout):
                 self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
                 self.index = recovery.fresh_index()
 
     def close(self) -> None:
+        """Settle the index if the lock comes within a second (else the next
+        handle to go idle does), then let go of it."""
+        try:
+            with self._lock.held(_CLOSE_WAIT):
+                self._closed = True
+                self._write_uses()
+                self._settle()
+        except (LockTimeout, OSError, lmdb.Error) as exc:
+            self._closed = True
+            self._warn("index-settle", f"index not settled at close ({exc})")
+        settler, self._settler = self._settler, None
+        if settler is not None:
+            settler.cancel()
         self.index.close()
         self._lock.close()
+
+    def used(self, entry_id: str, when: float) -> None:
+        """A restore's last use, written into the index at the next locked section."""
+        with self._uses_mutex:
+            self._uses[entry_id] = max(when, self._uses.get(entry_id, when))
+
+    def _write_uses(self) -> None:
+        """Under the lock: the last uses ``used`` kept, into the index."""
+        with self._uses_mutex:
+            uses, self._uses = self._uses, {}
+        if uses and not self.index.replaced():
+            self.index.touch(uses)
+
+    def _settle(self) -> None:
+        """Under the lock: settle the index we hold, unless it was replaced on disk
+        (``index.settled`` would then speak for tables we have not synced)."""
+        if not self.index.replaced():
+            self.index.settle()
+
+    def _settle_when_idle(self) -> None:
+        """The settler's timer: settle once no locked section ran for
+        ``SETTLE_AFTER`` seconds; a busy lock or a recent one waits again."""
+        self._settler = None
+        idle = time.monotonic() - self._last_locked
+        if self._closed:
+            return
+        if idle < SETTLE_AFTER:
+            self._arm_settler(SETTLE_AFTER - idle)
+            return
+        try:
+            with self._lock.held(0):
+                if not self._closed:
+                    self._write_uses()
+                    self._settle()
+        except LockTimeout:
+            self._arm_settler(SETTLE_AFTER)
+        except (OSError, lmdb.Error) as exc:
+            self._warn("index-settle", f"index not settled ({exc}); a reboot will rebuild it")
+
+    def _arm_settler(self, delay: float) -> None:
+        if self._settler is None and not self._closed:
+            timer = threading.Timer(delay, self._settle_when_idle)
+            timer.daemon = True
+            self._settler = timer
+            timer.start()
 
     def defer_recovery(self) -> None:
         """Open could not take the lock: serve the index as it is (if trusted), recover at the first mutation."""
@@ -68,12 +144,18 @@ class IndexKeeper:
         before anything trusts it (``recover``: recover in any case). Yields the
         stores such a recovery found dead after their header landed (indexed now)."""
         with self._lock.held(timeout):
-            finished: list[str] = []
-            if self._needs_recovery or self.index.replaced():
-                finished = self._reopen(gc_grace)
-            elif recover:
-                finished = self._recover(gc_grace)
-            yield finished
+            try:
+                finished: list[str] = []
+                if self._needs_recovery or self.index.replaced():
+                    finished = self._reopen(gc_grace)
+                elif recover:
+                    finished = self._recover(gc_grace)
+                self._write_uses()
+                yield finished
+            finally:
+                self._last_locked = time.monotonic()
+                if self.index.dirty():
+                    self._arm_settler(SETTLE_AFTER)
 
     def refresh(self) -> bool:
         """Replay what other handles changed since the catalog last looked
@@ -96,7 +178,7 @@ class IndexKeeper:
         except lmdb.Error:
             pass
         try:
-            self.index = Index(self._dir.index_dir, map_size=self._map_size)
+            self.index = Index(self._dir.index_dir, map_size=self._map_size, fs=self._dir.fs)
         except BROKEN_INDEX as exc:
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self.index = self._recovery.fresh_index()

@@ -110,6 +110,12 @@ class SharedEnv:
             except lmdb.MapResizedError:
                 self._adopt_size()
 
+    def sync(self) -> None:
+        """Every committed transaction durable (fdatasync of the data file), even
+        in an environment opened without sync."""
+        with self.gate.shared():
+            self.env.sync(True)
+
     def _grow(self) -> None:
         """Double the map, with no transaction of this process open (py-lmdb's rule)."""
         with self.gate.exclusive():

@@ -65,17 +65,17 @@ def read_directory(path: Path) -> DirectoryView:
         header_path = Path(p)
         record = rows.get(entry_id)
         try:
+            st = header_path.stat()  # its mtime is the entry's last use (a restore's not yet in the index too)
             if record is None or record.owner != own:  # a foreign row does not name its owner
                 header = directory.read_header(header_path)
-                written = header_path.stat().st_mtime
-                record = directory.record(entry_id, header_path, header, header_path.stat().st_size)
+                record = directory.record(entry_id, header_path, header, st.st_size)
                 if record.owner != own:
                     if not any(n not in listing.blocks for n in record.blocks):
                         foreign[header.identity] += 1
                     header_bytes += record.header_bytes
                     sizes.update((n, _block_size(directory, n)) for n in record.blocks if n in listing.blocks)
                     continue
-                last_use.setdefault(entry_id, written)
+            last_use[entry_id] = max(last_use.get(entry_id, 0.0), st.st_mtime)
         except FileNotFoundError:
             continue  # removed while we looked
         except (CorruptError, OSError):

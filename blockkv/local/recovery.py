@@ -24,7 +24,7 @@ from pathlib import Path
 from blockkv.errors import CorruptError, NewerFormatError
 from blockkv.fs import FileLayer
 from blockkv.local import writers
-from blockkv.local.directory import Directory
+from blockkv.local.directory import Directory, stored_at
 from blockkv.local.index import Index
 from blockkv.records import EntryRecord
 
@@ -57,7 +57,7 @@ class Recovery:
         except FileNotFoundError:
             pass
         shutil.rmtree(aside, ignore_errors=True)
-        return Index(self._dir.index_dir, map_size=self._map_size)
+        return Index(self._dir.index_dir, map_size=self._map_size, fs=self._fs)
 
     def reap_tmp(self, tmp: list[str], live: writers.Writers) -> None:
         """Remove the temp files of dead writers (under the lock). A temp file
@@ -103,6 +103,10 @@ class Recovery:
         return record
 
     def rebuild(self, index: Index) -> None:
+        """The tables from the header files: each entry's last use is its
+        header's mtime (bumped by every restore), its store order (``find``'s
+        tie-break) the time its id carries (``stored_at``; the mtime for an
+        older blockkv's ids)."""
         sizes = {f.name: f.size for f in self._pool.files()}
         now = self._clock()
         found = []
@@ -111,12 +115,20 @@ class Recovery:
             record = self._scan_header(entry_id, path, sizes)
             if record is not None:
                 try:
-                    found.append((path.stat().st_mtime_ns, record))
+                    mtime = path.stat().st_mtime
                 except FileNotFoundError:
                     continue
-        found.sort(key=lambda f: f[0])  # write order stands in for store order (find's tie-break)
-        # the header's write time is the best last use left; never one in the future of our clock
-        index.rebuild([(record, min(mtime / 1e9, now)) for mtime, record in found], sizes, now)
+                stored = stored_at(entry_id)
+                found.append((mtime if stored is None else stored, min(mtime, now), record))
+        found.sort(key=lambda f: f[0])
+        index.rebuild([(record, used) for _, used, record in found], sizes, now)
+
+    def _last_use(self, path: Path, now: float) -> float:
+        """A header's mtime, the last use of its entry (never after ``now``)."""
+        try:
+            return min(path.stat().st_mtime, now)
+        except OSError:
+            return now
 
     def roll_back_pending(self, index: Index, records: list[EntryRecord]) -> list[str]:
         """References taken by a store that died before its entry became visible.
@@ -139,7 +151,7 @@ class Recovery:
                     sizes = {f.name: f.size for f in self._pool.files()}
                 record = self._scan_header(entry_id, path, sizes)
                 if record is not None:
-                    index.add_scanned(record, {n: sizes[n] for n in record.blocks}, now)
+                    index.add_scanned(record, {n: sizes[n] for n in record.blocks}, self._last_use(path, now))
                     finished.append(entry_id)
         return finished
 
@@ -167,7 +179,8 @@ class Recovery:
                 record = self._scan_header(entry_id, Path(p), files)
                 if record is not None:
                     self._note(f"indexed header {self._dir.rel(Path(p))} found on disk")
-                    index.add_scanned(record, {n: self._pool.stat(n).size for n in record.blocks}, now)
+                    index.add_scanned(record, {n: self._pool.stat(n).size for n in record.blocks},
+                                      self._last_use(Path(p), now))
         return changed
 
     def sweep_orphans(self, index: Index, gc_grace: float, files: set[str] | None = None, live: writers.Writers | None = None) -> int:
@@ -207,7 +220,8 @@ class Recovery:
         for entry_id, p in list(self._unread_headers.items()):
             record = self._scan_header(entry_id, Path(p), sizes)
             if record is not None and index.entry(entry_id) is None:
-                index.add_scanned(record, {n: sizes.get(n, 0) for n in record.blocks}, self._clock())
+                index.add_scanned(record, {n: sizes.get(n, 0) for n in record.blocks},
+                                  self._last_use(Path(p), self._clock()))
                 self._note(f"indexed header {self._dir.rel(Path(p))} once it could be read")
         if self._unread_headers:
             self._warn("gc-deferred", "not sweeping unreferenced blocks while a header cannot be read")

@@ -15,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError
+from blockkv.format.codec import device_buffers
 from blockkv.format.frame import decode_block, frame_layout
 from blockkv.format.header import Header, Identity
 from blockkv.format.rebuild import Check, ParsedEntry, Target
@@ -34,13 +36,21 @@ class EntryRead:
     """One restore of ``entry``: ``run`` rebuilds its caches; ``io`` reads and checks blocks."""
 
     def __init__(self, directory: Directory, identity: Identity, entry: Entry, verify: bool | str,
-                 io: ThreadPoolExecutor) -> None:
+                 io: ThreadPoolExecutor, alloc: ThreadPoolExecutor | None = None) -> None:
+        """``io`` reads and checks the blocks; ``alloc`` (one long-lived thread)
+        allocates the destination arrays. glibc keeps a thread's freed chunks in
+        that thread's arena for its next allocations, while the main arena hands
+        large freed buffers back to the kernel: allocated on one thread, a
+        handle's restores reuse the pages of its earlier ones instead of
+        faulting in fresh ones (272 MiB alternating with mlx-lm's load: 3,992
+        -> 32 faults, 120 -> 105 ms of CPU). Without ``alloc``, the caller's thread."""
         self._dir = directory
         self._pool = directory.pool
         self._identity = identity
         self._entry = entry
         self._verify = verify
         self._io = io
+        self._alloc = alloc
         self._key: bytes | None = None  # the header's (``ParsedEntry.key``), once it is read
         self._reading = ""  # "header" while the header is read: its file gone is proof too
         self._failed: list[tuple[BaseException, str]] = []  # (error, block): a corrupt or missing block
@@ -56,9 +66,14 @@ class EntryRead:
         if parsed.header.identity != self._identity or parsed.header.ns != self._entry.ns:
             raise IndexDisagrees("the header on disk is not the one indexed")
         self._key = parsed.key
-        caches, attachments = parsed.rebuild(cut, self._fill_all, self._stored_bytes)
+        caches, attachments = parsed.rebuild(cut, self._fill_all, self._stored_bytes, self._allocate)
         evaluate(caches, attachments)
         return parsed.header, caches, attachments
+
+    def _allocate(self, specs: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[mx.array, np.ndarray]]:
+        if self._alloc is None:
+            return device_buffers(specs)
+        return self._alloc.submit(device_buffers, specs).result()
 
     def culprit(self, exc: BaseException) -> str:
         """What ``exc`` was raised reading: "header", a block's name, or ""."""

@@ -172,6 +172,23 @@ class Retention:
         except (OSError, lmdb.Error, BlockKVError) as exc2:  # LockTimeout included: the next restore retries
             self._warn("remove", f"could not drop entry {entry.id}: {exc2}")
 
+    # -- last use -----------------------------------------------------------------------
+    def used(self, entry_id: str, when: float) -> None:
+        """A restore's use of ``entry_id`` (its header's mtime says it already):
+        into the index now if the lock is free and the index is being written
+        anyway, else with this handle's next locked section
+        (``IndexKeeper.used``: the index is written under the lock only, and
+        the first write into a settled index costs a directory fsync that a
+        restore should not wait for)."""
+        self._keeper.used(entry_id, when)
+        if not self._keeper.index.dirty():
+            return
+        try:
+            with self.locked(timeout=0):
+                pass
+        except (LockTimeout, OSError, lmdb.Error, CorruptError):
+            pass  # kept with the handle; eviction reads the header's mtime meanwhile
+
     def _convicted(self, entry: Entry, exc: BaseException, block: str) -> set[str]:
         """Under the lock: the entries a failed restore of ``entry`` proves
         damaged. A failure of ``block`` is decided again first, on the copy
@@ -200,10 +217,27 @@ class Retention:
     # -- the cap ----------------------------------------------------------------------------
     def plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first."""
+        return self._plan(target_bytes)[0]
+
+    def _plan(self, target_bytes: int) -> tuple[list[Entry], dict[str, float]]:
+        """``plan``, and the last uses its candidates' headers showed later than the
+        index records (another handle's restore not yet in the index): an entry
+        is never evicted on a last use its header contradicts."""
         total = self.footprint()
         if total <= target_bytes:  # the common case: every store checks the cap
-            return []
-        return self._catalog.eviction_plan(self._keeper.index, total, target_bytes)
+            return [], {}
+        index = self._keeper.index
+        last_use = index.last_use()
+        later: dict[str, float] = {}
+        checked: set[str] = set()
+        while True:
+            plan = self._catalog.eviction_plan(index, last_use, total, target_bytes)
+            found = self._dir.used_later([(e.ns, e.id) for e in plan if e.id not in checked], last_use)
+            checked.update(e.id for e in plan)
+            if not found:
+                return plan, later
+            last_use.update(found)
+            later.update(found)
 
     def footprint(self) -> int:
         """What the cap counts: the handle's own identity's headers and blocks
@@ -222,7 +256,9 @@ class Retention:
         """Remove least recently used entries until the total is at most ``target_bytes``."""
         try:
             with self.locked():
-                plan = self.plan(target_bytes)
+                plan, later = self._plan(target_bytes)
+                if later:
+                    self._keeper.index.touch(later)
                 for entry in plan:
                     self._remove_quietly(entry.id)
                 self.evicted += len(plan)

@@ -34,8 +34,11 @@ be lost, independently" — OSDI 2014):
   that moment, and a crash state takes one of three forms: ``"lost"`` (no
   environment: never synced), ``"previous-boot"`` (the last commit before
   the cut, from a boot that has ended: after a power cut
-  ``/proc/sys/kernel/random/boot_id`` differs, so the store must not trust
-  it and rebuilds the tables from the files), or ``"synced"`` (the last
+  ``/proc/sys/kernel/random/boot_id`` differs, so the store trusts it only
+  if it was settled, its ``index.dirty`` marker gone, and otherwise rebuilds
+  the tables from the files; a marker, written through the seam, is durable
+  before any commit it covers, so the last commit of a cut without one is
+  the one the settle synced), or ``"synced"`` (the last
   commit before the cut, trusted: where no boot id exists, as on macOS,
   transactions are synced and the store reconciles them with the files).
   LMDB without sync can also leave a torn environment after a power cut;

@@ -81,7 +81,7 @@ def bench_sizes(cfg: Config, work: Path) -> dict[str, Any]:
                 assert loaded is not None, "restore failed"
                 eval_caches(loaded.caches)
 
-            same = same_process(restore, src.caches(), work, reps)
+            same = same_process({"blockkv": restore}, src.caches(), work, reps)
             files = store_files(root)
             for _ in range(reps):
                 drop_cache([raw])

@@ -1,7 +1,8 @@
 """The index at many small entries, where per-entry costs show: ``find``
 latency (hits, and prompts that share only a head), the store of a tiny entry,
 and a store's open time with a valid LMDB index against a forced rebuild from
-the files (what keeping the index saves)."""
+the files (what keeping the index saves), and after a reboot: with the index
+settled (its last handle closed or went idle) and not (a handle was writing)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 
 from blockkv import BlockStore
+from blockkv.local.index import SETTLED
 
 from .config import Config
 from .harness import median_time, open_store, percentile
@@ -67,6 +70,8 @@ def bench_index(cfg: Config, work: Path) -> dict[str, Any]:
     out["open_rebuild_s"] = median_time(
         reopen, cfg.reps, setup=lambda: drop_index(root)
     )
+    out["open_reboot_settled_s"] = median_time(reopen, cfg.reps, setup=lambda: reboot(root, settled=True))
+    out["open_reboot_unsettled_s"] = median_time(reopen, cfg.reps, setup=lambda: reboot(root, settled=False))
     shutil.rmtree(root)
     return out
 
@@ -102,6 +107,21 @@ def time_finds(
         "p50_ms": percentile(times, 50) * 1e3,
         "p99_ms": percentile(times, 99) * 1e3,
     }
+
+
+def reboot(root: Path, *, settled: bool) -> None:
+    """What a reboot leaves of every index under ``root``: the tables stamped by a
+    boot that has ended (``/proc/sys/kernel/random/boot_id`` changes), and
+    ``index.settled`` only if the last handle settled them (closing does)."""
+    for data in list(root.rglob("data.mdb")):
+        env = lmdb.open(str(data.parent), max_dbs=16, map_size=2 * data.stat().st_size + (1 << 20))
+        with env.begin(write=True) as txn:
+            txn.put(b"boot", b"a boot that has ended", db=env.open_db(b"meta", txn=txn))
+        env.close()
+        marker = data.parent.with_name(SETTLED)
+        assert marker.exists(), "the closing handle did not settle the index"
+        if not settled:
+            marker.unlink()
 
 
 def drop_index(root: Path) -> None:

@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .cli_start import cli_start_markdown
 from .config import Config
 from .harness import MIB, REPO
 from .targets import targets
@@ -149,6 +150,17 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             f"{bk['same_process_mlx_load_s'] / bk['full_restore_s']:.2f}x |"
         ),
         (
+            f"| the floor: the same restore with no check (`verify=False`), same alternation "
+            f"| {bk['full_restore_noverify_s'] * 1e3:.0f} ms ({gbps(b1, bk['full_restore_noverify_s'])}) | mlx-lm load "
+            f"{bk['same_process_mlx_load_s'] * 1e3:.0f} ms | {bk['same_process_mlx_load_s'] / bk['full_restore_noverify_s']:.2f}x; "
+            f"verified / unverified {bk['full_restore_s'] / bk['full_restore_noverify_s']:.2f}x |"
+        ),
+        (
+            f"| the reads alone: every block's scatter read into allocated destination arrays (2 threads, no header, "
+            f"no check, no allocation), same alternation | {bk['reads_alone_s'] * 1e3:.0f} ms ({gbps(b1, bk['reads_alone_s'])}) "
+            f"| mlx-lm load {bk['same_process_mlx_load_s'] * 1e3:.0f} ms | {bk['same_process_mlx_load_s'] / bk['reads_alone_s']:.2f}x |"
+        ),
+        (
             f"| blockkv full restore, same, `verify=\"full\"` (blake3 per read) | {bk['full_restore_blake3_s'] * 1e3:.0f} ms "
             f"({gbps(b1, bk['full_restore_blake3_s'])}) | mlx-lm load {bk['same_process_mlx_load_blake3_s'] * 1e3:.0f} ms | "
             f"{bk['same_process_mlx_load_blake3_s'] / bk['full_restore_blake3_s']:.2f}x |"
@@ -174,6 +186,16 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
         (
             f"| open at {big} entries, valid index | {ix['open_valid_s'] * 1e3:.0f} ms | forced rebuild "
             f"{ix['open_rebuild_s'] * 1e3:.0f} ms | {ix['open_rebuild_s'] / ix['open_valid_s']:.1f}x faster |"
+        ),
+        (
+            f"| open at {big} entries after a reboot, index settled (its last handle closed or went idle) | "
+            f"{ix['open_reboot_settled_s'] * 1e3:.0f} ms | valid index {ix['open_valid_s'] * 1e3:.0f} ms | "
+            f"{ix['open_reboot_settled_s'] / ix['open_valid_s']:.2f}x |"
+        ),
+        (
+            f"| open at {big} entries after a reboot, index not settled (a handle was writing): rebuilt, as "
+            f"every reboot was before | {ix['open_reboot_unsettled_s'] * 1e3:.0f} ms | valid index "
+            f"{ix['open_valid_s'] * 1e3:.0f} ms | {ix['open_reboot_unsettled_s'] / ix['open_valid_s']:.2f}x |"
         ),
         (
             f"| agent workload footprint (after gc) | {ag['points'][-1]['blockkv_footprint'] / MIB:.0f} MiB | ideal "
@@ -238,6 +260,7 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             for t, g in r["large"].items()
         ),
         "",
+        *cli_start_markdown(r["start"]),
         *remote_markdown(cfg, r.get("remote")),
         "## Agent workload by number of sessions",
         "",

@@ -1,7 +1,9 @@
 """Restore speed of the next-turn entry, what a prompt-cache hit waits for: a
 full restore against mlx-lm's load in one long-lived warm process (verify with
-xxh3-128, and with blake3) and in a fresh process (with peak RSS growth); a
-partial restore, which must read only the block files of its prefix."""
+xxh3-128, and with blake3), beside the floors measured in the same
+alternation (the same restore with no check, and the block reads alone into
+allocated destination arrays), and in a fresh process (with peak RSS growth);
+a partial restore, which must read only the block files of its prefix."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import math
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from blockkv import BlockStore, Entry
+from blockkv.format.rebuild import ParsedEntry, Target
 from blockkv.fs import FileLayer
 from blockkv.pool.protocol import is_block_name
 
@@ -24,26 +29,53 @@ from .harness import io_delta, median_time, open_store
 from .sources import KVSource, check_restored, eval_caches
 
 
-def same_process(restore: Callable[[], Any], caches: list[KVCache], work: Path, reps: int) -> dict[str, float]:
-    """blockkv's full restore and mlx-lm's load of the same cache in this one
-    long-lived process, both warmed, alternating rep by rep: where a server runs
-    them, with MLX's buffer cache warm for both."""
+def same_process(variants: Mapping[str, Callable[[], Any]], caches: list[KVCache], work: Path,
+                 reps: int) -> dict[str, float]:
+    """blockkv's ``variants`` (name → a restore) and mlx-lm's load of the same
+    cache in this one long-lived process, all warmed, alternating rep by rep:
+    where a server runs them, with MLX's buffer cache warm for all. Returns
+    ``{"mlx_s": ..., "<name>_s": ...}``, medians."""
     path = work / "same-process.safetensors"
     save_prompt_cache(str(path), caches)
 
     def load() -> None:
         eval_caches(load_prompt_cache(str(path)))
 
-    for fn in (load, restore, load, restore):  # warm: page cache and MLX's buffer cache
-        fn()
-    runs: dict[str, list[float]] = {"mlx": [], "blockkv": []}
+    fns = {"mlx": load, **variants}
+    for _ in range(2):  # warm: page cache and MLX's buffer cache
+        for fn in fns.values():
+            fn()
+    runs: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(3 * max(reps, 3)):  # cheap reps on a noisy VM: 5 gave 68 and 82 ms for the same code
-        for key, fn in (("mlx", load), ("blockkv", restore)):
+        for key, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             runs[key].append(time.perf_counter() - t0)
     path.unlink()
-    return {"mlx_s": statistics.median(runs["mlx"]), "blockkv_s": statistics.median(runs["blockkv"])}
+    return {f"{k}_s": statistics.median(v) for k, v in runs.items()}
+
+
+def reads_alone(store: BlockStore, entry: Entry) -> Callable[[], None]:
+    """The floor of any restore of ``entry`` that reads its blocks into mlx
+    arrays: the scatter reads alone (two threads, as a restore's), every rep
+    into the same destination arrays, allocated once; no header, no check, no
+    cache objects. What it returns times one pass."""
+    parsed = ParsedEntry.parse(store._dir.header_bytes(entry.ns, entry.id))
+    targets: list[Target] = []
+
+    def keep(made: Iterator[Target]) -> Iterator[Target]:
+        for target in made:
+            targets.append(target)
+            yield target
+
+    parsed.rebuild(None, keep, lambda name: store._pool.stat(name).size)
+    pool, io = store._pool, ThreadPoolExecutor(2)
+    heads = {t.ref.name: memoryview(bytearray(len(t.frame_prefix))) for t in targets}
+
+    def run() -> None:
+        assert all(io.map(lambda t: pool.read_exact(t.ref.name, [heads[t.ref.name], *t.pieces]), targets))
+
+    return run
 
 
 class CountingFileLayer(FileLayer):
@@ -84,8 +116,17 @@ def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
             return loaded.caches
 
         check_restored(restore(), src, n1)  # also warms the page cache
-        same = same_process(restore, src.caches(), work, cfg.reps)
+        with open_store(root, cfg.block_tokens, verify=False) as unverified:
+
+            def restore_unverified() -> None:
+                loaded = unverified.restore(entry)
+                assert loaded is not None, "restore failed"
+                eval_caches(loaded.caches)
+
+            same = same_process({"blockkv": restore, "noverify": restore_unverified,
+                                 "reads": reads_alone(store, entry)}, src.caches(), work, cfg.reps)
         out["full_restore_s"], out["same_process_mlx_load_s"] = same["blockkv_s"], same["mlx_s"]
+        out["full_restore_noverify_s"], out["reads_alone_s"] = same["noverify_s"], same["reads_s"]
         out["partial_restore_s"] = median_time(
             lambda: restore(cfg.partial_tokens), cfg.reps
         )
@@ -99,7 +140,7 @@ def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
             assert loaded is not None, "restore failed"
             eval_caches(loaded.caches)
 
-        same = same_process(restore_full, src.caches(), work, cfg.reps)
+        same = same_process({"blockkv": restore_full}, src.caches(), work, cfg.reps)
         out["full_restore_blake3_s"], out["same_process_mlx_load_blake3_s"] = same["blockkv_s"], same["mlx_s"]
 
     counting = CountingFileLayer()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .cli_start import BASELINE
 from .config import Config
 from .harness import MIB
 
@@ -33,7 +34,7 @@ class Target:
 
 def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
     """The issue's targets, each a ratio or bound computed from this run's figures."""
-    w, bk, ml, ag, ix = r["writes"], r["restore"], r["mlx"], r["agent"], r["index"]
+    w, bk, ml, ag, ix, cs = r["writes"], r["restore"], r["mlx"], r["agent"], r["index"], r["start"]
     bpt, big = cfg.shape.bytes_per_token, cfg.index_sizes[-1]
     block = cfg.block_tokens * bpt
     lg, (ref_tokens, big_tokens) = r["large"], cfg.large_tokens
@@ -65,6 +66,13 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
             bk["same_process_mlx_load_s"] / bk["full_restore_s"],
             ">=",
             1.0,
+            "x",
+        ),
+        Target(
+            "full restore (verify, warm) / the same restore unverified (verify=False), same long-lived process",
+            bk["full_restore_s"] / bk["full_restore_noverify_s"],
+            "<=",
+            1.1,
             "x",
         ),
         Target(
@@ -105,11 +113,22 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
             "x",
         ),
         Target(
+            f"open at {big} entries after a reboot (index settled) / open with a valid index",
+            ix["open_reboot_settled_s"] / ix["open_valid_s"],
+            "<=",
+            1.25,
+            "x",
+        ),
+        Target(
             "restore peak RSS / (2 x entry bytes + 100 MiB)",
             bk["restore_peak_rss_delta"] / (2 * bk["entry_nbytes"] + 100 * MIB),
             "<=",
             1.0,
             "x",
+        ),
+        *(
+            Target(f"start of `{name}` / `{BASELINE}`", seconds / cs["seconds"][BASELINE], "<=", 0.25, "x")
+            for name, seconds in cs["seconds"].items() if "blockkv" in name
         ),
         *(
             Target(f"fresh store vs mlx-lm save + fsync, {z['tokens']} tokens",
