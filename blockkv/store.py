@@ -1,15 +1,10 @@
 """BlockStore: the SSD cold tier for MLX prompt/KV caches, as policy.
 
-The public facade and its decisions: what a lookup serves, when to
-recover, the remote tier's place, the stats. Every decision to delete (the
-seed's supersede rules, the byte cap and LRU eviction, gc, check/repair,
-what a failed restore proves) is retention.py's. The mechanisms are below, each with one
-job: arguments.py (caller mistakes), catalog.py (the in-memory lookups),
-index_keeper.py (the index kept current and recovered under the directory
-lock), commit.py (write and delete order), restore.py (reading an entry
-back), recovery.py (what ``scan`` repairs), executors.py (worker threads),
-over directory.py, pool.py, index.py. Every mutation holds the directory
-lock, so a dedup hit and a gc delete never interleave.
+The public facade and its decisions: what a lookup serves, when to recover,
+the remote tier's place, the stats. Every decision to delete is
+``local/retention.py``'s; the mechanisms it drives are in ``local/`` (one job
+each) over ``format/`` and ``pool/``. Every mutation holds the directory lock,
+so a dedup hit and a gc delete never interleave.
 """
 
 from __future__ import annotations
