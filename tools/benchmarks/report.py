@@ -19,7 +19,7 @@ from typing import Any
 from .cli_start import cli_start_markdown
 from .config import Config
 from .harness import MIB, REPO
-from .targets import fastest_mlx_load, targets
+from .targets import targets
 
 ANALYSIS_MARKER = "<!-- analysis: kept across regenerations -->"
 
@@ -148,12 +148,6 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             f"(alternating, median of {3 * max(cfg.reps, 3)}) | {bk['full_restore_s'] * 1e3:.0f} ms ({gbps(b1, bk['full_restore_s'])}) | mlx-lm load "
             f"{bk['same_process_mlx_load_s'] * 1e3:.0f} ms ({gbps(b1, bk['same_process_mlx_load_s'])}) | "
             f"{bk['same_process_mlx_load_s'] / bk['full_restore_s']:.2f}x |"
-        ),
-        (
-            f"| mlx-lm load + eval, {n1} tokens, at its fastest in this process (alone or in an alternation: "
-            f"the fast state of a bimodal time, see the analysis) | {fastest_mlx_load(r) * 1e3:.0f} ms "
-            f"({gbps(b1, fastest_mlx_load(r))}) | blockkv full restore {bk['full_restore_s'] * 1e3:.0f} ms | "
-            f"{fastest_mlx_load(r) / bk['full_restore_s']:.2f}x |"
         ),
         (
             f"| the floor: the same restore with no check (`verify=False`), same alternation "
