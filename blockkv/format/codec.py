@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from blockkv.errors import CorruptHeaderError
-from blockkv.format.unfilled import advise_huge_pages, unfilled_arrays
+from blockkv.format.unfilled import unfilled_arrays
 
 # mlx dtype name -> (mlx dtype, numpy dtype holding the same raw bits).
 DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
@@ -108,7 +108,6 @@ def device_buffers(specs: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[m
             raise RuntimeError("mlx did not expose a writable contiguous buffer")
         out.append((bits.view(DTYPES[dtype][0]) if dtype in _BITS_VIEW else bits, view))
     mx.eval([a for a, _ in out])  # evaluated here: usable from any thread, whichever one made them
-    advise_huge_pages([view for _, view in out])
     return out
 
 

@@ -22,35 +22,21 @@ Two things make that safe:
 
 An mlx that loads such a stream differently (this rests on how 0.32 reads
 one) gets zeroed arrays instead, with one warning: slower, never a miss.
-
-On Linux the arrays' memory is also advised for transparent huge pages
-(``MADV_HUGEPAGE``; honoured where ``transparent_hugepage/enabled`` is
-``madvise`` or ``always``). glibc returns large freed buffers to the kernel,
-so a restore often writes into fresh pages, and a fresh 4 KiB page costs a
-fault that, on this benchmark VM, cost more than copying its bytes (272 MiB
-written into fresh memory: 228 ms, 97-164 ms with huge pages, 46-64 ms into
-memory already faulted in). Only whole pages inside an array are advised, so
-no memory outside the arrays changes.
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import logging
-import mmap
-import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-_MADV_HUGEPAGE = 14  # Linux
-_HUGE = 2 << 20  # an x86-64 / arm64 transparent huge page: smaller ranges gain nothing
 
 _RELEASE_WAIT = 10.0  # seconds: mlx releases a stream microseconds after the load
 _refused = False  # mlx refused an unfilled stream once: zeroed arrays from then on
@@ -85,37 +71,6 @@ class _Unfilled(io.RawIOBase):
             memoryview(buffer).cast("B")[:n] = self._head[self._pos : self._pos + n]
         self._pos += n
         return n
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise`` on Linux (None elsewhere, or if it cannot be found),
-    from the symbols the process has loaded (no library search: ``import
-    blockkv`` stays cheap)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_advise = _madvise()
-
-
-def advise_huge_pages(arrays: Sequence[np.ndarray]) -> None:
-    """Ask for transparent huge pages over the whole pages inside each array
-    (before anything writes them: see the module's docstring). Advice only:
-    failures are ignored."""
-    if _advise is None:
-        return
-    for a in arrays:
-        start = a.ctypes.data
-        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        hi = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if hi - lo >= _HUGE:
-            _advise(lo, hi - lo, _MADV_HUGEPAGE)
 
 
 def unfilled_arrays(specs: Sequence[tuple[mx.Dtype, np.dtype, tuple[int, ...]]]) -> list[mx.array]:
