@@ -172,5 +172,6 @@ def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
     )
     out["restore_peak_rss_delta"] = child["peak_delta"]
     out["full_restore_child_s"] = child["seconds"]
+    out["first_restore_child_s"] = child["first_seconds"]
     shutil.rmtree(root)
     return out
