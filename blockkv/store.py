@@ -430,7 +430,7 @@ class BlockStore:
                                                (b.ref for b in stored.layout.blocks), stored.new, stored.replaced)
         return True
 
-    def _adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
+    def _adopt(self, entry_id: str | None, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
         """A remote entry made local (``Commits.adopt``); what the rules remove for it goes from the bucket too."""
         return self._commits.adopt(entry_id, header, encoded, frame_of, self.max_bytes,
                                    lambda landed: self._remote.uploads.remove_replaced(self._retention.landed(landed)))

@@ -19,6 +19,7 @@ import remote_node as node
 from test_bucket import endpoint, keys, make_bucket, raw_store, server  # noqa: F401 - the server fixtures
 from test_remote import FP_DIR, flip_byte
 
+from blockkv.local.directory import stored_at
 from blockkv.records import Entry
 
 
@@ -55,6 +56,7 @@ def test_a_partial_restore_of_a_bucket_entry_reads_only_the_blocks_its_prefix_ne
         # kept: a prefix entry of b's own over the blocks it fetched; the bucket's entry stays remote-only
         assert [e.length for e in b.entries()] == [needed * node.BLOCK_TOKENS]
         assert b.entries()[0].blocks == stored.blocks[:needed] and b.check().clean
+        assert stored_at(b.entries()[0].id) is not None  # its id minted as a store's: store order in it
         assert b.tier_of(stored) == "bucket" and b.find(tokens + [1]).entry.id == stored.id
         inside = b.find(tokens[:120] + [tokens[120] ^ 1])  # inside the kept prefix: served locally
         assert inside.prefix_len == 120 and b.tier_of(inside.entry) == "disk"

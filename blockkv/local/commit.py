@@ -116,12 +116,14 @@ class Commits:
             writer.release()
         return Stored(entry_id, encoded, layout, writer.new, written, replaced)
 
-    def adopt(self, entry_id: str, header: Header, encoded: bytes, frame_of: Callable[[str], bytes], cap: int,
+    def adopt(self, entry_id: str | None, header: Header, encoded: bytes, frame_of: Callable[[str], bytes], cap: int,
               landed: Callable[[str], object]) -> bool:
         """A remote entry made local by a store's write order: the blocks the pool
         lacks (``frame_of``: verified frames from the bucket), then its header,
-        byte for byte under its own id, and ``landed(entry_id)`` under the lock;
-        nothing if another handle adopted it meanwhile. False (with a warning) if it could not be."""
+        byte for byte under its own id (None: a new entry's id, as a store's), and
+        ``landed(entry_id)`` under the lock; nothing if another handle adopted it
+        meanwhile. False (with a warning) if it could not be."""
+        entry_id = entry_id or new_entry_id(self._clock())
         path = self._dir.header_path(header.ns, entry_id)
         layout = adopted_layout(header)
         writer = AdoptedBlocks(frame_of, self._pool, self._index(), self._intents, self._executor("io"))

@@ -20,7 +20,6 @@ entry stays remote-only then, for a longer prefix later.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ Submit = Callable[..., Future]
 class Adoption:
     """What a node keeps of a remote entry it restored: an entry to write locally."""
 
-    entry_id: str
+    entry_id: str | None  # None: a new id, minted by the store that keeps it
     header: Header
     encoded: bytes
     whole: bool  # the bucket's entry itself (else a prefix entry of this node's own)
@@ -135,7 +134,7 @@ class RemoteRead:
         if not self.fetched:
             return None
         prefix = prefix_header(header, max(r.stop for r in self.refs if r.start >= 0))
-        return None if prefix is None else Adoption(uuid.uuid4().hex, prefix, encode_header(prefix), False)
+        return None if prefix is None else Adoption(None, prefix, encode_header(prefix), False)
 
 
 def prefix_header(header: Header, length: int) -> Header | None:

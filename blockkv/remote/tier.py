@@ -67,7 +67,7 @@ from blockkv.remote.verify import verified_frame
 
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 
-Adopt = Callable[[str, Header, bytes, Callable[[str], Any]], bool]
+Adopt = Callable[[str | None, Header, bytes, Callable[[str], Any]], bool]
 
 
 class RemoteTier:
