@@ -136,6 +136,17 @@ def test_cache_prompt_file_imports_where_serve_finds_it(tmp_path: Path) -> None:
                             str(model_dir), "--tokens", json.dumps(tokens[:-1])],
                            capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 1 and "pass exactly the tokens" in wrong.stderr
+    entry_id = json.loads(cli.stdout)["entry"]["id"]
+    out = tmp_path / "back.safetensors"
+    back = subprocess.run([sys.executable, "-m", "blockkv", "export", str(root), entry_id, "-o", str(out),
+                           "--model", str(model_dir)], capture_output=True, text=True, timeout=300)
+    assert back.returncode == 0, back.stderr
+    assert raw(load_prompt_cache(str(out))) == raw(load_prompt_cache(str(made)))
+    stores = sorted(p.name for p in root.iterdir())
+    missing = subprocess.run([sys.executable, "-m", "blockkv", "export", str(root), entry_id, "-o", str(out),
+                              "--model", str(model_dir), "--kv-bits", "8"], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "no store for --model" in missing.stderr
+    assert sorted(p.name for p in root.iterdir()) == stores  # an export makes no store
 
 
 def hostile(path: Path, how: str) -> None:

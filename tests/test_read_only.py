@@ -77,3 +77,24 @@ def test_a_failed_write_names_the_file_not_its_temporary(read_only_view: tuple[P
     with pytest.raises(OSError) as refused:
         FileLayer().write_atomic(mnt / "entry.bkv", [b"bytes"])
     assert refused.value.filename == str(mnt / "entry.bkv") and ".tmp" not in str(refused.value)
+
+
+def test_export_reads_a_read_only_mount_and_writes_nothing_under_it(read_only_view: tuple[Path, Path],
+                                                                   tmp_path: Path) -> None:
+    """``blockkv export`` needs no write access to the root: the file it writes
+    loads in mlx-lm bit for bit, and the root is left as it was."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    src, mnt = read_only_view
+    ident = dict(model_id="tiny", config_fingerprint="ro", tokenizer_hash="t")
+    tokens = random_tokens(200, seed=2)
+    caches, _ = prefill(tiny_model("llama"), tokens)
+    with BlockStore(src, max_bytes=1 << 30, block_tokens=64, **ident) as store:
+        assert store.store(tokens, caches)
+        entry = store.find_exact(tokens).entry
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"") for p in src.rglob("*")}
+    out = tmp_path / "out.safetensors"
+    done = _run(sys.executable, "-m", "blockkv", "export", str(mnt), entry.id, "-o", str(out), "-f", "ro")
+    assert done.returncode == 0, done.stderr
+    assert raw(load_prompt_cache(str(out))) == raw(caches)
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"") for p in src.rglob("*")} == before

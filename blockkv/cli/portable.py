@@ -146,23 +146,29 @@ def _kv(args: argparse.Namespace) -> Any:
     return KVQuant(args.kv_bits, args.kv_group_size, start)
 
 
+def _identity(args: argparse.Namespace) -> Any:
+    """The identity ``blockkv serve --model`` stores under for these flags."""
+    from blockkv.serving.identity import identity_from_key
+
+    try:
+        return identity_from_key((args.model, args.adapter_path, args.draft_model), kv=_kv(args),
+                                 chat_template=args.chat_template or None)
+    except (FileNotFoundError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
 @contextmanager
 def _serve_store(args: argparse.Namespace) -> Iterator[Any]:
     """The store ``blockkv serve --model`` opens for these flags (the root is
     created if missing, as serve does)."""
     from blockkv.local.directory import ROOT_MARKER, default_root
-    from blockkv.serving.identity import identity_from_key
     from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES
     from blockkv.store import BlockStore
 
     root = Path(args.root).expanduser() if args.root else default_root()
     if root.is_dir() and any(root.iterdir()) and not (root / ROOT_MARKER).exists():
         raise UsageError(f"{root}: not a blockkv root (no {ROOT_MARKER} marker); refusing to touch it")
-    try:
-        ident = identity_from_key((args.model, args.adapter_path, args.draft_model), kv=_kv(args),
-                                  chat_template=args.chat_template or None)
-    except (FileNotFoundError, TypeError) as exc:
-        raise UsageError(str(exc)) from None
+    ident = _identity(args)
     with BlockStore(root, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                     tokenizer_hash=ident.tokenizer_hash, max_bytes=DEFAULT_CACHE_BYTES) as store:
         yield store
@@ -170,23 +176,29 @@ def _serve_store(args: argparse.Namespace) -> Iterator[Any]:
 
 @contextmanager
 def _store_for_export(args: argparse.Namespace) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """The store to export from, opened read-only: an export writes nothing
+    under the root (no lock, no index, no last use), so it also works on a
+    read-only mount or a snapshot."""
     from blockkv.local.directory import default_root
+    from blockkv.local.read_only import ReadOnlyStore
 
     if args.model and args.fingerprint:
         raise UsageError("name the store by -f/--fingerprint or by --model, not both")
     root = check_root(args.root or str(default_root()))
     if args.model:
-        with _serve_store(args) as store:
-            if not store.directory.is_dir():
-                raise UsageError(f"no store for --model {args.model} in {root}")
+        ident = _identity(args)
+        try:
+            store = ReadOnlyStore(root, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
+                                  tokenizer_hash=ident.tokenizer_hash)
+        except FileNotFoundError:
+            raise UsageError(f"no store for --model {args.model} in {root}") from None
+        with store:
             yield store, _fp_of(store)
         return
-    from blockkv.cli.stores import open_store
-
     fps = select_fingerprints(root, [args.fingerprint] if args.fingerprint else None, False, mutating=None)
     if len(fps) != 1:
         raise UsageError(f"{root} holds {len(fps)} fingerprints: name one with -f/--fingerprint or --model")
-    with open_store(fps[0]) as store:
+    with ReadOnlyStore.open_dir(fps[0].path) as store:
         yield store, fp_json(fps[0])
 
 

@@ -30,6 +30,7 @@ from blockkv.errors import BlockKVError
 from blockkv.format.codec import codec_named
 from blockkv.format.state_api import TWO_PART_STATE
 from blockkv.records import Entry
+from blockkv.local.read_only import ReadOnlyStore
 from blockkv.store import BlockStore
 
 log = logging.getLogger("blockkv.mlx_lm")
@@ -47,7 +48,7 @@ class PromptCacheFileError(BlockKVError, ValueError):
     """A file that is not a prompt-cache file blockkv can read."""
 
 
-def export_prompt_cache(store: BlockStore, entry: Entry, path: str | os.PathLike[str], *,
+def export_prompt_cache(store: BlockStore | ReadOnlyStore, entry: Entry, path: str | os.PathLike[str], *,
                         prefix_len: int | None = None, model: str | None = None) -> Path:
     """Write ``entry`` (cut to ``prefix_len`` tokens when given) as a
     prompt-cache file mlx-lm loads. ``model`` is what the file's ``model``
