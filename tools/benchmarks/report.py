@@ -19,6 +19,7 @@ from typing import Any
 from .cli_start import cli_start_markdown
 from .config import Config
 from .harness import MIB, REPO
+from .remote import restore_reps
 from .targets import targets
 
 ANALYSIS_MARKER = "<!-- analysis: kept across regenerations -->"
@@ -324,7 +325,8 @@ def remote_markdown(cfg: Config, rm: dict[str, Any] | None) -> list[str]:
             f"server, run as its own process on loopback. **moto is slow Python** (every request parsed and "
             f"answered by werkzeug; PUT bodies land in its memory): these figures bound what the protocol costs "
             f"from below, a real S3-compatible server is faster per request but further away. Load average "
-            f"after the section: {load} (1, 5, 15 min). Median of {max(cfg.reps, 3)} reps where timed."
+            f"after the section: {load} (1, 5, 15 min). Median of {restore_reps(cfg)} reps for the restores, "
+            f"{max(cfg.reps, 3)} elsewhere."
         ),
         "",
         "| figure | value | same-run baseline | ratio |",
