@@ -20,6 +20,13 @@ agents do) on one of two system prompts. Per way it reports:
 
     python tools/route_bench.py                    # the run in docs/scale-out.md
     python tools/route_bench.py --sessions 3 --turns 2 --system-words 200 --user-words 40   # a quick look
+    python tools/route_bench.py --floor            # the floor: one idle node, direct, routed, mlx_lm.server
+
+``--floor`` measures what a later turn costs when it lands where its
+conversation is hot: one conversation at a time on one idle node, each later
+turn's time to first token sent straight to a ``blockkv serve`` node, through
+``blockkv route`` to the same node, and to ``mlx_lm.server`` (its own RAM
+cache), the three in turn on the same turns.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,7 +57,7 @@ from blockkv.serving.demo import DEMO_MODEL
 from blockkv.serving.digests import fleet_key, prefix_digests
 from blockkv.serving.route import NODE_HEADER
 from blockkv.serving.route_tokens import PromptTokenizer
-from blockkv.testing.fleet import Process
+from blockkv.testing.fleet import Process, free_port
 from blockkv.testing.model_dir import build_model_dir, sample_text
 
 SALT = "route bench"
@@ -138,6 +148,59 @@ def run_way(way: str, args: argparse.Namespace, model: Path, tokenizer: PromptTo
                 process.stop()
 
 
+def floor(args: argparse.Namespace, model: Path, work: Path) -> dict[str, float]:
+    """Median time to first token of later turns on one idle node: direct, routed, mlx_lm.server."""
+    node = Process(["serve", "--model", str(model), "--cache-dir", str(work / "floor-node"), "--fleet-salt", SALT,
+                    "--log-level", "WARNING"], work / "floor-node.log")
+    router = Process(["route", "--model", str(model), "--fleet-salt", SALT, "--log-level", "WARNING",
+                      "--node", node.url], work / "floor-router.log")
+    port = free_port()
+    with open(work / "floor-mlx.log", "wb") as out:
+        mlx = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--host", "127.0.0.1",
+                                "--port", str(port), "--log-level", "WARNING"], stdout=out, stderr=subprocess.STDOUT)
+    bases = {"direct": node.url, "routed": router.url, "mlx_lm.server": f"http://127.0.0.1:{port}"}
+    ttft: dict[str, list[float]] = {way: [] for way in bases}
+    try:
+        node.wait_ready()
+        router.wait_ready()
+        deadline = time.monotonic() + 180
+        while True:  # mlx_lm.server has no /health: its model list answers once it serves
+            try:
+                with urllib.request.urlopen(bases["mlx_lm.server"] + "/v1/models", timeout=10):
+                    break
+            except OSError:
+                if mlx.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("mlx_lm.server did not come up") from None
+                time.sleep(0.2)
+        ways = list(bases)
+        for session in range(args.sessions):
+            for way in ways[session % 3 :] + ways[: session % 3]:  # each way goes first in turn
+                client = openai.OpenAI(base_url=bases[way] + "/v1", api_key="unused", max_retries=0, timeout=600)
+                messages = [{"role": "system", "content": sample_text(args.system_words, seed=session)}]
+                for turn in range(args.turns):
+                    messages.append({"role": "user", "content": sample_text(
+                        args.user_words, seed=100_000 + 1000 * session + 100 * ways.index(way) + turn)})
+                    start, first, text = time.perf_counter(), None, []
+                    for chunk in client.chat.completions.create(model="default_model", messages=messages,
+                                                                max_tokens=args.max_tokens, temperature=0.0,
+                                                                stream=True):
+                        if chunk.choices and first is None:
+                            first = time.perf_counter() - start
+                        text.extend(c.delta.content or "" for c in chunk.choices)
+                    if turn:
+                        ttft[way].append(first or 0.0)
+                    messages.append({"role": "assistant", "content": "".join(text)})
+    finally:
+        router.stop()
+        node.stop()
+        mlx.send_signal(signal.SIGINT)
+        try:
+            mlx.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            mlx.kill()
+    return {way: statistics.median(v) for way, v in ttft.items()}
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]  # nearest rank
@@ -174,7 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-interval", type=float, metavar="SECONDS",
                    help="the nodes' sync_interval: how soon a node learns what the others stored (default: theirs, 30)")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--floor", action="store_true",
+                   help="only the floor: later turns on one idle node, direct, routed and on mlx_lm.server")
     args = p.parse_args(argv)
+    if args.floor:
+        work = Path(tempfile.mkdtemp(prefix="blockkv-route-floor-"))
+        try:
+            medians = floor(args, build_model_dir(work / "model", "llama", overrides=DEMO_MODEL), work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"later turns ({args.sessions} conversations of {args.turns} turns, {args.user_words}-word turns), "
+              "median time to first token: " + ", ".join(f"{k} {v:.3f} s" for k, v in medians.items()))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="blockkv-route-bench-"))
     load = [os.getloadavg()]
     started = time.perf_counter()
