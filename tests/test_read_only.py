@@ -50,18 +50,26 @@ def raw(caches: list) -> list[bytes | None]:
     return [None if t is None else np.asarray(t.data).tobytes() for t in walk_tensors(encode_caches(caches))]
 
 
+IDENT = {"model_id": "tiny", "config_fingerprint": "ro", "tokenizer_hash": "t"}
+
+
+def stored(root: Path, n: int, seed: int) -> tuple[list[int], list, str]:
+    """(tokens, caches, entry id) of one entry of a real llama prefill stored under ``root``."""
+    tokens = random_tokens(n, seed=seed)
+    caches, _ = prefill(tiny_model("llama"), tokens)
+    with BlockStore(root, max_bytes=1 << 30, block_tokens=64, **IDENT) as store:
+        assert store.store(tokens, caches)
+        return tokens, caches, store.find_exact(tokens).entry.id
+
+
 def test_read_only_store_finds_and_restores_from_a_read_only_mount(read_only_view: tuple[Path, Path]) -> None:
     src, mnt = read_only_view
-    ident = dict(model_id="tiny", config_fingerprint="ro", tokenizer_hash="t")
-    tokens = random_tokens(300, seed=1)
-    caches, _ = prefill(tiny_model("llama"), tokens)
-    with BlockStore(src, max_bytes=1 << 30, block_tokens=64, **ident) as store:
-        assert store.store(tokens, caches)
+    tokens, caches, _ = stored(src, 300, seed=1)
     before = {p: p.stat().st_mtime_ns for p in src.rglob("*")}
     with pytest.raises(OSError) as refused:
-        BlockStore(mnt, max_bytes=1 << 30, **ident)  # a writer needs to write
+        BlockStore(mnt, max_bytes=1 << 30, **IDENT)  # a writer needs to write
     assert "Read-only file system" in str(refused.value)
-    with ReadOnlyStore(mnt, **ident) as reader:
+    with ReadOnlyStore(mnt, **IDENT) as reader:
         assert len(reader) == 1 and repr(reader).startswith("<ReadOnlyStore")
         match = reader.find(tokens[:200] + [1, 2])
         assert match is not None and match.prefix_len == 200
@@ -86,15 +94,10 @@ def test_export_reads_a_read_only_mount_and_writes_nothing_under_it(read_only_vi
     from mlx_lm.models.cache import load_prompt_cache
 
     src, mnt = read_only_view
-    ident = dict(model_id="tiny", config_fingerprint="ro", tokenizer_hash="t")
-    tokens = random_tokens(200, seed=2)
-    caches, _ = prefill(tiny_model("llama"), tokens)
-    with BlockStore(src, max_bytes=1 << 30, block_tokens=64, **ident) as store:
-        assert store.store(tokens, caches)
-        entry = store.find_exact(tokens).entry
+    _, caches, entry_id = stored(src, 200, seed=2)
     before = {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"") for p in src.rglob("*")}
     out = tmp_path / "out.safetensors"
-    done = _run(sys.executable, "-m", "blockkv", "export", str(mnt), entry.id, "-o", str(out), "-f", "ro")
+    done = _run(sys.executable, "-m", "blockkv", "export", str(mnt), entry_id, "-o", str(out), "-f", "ro")
     assert done.returncode == 0, done.stderr
     assert raw(load_prompt_cache(str(out))) == raw(caches)
     assert {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"") for p in src.rglob("*")} == before
