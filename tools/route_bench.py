@@ -26,7 +26,8 @@ agents do) on one of two system prompts. Per way it reports:
 conversation is hot: one conversation at a time on one idle node, each later
 turn's time to first token sent straight to a ``blockkv serve`` node, through
 ``blockkv route`` to the same node, and to ``mlx_lm.server`` (its own RAM
-cache), the three in turn on the same turns.
+cache), the three in turn on turns of the same lengths (different words for
+each way, so that the node never holds one way's turn for the other).
 """
 
 from __future__ import annotations
@@ -187,8 +188,9 @@ def floor(args: argparse.Namespace, model: Path, work: Path) -> dict[str, float]
                         if chunk.choices and first is None:
                             first = time.perf_counter() - start
                         text.extend(c.delta.content or "" for c in chunk.choices)
+                    assert first is not None, f"{way}: no token streamed"
                     if turn:
-                        ttft[way].append(first or 0.0)
+                        ttft[way].append(first)
                     messages.append({"role": "assistant", "content": "".join(text)})
     finally:
         router.stop()

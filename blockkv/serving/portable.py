@@ -29,8 +29,8 @@ from typing import Any
 from blockkv.errors import BlockKVError
 from blockkv.format.codec import codec_named
 from blockkv.format.state_api import TWO_PART_STATE
-from blockkv.records import Entry
 from blockkv.local.read_only import ReadOnlyStore
+from blockkv.records import Entry
 from blockkv.store import BlockStore
 
 log = logging.getLogger("blockkv.mlx_lm")
