@@ -200,6 +200,8 @@ def test_bad_arguments_named() -> None:
 @pytest.mark.parametrize("shape, cut", [
     ((1, 8, 600, 64), (slice(None), slice(None), slice(100, 356), slice(None))),  # a block's rows: 32 KiB per head
     ((1, 40, 300, 128), (slice(None), slice(None), slice(0, 256), slice(None))),  # larger than the staging buffer
+    ((1, 2, 2304, 256), (slice(None), slice(None), slice(0, 2048), slice(None))),  # one head's rows: 1 MiB
+    ((1, 2, 3, 300_000), (slice(None), slice(None), slice(0, 2), slice(None))),  # one row larger than the buffer
     ((2, 3, 5, 7), (slice(None),) * 4),  # contiguous
     ((4, 6, 10), (slice(None), slice(None), slice(None, None, 2))),  # a strided last axis
     ((1, 1, 0, 8), (slice(None),) * 4),  # empty

@@ -131,9 +131,12 @@ def hash_runs(parts: Sequence[np.ndarray]) -> Iterator[memoryview]:
             yield from chunks(part)
             continue
         for piece in _pieces(part, STAGE_BYTES):
-            if used + piece.nbytes > STAGE_BYTES:
+            if used and used + piece.nbytes > STAGE_BYTES:
                 yield whole[:used]
                 used = 0
+            if piece.nbytes > STAGE_BYTES:  # one row longer than the buffer: contiguous, hashed where it is
+                yield memoryview(piece.view(np.uint8))
+                continue
             raw = piece.view(np.uint8)
             np.copyto(stage[used : used + piece.nbytes].reshape(raw.shape), raw)
             used += piece.nbytes
@@ -143,12 +146,16 @@ def hash_runs(parts: Sequence[np.ndarray]) -> Iterator[memoryview]:
 
 def _pieces(a: np.ndarray, limit: int) -> Iterator[np.ndarray]:
     """``a`` split along its leading axes into sub-arrays of at most ``limit``
-    bytes (or single rows of its last two axes), in C order."""
-    if a.nbytes <= limit or a.ndim <= 2:
+    bytes (or single rows of its last axis, where one row is longer), in C order."""
+    if a.nbytes <= limit or a.ndim <= 1:
         yield a
         return
-    for i in range(a.shape[0]):
-        yield from _pieces(a[i], limit)
+    step = max(1, limit // a[0].nbytes)
+    for i in range(0, a.shape[0], step):
+        if step == 1:
+            yield from _pieces(a[i], limit)
+        else:
+            yield a[i : i + step]
 
 
 def layout_bytes(layout: Sequence[Part]) -> bytes:
