@@ -69,14 +69,19 @@ def reboot(directory: Path, *, settled: bool) -> None:
     """What a reboot leaves: the index stamped by a boot that has ended, and
     ``index.settled`` if the last handle settled it (it closed, or went idle)
     but not if it was still writing (killed, or the power cut)."""
-    env = lmdb.open(str(directory / "index"), max_dbs=16)
-    with env.begin(write=True) as txn:
-        txn.put(b"boot", b"a boot that has ended", db=env.open_db(b"meta", txn=txn))
-    env.close()
+    stamp_an_ended_boot(directory)
     marker = directory / SETTLED
     assert marker.exists()  # the closing handle settled it
     if not settled:
         marker.unlink()
+
+
+def stamp_an_ended_boot(directory: Path) -> None:
+    """The index as a boot that has ended left it: stamped with that boot's id."""
+    env = lmdb.open(str(directory / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"boot", b"a boot that has ended", db=env.open_db(b"meta", txn=txn))
+    env.close()
 
 
 @pytest.fixture
@@ -199,9 +204,25 @@ def test_a_killed_server_that_went_idle_costs_no_rebuild_at_a_reboot(tmp_path: P
     if idle:
         reboot(directory, settled=True)
     else:
-        env = lmdb.open(str(directory / "index"), max_dbs=16)
-        with env.begin(write=True) as txn:
-            txn.put(b"boot", b"a boot that has ended", db=env.open_db(b"meta", txn=txn))
-        env.close()
+        stamp_an_ended_boot(directory)
     with open_store(tmp_path, Clock()) as s:
         assert rebuilt(s) != idle and len(s) == 2
+
+
+def test_a_handle_that_could_not_recover_an_unsettled_index_does_not_settle_it(tmp_path: Path, llama: Any) -> None:
+    """After a reboot that left the index unsettled, a handle that opens while
+    another holds the lock serves without recovering (recovery waits for the
+    lock); closing it must not declare those unrecovered tables settled, or
+    every later open would trust them."""
+    clock = Clock()
+    with open_store(tmp_path, clock) as s:
+        store_in_turn(s, clock, llama, range(2))
+        directory = s.directory
+    reboot(directory, settled=False)
+    other = DirLock(directory / "LOCK")
+    with other.held(None):
+        deferred = BlockStore(tmp_path, max_bytes=1 << 30, clock=clock, lock_timeout=0.1, **IDENT)
+    deferred.close()
+    assert not (directory / SETTLED).exists()
+    with open_store(tmp_path, clock) as s:
+        assert rebuilt(s) and len(s) == 2

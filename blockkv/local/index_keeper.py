@@ -75,8 +75,7 @@ class IndexKeeper:
         try:
             with self._lock.held(_CLOSE_WAIT):
                 self._closed = True
-                self._write_uses()
-                self._settle()
+                self._write_uses_and_settle()
         except (LockTimeout, OSError, lmdb.Error) as exc:
             self._closed = True
             self._warn("index-settle", f"index not settled at close ({exc})")
@@ -98,9 +97,14 @@ class IndexKeeper:
         if uses and not self.index.replaced():
             self.index.touch(uses)
 
-    def _settle(self) -> None:
-        """Under the lock: settle the index we hold, unless it was replaced on disk
-        (``index.settled`` would then speak for tables we have not synced)."""
+    def _write_uses_and_settle(self) -> None:
+        """Under the lock: the kept last uses into the index, then settle it,
+        unless it was replaced on disk (``index.settled`` would then speak for
+        tables we have not synced) or still awaits its recovery (tables a
+        reboot left unsettled must be recovered, not declared settled)."""
+        if self._needs_recovery:
+            return
+        self._write_uses()
         if not self.index.replaced():
             self.index.settle()
 
@@ -117,8 +121,7 @@ class IndexKeeper:
         try:
             with self._lock.held(0):
                 if not self._closed:
-                    self._write_uses()
-                    self._settle()
+                    self._write_uses_and_settle()
         except LockTimeout:
             self._arm_settler(SETTLE_AFTER)
         except (OSError, lmdb.Error) as exc:
