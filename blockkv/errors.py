@@ -38,7 +38,13 @@ class NotRegularFileError(BlockKVError, FileNotFoundError):
 class OversizedError(BlockKVError, ValueError):
     """An object larger than the most its kind can be (a header above the
     format's cap, a block above what its header declares): not read, and not
-    proof of anything about the object it should have been."""
+    proof of anything about the object it should have been. ``etag``: the
+    entity tag of the object the store found too large, where it gave one,
+    so a conviction names that copy and no later one."""
+
+    def __init__(self, message: str, etag: str = "") -> None:
+        super().__init__(message)
+        self.etag = etag
 
 
 class LockTimeout(BlockKVError, TimeoutError):

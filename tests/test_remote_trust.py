@@ -23,9 +23,9 @@ from test_bucket import endpoint, keys, make_bucket, raw_store, server, server_c
 from test_cli import parsed, run_all
 
 from blockkv import BlockStore
-from blockkv.errors import CorruptBlockError
+from blockkv.errors import CorruptBlockError, OversizedError
 from blockkv.format.descriptor import blocks_for_prefix
-from blockkv.format.frame import decode_block
+from blockkv.format.frame import decode_block, max_frame_bytes
 from blockkv.format.header import decode_header, encode_header
 from blockkv.local.directory import fingerprint_dirname
 from blockkv.remote.gc import Window, gc_runs_since
@@ -164,6 +164,36 @@ def test_a_bad_bucket_copy_is_replaced_in_place_by_a_verified_local_one(
         assert a.remote.fetch_block(ref.name, ref.raw_bytes, None, vouched=True, local=lambda n: good) == good
     assert bucket_blocks_verify(endpoint, bucket_name)
 
+
+
+def test_an_oversized_copy_convicts_only_itself_not_the_copy_that_replaced_it(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    """A block's copy larger than its sealed header allows is proof against
+    that copy alone. Another node puts a good copy back between this node's
+    read and its verdict: the good copy stays (the verdict names the ETag of
+    the copy read, not whatever a later HEAD sees), and the entry restores."""
+    conv = node.conversation(7)
+    with keyed(tmp_path / "a", endpoint, bucket_name) as a:
+        assert a.store(*conv)
+        victim = a.find_exact(conv[0]).entry.blocks[-1]
+    raw, where = raw_store(endpoint, bucket_name), blob_key(victim)
+    good = bytes(obstore.get(raw, where).bytes())
+    obstore.put(raw, where, good + bytes(max_frame_bytes(len(good))))  # past what any frame of it can be
+    with keyed(tmp_path / "b", endpoint, bucket_name) as b:
+        read_limited = b.remote.blocks.read_limited
+
+        def healed_meanwhile(name: str, limit: int):  # noqa: ANN202
+            try:
+                return read_limited(name, limit)
+            except OversizedError:
+                obstore.put(raw, where, good)  # another node's heal lands before our verdict
+                raise
+
+        b.remote.blocks.read_limited = healed_meanwhile
+        assert b.restore(b.find_exact(conv[0]).entry) is None  # a miss, never data
+    assert bytes(obstore.get(raw, where).bytes()) == good
+    with keyed(tmp_path / "c", endpoint, bucket_name) as c:
+        assert restores_bit_exact(c, *conv)
 
 # -- case 3: a swapped MANIFEST record ---------------------------------------------------------
 

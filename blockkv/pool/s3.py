@@ -176,7 +176,7 @@ class S3Pool:
                 meta = result.meta
                 if meta["size"] > limit:
                     raise OversizedError(f"{name} in {self.url} has {meta['size']} bytes, more than "
-                                         f"{limit}: not read")
+                                         f"{limit}: not read", (meta.get("e_tag") or "").strip('"'))
                 data = memoryview(result.bytes())
         except FileNotFoundError:
             raise BlockMissingError(f"{name} is not in {self.url}") from None
@@ -186,8 +186,8 @@ class S3Pool:
             if " 416 " not in str(exc):
                 raise
             meta, data = self._head(name), memoryview(b"")  # no byte to range over: an empty object
-        if data.nbytes != meta["size"]:
-            raise OversizedError(f"{name} in {self.url} changed size while read: not used")
+        if data.nbytes != meta["size"]:  # a cut response: an outage, proof of nothing about the object
+            raise ConnectionError(f"{name} in {self.url}: {data.nbytes} of its {meta['size']} bytes received")
         return data, meta
 
     def get(self, name: str, start: int = 0, end: int | None = None) -> bytes:

@@ -239,9 +239,7 @@ class BucketDir:
         except OversizedError as exc:  # larger than any frame the header allows
             if not vouched:
                 raise CorruptHeaderError(f"block {name} is larger than its header says: {exc}") from None
-            with outage(f"fetch of block {name}"):
-                etag = self.blocks.info(name).etag
-            raise ProvenBad(name, etag, f"is larger than its sealed header allows ({exc})") from None
+            raise ProvenBad(name, exc.etag, f"is larger than its sealed header allows ({exc})") from None
         verdict = judge_block(name, data, [key])
         if not verdict.good:
             verdict = judge_block(name, data, [key, *other_keys(), None])

@@ -92,7 +92,7 @@ def check_bucket(bucket: BucketDir, identity: Identity, progress: Callable[[int,
     bad: dict[str, str] = {}  # block -> ETag of the copy proven bad
     names = sorted(n for n in listed.blocks if n in claims)
     for done, name in enumerate(names, 1):
-        _judge(bucket, name, claims[name], listed, settled, report, bad)
+        _judge(bucket, name, claims[name], settled, report, bad)
         if progress is not None:
             progress(done, len(names))
     report.corrupt_blocks = sorted(bad)
@@ -107,17 +107,16 @@ def check_bucket(bucket: BucketDir, identity: Identity, progress: Callable[[int,
     return report
 
 
-def _judge(bucket: BucketDir, name: str, claims: list[_Claim], listed: Listed, settled: float | None,
+def _judge(bucket: BucketDir, name: str, claims: list[_Claim], settled: float | None,
            report: BucketCheckReport, bad: dict[str, str]) -> None:
     """One referenced block: read (bounded by its headers' sizes) and judged."""
-    info = listed.blocks[name]
     vouched = any(c.sealed for c in claims)
     try:
         with outage(f"fetch of block {name}"):
             data, meta = bucket.blocks.get_limited(name, max(frame_limit(c.raw_bytes) for c in claims))
-    except OversizedError:  # larger than every header naming it allows
+    except OversizedError as exc:  # larger than every header naming it allows
         if vouched:
-            bad[name] = info.etag
+            bad[name] = exc.etag  # the copy read, not the one listed: it may have been replaced since
         else:
             report.suspect_blocks.append(name)
         return
@@ -131,7 +130,7 @@ def _judge(bucket: BucketDir, name: str, claims: list[_Claim], listed: Listed, s
         report.bad_headers += [c.header for c in claims
                                if (c.key != verdict.key or c.raw_bytes != verdict.raw_bytes)
                                and c.header not in report.bad_headers]
-    elif convicts(verdict, vouched or (settled is not None and info.last_modified < settled)):
+    elif convicts(verdict, vouched or (settled is not None and meta["last_modified"].timestamp() < settled)):
         bad[name] = (meta.get("e_tag") or "").strip('"')
     else:
         report.suspect_blocks.append(name)
