@@ -27,7 +27,7 @@ from test_bucket import endpoint, keys, make_bucket, raw_store, server  # noqa: 
 
 from blockkv import BlockStore, GenerationCheckpoint
 from blockkv.local.directory import fingerprint_dirname
-from blockkv.remote.manifest import MANIFEST_MIN, manifest_records
+from blockkv.remote.manifest import MANIFEST_MIN, manifest_records, manifest_stream
 from blockkv.remote.objects import header_name
 
 NODE = str(Path(__file__).with_name("remote_node.py"))
@@ -436,6 +436,8 @@ def test_a_fresh_node_learns_the_fleet_from_the_manifest_and_verifies_every_head
         listed = a.remote.list_headers()
         packed = manifest_records(a.remote.meta, listed, listed)
         assert sorted(packed) == sorted([header_name("", a.entries()[0].id), *copies])
+        (tmp_path / "full").write_bytes(b"")  # a spool that cannot be made: no MANIFEST, and no outage either
+        assert list(manifest_stream(a.remote.meta, listed, listed, spool=tmp_path / "full")) == []
         damaged, evicted = copies[0], copies[1]
         key = f"fleet/{FP_DIR}/MANIFEST"
         raw = raw_store(endpoint, bucket_name)

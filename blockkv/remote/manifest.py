@@ -15,6 +15,7 @@ skipped without being held.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import struct
 import tempfile
@@ -28,6 +29,8 @@ MANIFEST_MIN = 32  # this many headers to fetch one by one: read the MANIFEST fi
 _MAGIC = b"BKVMANIFEST2\n"  # version 1 records held no ETag: its objects are not read
 _RECORD = struct.Struct("<HHI")  # name length, ETag length, header length; then name, ETag (UTF-8), header
 _MD5 = re.compile(r"[0-9a-f]{32}")
+
+log = logging.getLogger("blockkv")
 
 
 def pack_manifest(records: Iterable[tuple[str, str, bytes]]) -> bytearray:
@@ -133,12 +136,24 @@ def manifest_stream(pool: BucketPool, listed: Mapping[str, ObjectInfo], wanted: 
     The object is copied into an unnamed file in ``spool`` (a directory; the
     system's temporary one by default) as fast as it arrives, and the records
     are read from there: the request ends however long the caller takes over
-    each record, and memory holds one record at a time."""
+    each record, and memory holds one record at a time.
+    A spool that cannot be made or written (a full disk) is a MANIFEST not
+    read, with one warning: the headers are fetched one by one, and no local
+    error passes for the bucket's."""
     try:
         chunks = pool.stream_limited("MANIFEST", manifest_limit(listed))
-        with tempfile.TemporaryFile(dir=spool) as f:
+        try:
+            spooled = tempfile.TemporaryFile(dir=spool)
+        except OSError as exc:
+            log.warning("blockkv: the bucket's MANIFEST is not read: no spool for it (%s)", exc)
+            return
+        with spooled as f:
             for chunk in chunks:
-                f.write(chunk)
+                try:
+                    f.write(chunk)
+                except OSError as exc:
+                    log.warning("blockkv: the bucket's MANIFEST is not read: its spool failed (%s)", exc)
+                    return
             f.seek(0)
             yield from read_manifest(iter(lambda: f.read(1 << 20), b""), listed, wanted)
     except BlockMissingError:
