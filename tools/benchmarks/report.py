@@ -160,9 +160,9 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             f"| the reads alone: every block's scatter read into allocated destination arrays (2 threads, no header, "
             f"no check, no allocation), alternating with the full restore only (see the analysis) "
             f"| {bk['reads_alone_s'] * 1e3:.0f} ms ({gbps(b1, bk['reads_alone_s'])}) "
-            f"| full restore {bk['full_restore_beside_reads_s'] * 1e3:.0f} ms; mlx-lm load (above) "
-            f"{bk['same_process_mlx_load_s'] * 1e3:.0f} ms | restore / reads {bk['full_restore_beside_reads_s'] / bk['reads_alone_s']:.2f}x; "
-            f"mlx-lm load / reads {bk['same_process_mlx_load_s'] / bk['reads_alone_s']:.2f}x |"
+            f"| full restore {bk['full_restore_beside_reads_s'] * 1e3:.0f} ms (mlx-lm's load, in the alternation above, "
+            f"{bk['same_process_mlx_load_s'] * 1e3:.0f} ms) | restore / reads "
+            f"{bk['full_restore_beside_reads_s'] / bk['reads_alone_s']:.2f}x |"
         ),
         (
             f"| blockkv full restore, same, `verify=\"full\"` (blake3 per read) | {bk['full_restore_blake3_s'] * 1e3:.0f} ms "
@@ -175,7 +175,8 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             f"{ml['load_eval_child_s'] / bk['full_restore_child_s']:.2f}x |"
         ),
         (
-            f"| blockkv's first restore in a fresh process (page cache warm): a restarted server's first hit "
+            f"| blockkv's first restore in a fresh process (page cache warm): a restarted server's first hit; "
+            f"one process each, so one sample each "
             f"| {bk['first_restore_child_s'] * 1e3:.0f} ms ({gbps(b1, bk['first_restore_child_s'])}) "
             f"| mlx-lm's first load there {ml['load_eval_child_first_s'] * 1e3:.0f} ms "
             f"| {ml['load_eval_child_first_s'] / bk['first_restore_child_s']:.2f}x |"

@@ -1,8 +1,9 @@
 """Restore speed of the next-turn entry, what a prompt-cache hit waits for: a
 full restore against mlx-lm's load in one long-lived warm process (verify with
-xxh3-128, and with blake3), beside the floors measured in the same
-alternation (the same restore with no check, and the block reads alone into
-allocated destination arrays), and in a fresh process (with peak RSS growth);
+xxh3-128, and with blake3), beside its floors: the same restore with no check
+in the same alternation, and the block reads alone into allocated
+destination arrays in an alternation of their own against the restore (see
+below why); and in a fresh process (with peak RSS growth);
 a partial restore, which must read only the block files of its prefix."""
 
 from __future__ import annotations
