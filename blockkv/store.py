@@ -342,10 +342,11 @@ class BlockStore:
         p = check_prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
-        if self._remote is not None and self._remote.is_remote_only(entry.id):
+        remote = self._remote is not None and self._remote.is_remote_only(entry.id)
+        if remote:
             self._remote.settle(entry.id)  # a restore of it may be making it local right now
             self._refresh()  # this handle or another may have made it local
-        remote = self._remote is not None and entry.id not in self._catalog and self._remote.is_remote_only(entry.id)
+            remote = entry.id not in self._catalog and self._remote.is_remote_only(entry.id)
         read = self._remote.restore(entry, cut) if remote else self._read(entry, cut)
         if read is None:
             return None

@@ -31,7 +31,7 @@ from blockkv.errors import (
 )
 from blockkv.format.descriptor import ParsedDescriptor
 from blockkv.format.frame import Judgement, judge_block
-from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header
+from blockkv.format.header import MAX_HEADER_BYTES, Header
 from blockkv.local.directory import HEADER_LAYOUT, parsed_header
 from blockkv.pool.protocol import BLOCK_LAYOUT
 from blockkv.remote.clock import CLOCK_SLACK, Reading, read_clock
@@ -41,6 +41,7 @@ from blockkv.remote.objects import (
     BucketError,
     BucketPool,
     ObjectInfo,
+    entry_id_of,
     header_name,
     outage,
 )
@@ -72,7 +73,7 @@ class ProvenBad(CorruptBlockError):
 
     def __init__(self, name: str, etag: str, why: str) -> None:
         super().__init__(f"block {name} in the bucket {why}")
-        self.name, self.etag, self.why = name, etag, why
+        self.etag = etag
 
 
 class BucketDir:
@@ -112,7 +113,6 @@ class BucketDir:
         self.grace = grace
         self.sweep_window = sweep_window
         self.touch_interval = touch_interval
-        self.fetch_threads = fetch_threads
         self.key = key
         self._node = uuid.uuid4().hex  # this handle's clock probe object
         self._fetchers = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="blockkv-bucket")
@@ -172,7 +172,7 @@ class BucketDir:
         and that it is the object its name claims (its namespace's directory).
         CorruptError, or NewerFormatError, otherwise."""
         header, parsed = parsed_header(name, data)
-        if header_name(header.ns, name.rpartition("/")[2].removesuffix(SUFFIX)) != name:
+        if header_name(header.ns, entry_id_of(name)) != name:
             raise CorruptHeaderError(f"{name}: the header is of another namespace's directory")
         return HeaderCopy(data, header, etag, self.key is not None and self.key.header_sealed(name, data), parsed)
 

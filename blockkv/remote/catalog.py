@@ -48,7 +48,6 @@ class RemoteEntry:
     header_bytes: int
     nbytes: int  # header + every block's payload, as the header declares them
     last_modified: float  # its header's, in the bucket
-    slot: int
 
 
 class _Rows:
@@ -205,7 +204,7 @@ class RemoteCatalog:
     def _entry(self, slot: int) -> RemoteEntry:
         hi, lo, ns, length, offset, header_bytes, nbytes, last_modified, trimmable, _ = self._records.rows[slot].item()
         return RemoteEntry(f"{hi:016x}{lo:016x}", self._ns_names[ns], length, trimmable, offset, header_bytes,
-                           nbytes, last_modified, slot)
+                           nbytes, last_modified)
 
     def get(self, entry_id: str) -> RemoteEntry | None:
         slot = self._slot(entry_id)

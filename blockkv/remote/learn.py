@@ -19,7 +19,7 @@ from itertools import islice
 from blockkv.errors import BlockKVError, CorruptError, OversizedError
 from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
-from blockkv.format.header import SUFFIX, Identity
+from blockkv.format.header import Identity
 from blockkv.local.directory import Directory, entry_record
 from blockkv.records import CHECKPOINT_NS
 from blockkv.remote.bucket_dir import BucketDir, HeaderCopy
@@ -32,7 +32,7 @@ from blockkv.remote.manifest import (
     manifest_stream,
     pack_manifest,
 )
-from blockkv.remote.objects import BucketError, ObjectInfo, header_name, outage
+from blockkv.remote.objects import BucketError, ObjectInfo, entry_id_of, header_name, outage
 
 BATCH = 64  # headers handled at a time
 
@@ -41,11 +41,6 @@ def _batches(names: Iterable[str]) -> Iterator[list[str]]:
     it = iter(names)
     while batch := list(islice(it, BATCH)):
         yield batch
-
-
-def entry_id_of(name: str) -> str:
-    """The entry id a header name carries."""
-    return name.rpartition("/")[2].removesuffix(SUFFIX)
 
 
 class Learner:

@@ -27,7 +27,6 @@ from blockkv.errors import (
     NewerFormatError,
 )
 from blockkv.format.header import Header
-from blockkv.local.directory import Directory
 from blockkv.local.prefix_index import common_prefix_length
 from blockkv.records import Entry, Match
 from blockkv.remote.bucket_dir import HeaderCopy
@@ -76,9 +75,9 @@ class Lookup:
     header is verified, descriptor and all, before a restore uses it);
     ``unusable(entry, exc)`` is told of one that proved bad."""
 
-    def __init__(self, catalog: RemoteCatalog, directory: Directory, header: Callable[[str], Header],
+    def __init__(self, catalog: RemoteCatalog, header: Callable[[str], Header],
                  unusable: Callable[[RemoteEntry, Exception], None]) -> None:
-        self._catalog, self._dir, self._header, self._unusable = catalog, directory, header, unusable
+        self._catalog, self._header, self._unusable = catalog, header, unusable
 
     def entry(self, record: RemoteEntry) -> Entry | None:
         """The entry as ``find`` hands it out (its tokens and block names from

@@ -43,6 +43,11 @@ def header_name(ns: str, entry_id: str) -> str:
     return f"{ns_dirname(ns)}/{entry_id}{SUFFIX}"
 
 
+def entry_id_of(name: str) -> str:
+    """The entry id a header name carries (``header_name``'s inverse for the id)."""
+    return name.rpartition("/")[2].removesuffix(SUFFIX)
+
+
 class BucketError(BlockKVError):
     """The bucket is unreachable, slow or refusing requests (not a definite answer)."""
 

@@ -56,11 +56,11 @@ from blockkv.remote.bucket_dir import HeaderCopy
 from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
 from blockkv.remote.fetch import fetch_block
 from blockkv.remote.files import HeaderCache
-from blockkv.remote.learn import Learner, entry_id_of
+from blockkv.remote.learn import Learner
 from blockkv.remote.listing import Listing
 from blockkv.remote.lookup import Lookup, RecentHeaders
 from blockkv.remote.materialise import Adoption, RemoteRead
-from blockkv.remote.objects import BucketError, BucketMissingError, header_name
+from blockkv.remote.objects import BucketError, BucketMissingError, entry_id_of, header_name
 from blockkv.remote.options import split_options
 from blockkv.remote.uploads import Uploader
 from blockkv.remote.verify import verified_frame
@@ -95,7 +95,7 @@ class RemoteTier:
         self.breaker = Breaker()
         self.mutex = threading.Lock()
         self._recent = RecentHeaders()
-        self._lookup = Lookup(self.catalog, directory, self._header, self._unusable)
+        self._lookup = Lookup(self.catalog, self._header, self._unusable)
         self._identity_checked = False
         self._sync_lock = threading.Lock()  # one sync at a time
         self._next_sync = 0.0

@@ -19,14 +19,14 @@ import obstore
 
 from blockkv.errors import BlockMissingError, CorruptError, OversizedError
 from blockkv.format.blocks import CODEC_ID
-from blockkv.format.header import SUFFIX, Identity
+from blockkv.format.header import Identity
 from blockkv.local.directory import entry_record, fingerprint_dirname
 from blockkv.pool.protocol import Layout
 from blockkv.pool.s3 import S3Pool
 from blockkv.records import Entry, EntryRecord
 from blockkv.remote.bucket_dir import BucketDir, HeaderCopy
 from blockkv.remote.fleet_key import FleetKey
-from blockkv.remote.objects import MAX_IDENTITY_BYTES, ObjectInfo, outage
+from blockkv.remote.objects import MAX_IDENTITY_BYTES, ObjectInfo, entry_id_of, outage
 
 _IDENTITY_LAYOUT = Layout(re.compile(r"[A-Za-z0-9._-]+/IDENTITY"), sharded=False)
 
@@ -132,7 +132,7 @@ def list_directory(bucket: BucketDir) -> Listed:
         if keyed and not copy.sealed:
             unsealed.append(name)
             continue
-        entry_id = name.rpartition("/")[2].removesuffix(SUFFIX)
+        entry_id = entry_id_of(name)
         try:
             records[name] = entry_record(entry_id, f"entries/{name}", copy.header, len(copy.data)), copy
         except (CorruptError, ValueError, KeyError, TypeError):

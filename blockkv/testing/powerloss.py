@@ -35,7 +35,7 @@ be lost, independently" — OSDI 2014):
   environment: never synced), ``"previous-boot"`` (the last commit before
   the cut, from a boot that has ended: after a power cut
   ``/proc/sys/kernel/random/boot_id`` differs, so the store trusts it only
-  if it was settled, its ``index.dirty`` marker gone, and otherwise rebuilds
+  if it was settled, its ``index.settled`` marker present, and otherwise rebuilds
   the tables from the files; a marker, written through the seam, is durable
   before any commit it covers, so the last commit of a cut without one is
   the one the settle synced), or ``"synced"`` (the last

@@ -182,6 +182,7 @@ def remote_restore(cfg: Config, work: Path) -> dict[str, Any]:
             assert a.store(src.tokens, src.caches()), "node A's store was not acknowledged"
             nbytes = a.total_bytes
             entry_blocks = list(a.find_exact(src.tokens).entry.blocks)
+        needed = entry_blocks[: -(-half // cfg.block_tokens)]  # the blocks a restore of the first half reads
         for rep in range(restore_reps(cfg)):
             shutil.rmtree(work / "node-b", ignore_errors=True)
             with remote_store(work / "node-b", url, options, cfg.block_tokens) as b:
@@ -209,7 +210,7 @@ def remote_restore(cfg: Config, work: Path) -> dict[str, Any]:
             shutil.rmtree(work / "node-b", ignore_errors=True)
             with remote_store(work / "node-b", url, options, cfg.block_tokens) as b:
                 match = b.find_exact(src.tokens)
-                needed = entry_blocks[: -(-half // cfg.block_tokens)]
+                assert match is not None, "a fresh node did not learn node A's entry"
                 if rep % 2:
                     runs["partial_raw_get"].append(plain_gets(b, needed))
                 sent = received()["blob_bytes_read"]
