@@ -157,9 +157,10 @@ class Catalog:
             return index.total_bytes()
         return footprint(self.entries(), index.block_sizes())
 
-    def eviction_plan(self, index: Index, last_use: Mapping[str, float], total: int, target: int) -> list[Entry]:
+    def eviction_plan(self, last_use: Mapping[str, float], block_sizes: Mapping[str, int], total: int,
+                      target: int) -> list[Entry]:
         """``lru_plan`` over the handle's own identity's entries, by ``last_use``."""
-        return lru_plan(self.entries(), last_use, index.block_sizes(), total, target)
+        return lru_plan(self.entries(), last_use, block_sizes, total, target)
 
     def in_namespace(self, ns: str) -> list[Entry]:
         """One namespace's entries, in its trie's order."""

@@ -227,11 +227,11 @@ class Retention:
         if total <= target_bytes:  # the common case: every store checks the cap
             return [], {}
         index = self._keeper.index
-        last_use = index.last_use()
+        last_use, block_sizes = index.last_use(), index.block_sizes()  # read once: the loop only revises last uses
         later: dict[str, float] = {}
         checked: set[str] = set()
         while True:
-            plan = self._catalog.eviction_plan(index, last_use, total, target_bytes)
+            plan = self._catalog.eviction_plan(last_use, block_sizes, total, target_bytes)
             found = self._dir.used_later([(e.ns, e.id) for e in plan if e.id not in checked], last_use)
             checked.update(e.id for e in plan)
             if not found:
