@@ -75,6 +75,12 @@ def resolve_options(options: Mapping[str, str] | None) -> dict[str, str]:
     return {key: value for key, value in resolved.items() if value}
 
 
+def put_body(parts: Sequence[Buffer]) -> Buffer:
+    """One PUT's body: a single part as it is (a block's frame, a MANIFEST: not
+    copied), several joined."""
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 class S3Pool:
     capabilities = PoolCapabilities(
         durable_rename=False, consistent_listing=True, cheap_stat=False, range_reads=True, mtime=True
@@ -143,7 +149,7 @@ class S3Pool:
 
     def _put_conditional(self, name: str, parts: Sequence[Buffer], mode: object) -> bool:
         key = self.layout.location(self.layout.check(name))
-        data = b"".join(parts)
+        data = put_body(parts)
         for attempt in range(_CONFLICT_RETRIES + 1):
             try:
                 with self._bucket_must_exist():

@@ -25,7 +25,7 @@ from blockkv.format.header import SUFFIX
 from blockkv.fs import Buffer
 from blockkv.local.directory import HEADER_LAYOUT, ns_dirname
 from blockkv.pool.protocol import Layout
-from blockkv.pool.s3 import NoSuchBucketError, S3Pool
+from blockkv.pool.s3 import NoSuchBucketError, S3Pool, put_body
 
 _HEX32 = r"[0-9a-f]{32}"
 # the fingerprint directory's own objects: IDENTITY, MANIFEST (headers packed in one
@@ -92,8 +92,7 @@ class BucketPool(S3Pool):
         """An unconditional PUT; returns the new object's ETag."""
         key = self.layout.location(self.layout.check(name))
         with self._bucket_must_exist():
-            body = parts[0] if len(parts) == 1 else b"".join(parts)  # one part (a MANIFEST) is not copied
-            result = obstore.put(self._store, key, body, mode="overwrite", use_multipart=False)
+            result = obstore.put(self._store, key, put_body(parts), mode="overwrite", use_multipart=False)
         return _etag(result)
 
     def info(self, name: str) -> ObjectInfo:
