@@ -15,18 +15,20 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import load_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from blockkv import BlockStore
 from blockkv.format.codec import encode_caches, walk_tensors
 from blockkv.mlx_lm import export_prompt_cache, import_prompt_cache
-from blockkv.serving.identity import model_identity
+from blockkv.serving.cache_fit import ModelLayout
+from blockkv.serving.identity import KVQuant, model_identity
 from blockkv.serving.portable import PromptCacheFileError
 from blockkv.serving.warm import cache_prompt_tokens
 from blockkv.testing.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import (
     chunked_cache_fills,
     concatenate_cache,
+    model_config,
     prefill,
     quantized,
     random_tokens,
@@ -189,3 +191,95 @@ def test_tokens_that_do_not_match_the_offsets_are_refused(tmp_path: Path) -> Non
         with pytest.raises(ValueError, match="pass exactly the tokens"):
             import_prompt_cache(store, path, tokens=tokens + [1], ns="other")
         assert store.count("other") == 0
+
+
+def llama_with(seed: int = 0, **config: Any) -> Any:
+    """The tiny llama with ``config`` changed (another KV head count, head dim...)."""
+    import importlib
+
+    name, base = model_config("llama")
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(seed)
+    return module.Model(module.ModelArgs.from_dict({**base, **config}))
+
+
+def test_a_file_of_another_model_is_refused(tmp_path: Path) -> None:
+    """A KV tensor is only valid for the weights that made it: an export names
+    its store's fingerprint, an mlx-lm file its model; a file naming another
+    model, or none (unless the caller vouches for it), stores nothing."""
+    _, tokens, caches = case("KVCache")
+    with open_store(tmp_path / "a", "model-A") as a, open_store(tmp_path / "b", "model-B") as b:
+        assert a.store(tokens, caches)
+        path = export_prompt_cache(a, a.find_exact(tokens).entry, tmp_path / "a.safetensors")
+        with pytest.raises(PromptCacheFileError, match="made by 'model-A'"):
+            import_prompt_cache(b, path)
+        for name, metadata, ok in [("other", {"model": "other-model"}, False),
+                                   ("same", {"model": "/elsewhere/tiny/"}, True),
+                                   ("none", {}, False)]:
+            made = tmp_path / f"{name}.safetensors"
+            save_prompt_cache(str(made), caches, metadata)
+            if ok:
+                assert import_prompt_cache(b, made, tokens=tokens, ns=name) is not None
+            else:
+                with pytest.raises(PromptCacheFileError, match="made by model 'other-model'|names no model"):
+                    import_prompt_cache(b, made, tokens=tokens, ns=name)
+        assert import_prompt_cache(b, tmp_path / "none.safetensors", tokens=tokens, ns="vouched",
+                                   unlabelled=True) is not None
+        assert sorted(e.ns for e in b.entries()) == ["same", "vouched"]
+
+
+def test_caches_that_do_not_fit_the_model_are_refused(tmp_path: Path) -> None:
+    """Every cache's kind, layer count, KV heads, head dim and dtype must be the
+    model's own (``make_prompt_cache``'s) before anything is stored: a file of
+    one KV head under a two-head model would kill mlx-lm's generation."""
+    model, tokens, caches = case("KVCache")
+    assert ModelLayout([model]).misfit(caches) is None
+    assert ModelLayout([model, model]).misfit(caches + caches) is None  # a draft model's caches follow
+    misfits = {
+        "heads": ModelLayout([llama_with(num_key_value_heads=2)]),
+        "head dim": ModelLayout([llama_with(head_dim=16)]),
+        "layers": ModelLayout([llama_with(num_hidden_layers=3)]),
+        "window": ModelLayout([tiny_model("gemma3")]),
+        "state": ModelLayout([tiny_model("mamba")]),
+    }
+    for what, layout in misfits.items():
+        assert layout.misfit(caches) is not None, what
+    half, _ = prefill(tiny_model("llama", dtype=mx.float16), tokens)
+    assert ModelLayout([model]).misfit(half) is not None  # dtype
+    assert ModelLayout([model], KVQuant(8, 32, 0)).misfit(quantized(caches)) is None
+    assert ModelLayout([model]).misfit(quantized(caches)) is not None
+    with open_store(tmp_path / "a") as store, open_store(tmp_path / "b") as other:
+        assert store.store(tokens, caches)
+        path = export_prompt_cache(store, store.find_exact(tokens).entry, tmp_path / "x.safetensors")
+        with pytest.raises(PromptCacheFileError, match="do not fit the model"):
+            import_prompt_cache(other, path, layout=misfits["heads"])
+        assert len(other) == 0
+        assert import_prompt_cache(other, path, layout=ModelLayout([model])) is not None
+
+
+def test_import_refuses_a_file_of_another_model_or_layout(tmp_path: Path) -> None:
+    """``blockkv import --model B`` of A's file: refused by name; a file that
+    names no model: refused unless ``--unlabelled``, and then still refused
+    where its caches do not fit B's own layout (here B has two KV heads)."""
+    import mlx_lm
+
+    model_dir = build_model_dir(tmp_path / "tiny-llama", "llama")
+    wide_dir = build_model_dir(tmp_path / "wide-llama", "llama", overrides={"num_key_value_heads": 2})
+    tokens = random_tokens(80, seed=3)
+    caches, _ = prefill(mlx_lm.load(str(model_dir))[0], tokens)
+    labelled, bare = tmp_path / "labelled.safetensors", tmp_path / "bare.safetensors"
+    save_prompt_cache(str(labelled), caches, {"model": str(model_dir)})
+    save_prompt_cache(str(bare), caches, {})
+    root = tmp_path / "kv"
+
+    def blockkv_import(path: Path, model: Path, *more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "blockkv", "import", str(root), str(path), "--model", str(model),
+                               "--tokens", json.dumps(tokens), *more], capture_output=True, text=True, timeout=300)
+
+    for path, model, more, why in [(labelled, wide_dir, (), "made by model"), (bare, model_dir, (), "names no model"),
+                                    (bare, wide_dir, ("--unlabelled",), "do not fit the model")]:
+        refused = blockkv_import(path, model, *more)
+        assert refused.returncode == 1 and why in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert list(root.rglob("*.bkv")) == []
+    taken = blockkv_import(bare, model_dir, "--unlabelled")
+    assert taken.returncode == 0, taken.stderr

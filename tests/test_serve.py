@@ -21,8 +21,12 @@ import mlx_lm
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from blockkv import BlockStore
 from blockkv.serving.demo import Agent
+from blockkv.serving.identity import model_identity
+from blockkv.serving.warm import system_tokens
 from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.testing.models import prefill
 
 MAX_TOKENS = 8
 # Safety bounds so a broken server fails the test instead of hanging it (not assertions on speed).
@@ -262,3 +266,35 @@ def test_warmed_system_prompt_hits_first_and_metrics_count_every_tier(tmp_path: 
     (cap,) = [v for k, v in after.items() if k.startswith("blockkv_disk_cap_bytes")]
     (used,) = [v for k, v in after.items() if k.startswith("blockkv_disk_bytes")]
     assert cap == 16 << 30 and 0 < used <= cap
+
+
+def test_an_entry_that_does_not_fit_the_model_is_a_miss_and_the_server_lives(tmp_path: Path) -> None:
+    """An entry of another KV layout (two KV heads, the model has one) planted
+    under the served model's identity: the request that matches it is answered
+    as a miss, with one warning, and every later request is answered too (mlx-lm's
+    generation thread died on it, and the server answered nothing after that)."""
+    import openai
+
+    model_dir = build_model_dir(tmp_path / "model", "llama")
+    wide_dir = build_model_dir(tmp_path / "wide", "llama", overrides={"num_key_value_heads": 2})
+    cache_dir = tmp_path / "cache"
+    system = {"role": "system", "content": sample_text(300, seed=1)}  # over one block (256 tokens)
+    tokenizer = mlx_lm.load(str(model_dir))[1]
+    tokens = system_tokens(tokenizer, [system])
+    caches, _ = prefill(mlx_lm.load(str(wide_dir))[0], tokens)
+    ident = model_identity(model_dir)
+    with BlockStore(cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
+                    tokenizer_hash=ident.tokenizer_hash, max_bytes=1 << 30) as store:
+        assert store.store(tokens, caches)
+    server = Server([sys.executable, "-m", "blockkv", "serve"], model_dir, cache_dir, tmp_path / "a.log")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
+                               timeout=REQUEST_BOUND_S)
+        answers = [client.chat.completions.create(
+            model="default_model", messages=[system, {"role": "user", "content": sample_text(10, seed=seed)}],
+            max_tokens=MAX_TOKENS, temperature=0.0) for seed in (2, 3, 4)]
+    finally:
+        log = server.stop()
+    assert all(a.choices[0].message.content is not None for a in answers)
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0  # the planted entry was not served
+    assert "restored" not in log and len(re.findall(r"does not fit the model", log)) == 1

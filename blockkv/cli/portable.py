@@ -62,6 +62,8 @@ def add_commands(sub: Any, make: Any) -> None:
     prompt.add_argument("--prompt-file", type=Path, help="the same, from a file")
     prompt.add_argument("--tokens", metavar="JSON", help="the prompt's token ids, a JSON list (or @FILE)")
     imp.add_argument("-n", "--namespace", default="", metavar="NS", help="store in this namespace (default '')")
+    imp.add_argument("--unlabelled", action="store_true",
+                     help="take a file whose metadata names no model (you vouch that --model made it)")
     add_identity_options(imp, required=True)
     warm = make("warm", cmd_warm, "store a system prompt's cache before the first request")
     warm.add_argument("root", nargs="?", help="cache root (default: serve's, ~/.cache/blockkv; created if missing)")
@@ -92,9 +94,11 @@ def cmd_import(args: argparse.Namespace) -> int:
     from blockkv.serving.portable import import_prompt_cache
 
     tokens = _prompt_tokens(args)
+    layout = _layout(args)
     with _serve_store(args) as store:
         before = dict(store.stats)
-        entry = import_prompt_cache(store, args.file, tokens=tokens, ns=args.namespace)
+        entry = import_prompt_cache(store, args.file, tokens=tokens, ns=args.namespace, layout=layout,
+                                    unlabelled=args.unlabelled)
         if entry is None:
             raise OSError(f"{args.file} was not stored (the warning above says why)")
         written = int(store.stats["bytes_written"] - before["bytes_written"])
@@ -144,6 +148,23 @@ def _kv(args: argparse.Namespace) -> Any:
     if start is None:
         from mlx_lm.server import DEFAULT_QUANTIZED_KV_START as start  # what serve defaults to
     return KVQuant(args.kv_bits, args.kv_group_size, start)
+
+
+def _layout(args: argparse.Namespace) -> Any:
+    """The cache layout serve has for these flags: the model's own (and its
+    draft model's), which an imported file's caches must fit."""
+    from mlx_lm import load
+
+    from blockkv.serving.cache_fit import ModelLayout
+    from blockkv.serving.identity import resolve_model_path
+
+    try:
+        models = [load(str(resolve_model_path(args.model)), adapter_path=args.adapter_path)[0]]
+        if args.draft_model:
+            models.append(load(str(resolve_model_path(args.draft_model)))[0])
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    return ModelLayout(models, _kv(args))
 
 
 def _identity(args: argparse.Namespace) -> Any:

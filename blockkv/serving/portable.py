@@ -8,9 +8,14 @@ installed mlx-lm reads; the entry's tokens ride in its metadata
 (``blockkv_tokens``) so an import needs nothing else. A file is untrusted
 input: its safetensors header is read with bounds (size, tensor count, dtypes,
 offsets inside the file) and its cache classes must be ones blockkv has a
-codec for before mlx-lm's loader sees it. An import stores through
-``BlockStore.store``, which refuses tokens that do not match the caches'
-offsets and deduplicates shared blocks.
+codec for before mlx-lm's loader sees it. A cached KV tensor is only valid
+for the weights that made it, so the file's metadata must name the store's
+model (blockkv's own exports: its config fingerprint and tokenizer hash, which
+hash the weights, revision and KV quantisation; ``mlx_lm.cache_prompt``'s: the
+model's name) and a file that names none is taken only when the caller says so;
+its caches must fit the model's own layout (``cache_fit``) before anything is
+stored. An import stores through ``BlockStore.store``, which refuses tokens
+that do not match the caches' offsets and deduplicates shared blocks.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from typing import Any
 
 from blockkv.errors import BlockKVError
 from blockkv.format.codec import codec_named
+from blockkv.format.header import Identity
 from blockkv.format.state_api import TWO_PART_STATE
 from blockkv.local.read_only import ReadOnlyStore
 from blockkv.records import Entry
+from blockkv.serving.cache_fit import ModelLayout
 from blockkv.store import BlockStore
 
 log = logging.getLogger("blockkv.mlx_lm")
@@ -84,13 +91,22 @@ def export_prompt_cache(store: BlockStore | ReadOnlyStore, entry: Entry, path: s
 
 
 def import_prompt_cache(store: BlockStore, path: str | os.PathLike[str], *,
-                        tokens: Sequence[int] | None = None, ns: str = "") -> Entry | None:
+                        tokens: Sequence[int] | None = None, ns: str = "", layout: ModelLayout | None = None,
+                        unlabelled: bool = False) -> Entry | None:
     """Store the caches of a prompt-cache file under ``tokens`` (default: the
-    ones an export wrote into it). Returns the stored entry, or None where the
-    store did not take it (its warning says why). Raises ``PromptCacheFileError``
-    for a file it cannot read and ``ValueError`` for tokens that do not match
-    the caches."""
+    ones an export wrote into it). The file must name the store's model
+    (``unlabelled=True`` takes one that names no model at all) and its caches
+    must fit ``layout`` (the model's: ``ModelLayout([model])``; None: the
+    caller vouches for them). Returns the stored entry, or None where the store
+    did not take it (its warning says why). Raises ``PromptCacheFileError`` for
+    a file it cannot read or that is not this model's, and ``ValueError`` for
+    tokens that do not match the caches."""
     caches, metadata = read_prompt_cache(path)
+    check_file_identity(metadata, store.identity, path, unlabelled=unlabelled)
+    if layout is not None:
+        misfit = layout.misfit(caches)
+        if misfit is not None:
+            raise PromptCacheFileError(f"{path}: its caches do not fit the model ({misfit})")
     if tokens is None:
         tokens = tokens_in(metadata, path)
     stored = store.store(tokens, caches, ns)
@@ -101,6 +117,31 @@ def import_prompt_cache(store: BlockStore, path: str | os.PathLike[str], *,
     if not stored:  # with remote=: kept locally, the bucket gets it with a later listing
         log.info("blockkv: %s stored locally; the bucket did not acknowledge it yet", path)
     return match.entry
+
+
+def check_file_identity(metadata: dict[str, str], identity: Identity, path: str | os.PathLike[str], *,
+                        unlabelled: bool = False) -> None:
+    """Refuse a file whose metadata names another model than ``identity``'s:
+    blockkv's export names it by config fingerprint and tokenizer hash (weights,
+    revision, KV quantisation, template), ``mlx_lm.cache_prompt`` by the
+    ``--model`` it was given (a directory's name or a repo id). A file that
+    names no model is taken only with ``unlabelled``."""
+    fingerprint = metadata.get("blockkv_config_fingerprint")
+    if fingerprint is not None:
+        if fingerprint != identity.config_fingerprint:
+            raise PromptCacheFileError(f"{path}: made by {fingerprint!r}, not by this store's model "
+                                       f"{identity.config_fingerprint!r}")
+        if metadata.get("blockkv_tokenizer_hash") != identity.tokenizer_hash:
+            raise PromptCacheFileError(f"{path}: made with another tokenizer or chat template than this store's")
+        return
+    name = metadata.get("model")
+    if name is None:
+        if not unlabelled:
+            raise PromptCacheFileError(f"{path}: names no model in its metadata; import it only if you know "
+                                       "which model made it (--unlabelled)")
+        return
+    if name.rstrip("/") != identity.model_id and Path(name.rstrip("/")).name != identity.model_id:
+        raise PromptCacheFileError(f"{path}: made by model {name[:200]!r}, not {identity.model_id!r}")
 
 
 def tokens_in(metadata: dict[str, str], path: str | os.PathLike[str]) -> list[int]:

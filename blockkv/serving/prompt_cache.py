@@ -11,7 +11,10 @@ quantisation, so two models or two revisions never share entries.
 The disk tier never raises into the caller: a cache object blockkv has no codec
 for stays in the RAM tier (one warning per class), a store that cannot be
 opened leaves its model RAM-only, and a failing read or write is a miss or a
-not-stored. What the RAM tier does is exactly what ``LRUPromptCache`` does.
+not-stored. A restored cache list that does not fit the model's own layout
+(``cache_fit``: a planted or imported entry of another model) is a miss too,
+never handed to mlx-lm, whose generation thread would die on it. What the RAM
+tier does is exactly what ``LRUPromptCache`` does.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from functools import partial
 from pathlib import Path
@@ -31,6 +34,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from blockkv import BlockStore
 from blockkv.format.codec import codec_for
 from blockkv.fs import FileLayer
+from blockkv.serving.cache_fit import ModelLayout
 from blockkv.serving.identity import KVQuant, StoreIdentity, identity_from_key
 
 __all__ = ["PersistentPromptCache"]
@@ -67,7 +71,11 @@ class PersistentPromptCache(LRUPromptCache):
     ``fs`` is the stores' file layer (the fault-injection seam). ``remote``
     (``s3://bucket/prefix``) and ``remote_options`` go to every store: the
     fleet of servers on one bucket share their entries (docs/scale-out.md);
-    ``cache_dir`` stays each server's own local tier.
+    ``cache_dir`` stays each server's own local tier. ``models`` maps a model
+    key to its loaded model objects (the model, then its draft model, as
+    mlx-lm's server concatenates their caches): a restored cache list is served
+    only if it fits their layout; without ``models`` the caller vouches for
+    every entry the store holds.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class PersistentPromptCache(LRUPromptCache):
         fs: FileLayer | None = None,
         remote: str | None = None,
         remote_options: Mapping[str, str] | None = None,
+        models: Callable[[Any], Sequence[Any] | None] | None = None,
     ) -> None:
         if not isinstance(cache_dir, (str, Path)):
             raise TypeError(f"cache_dir must be a str or Path, got {type(cache_dir).__name__}")
@@ -103,8 +112,11 @@ class PersistentPromptCache(LRUPromptCache):
         self._fs = fs
         self._remote = remote
         self._remote_options = dict(remote_options) if remote_options is not None else None
+        self._kv = kv
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
         self._stores: dict[Any, BlockStore | None] = {}
+        self._models = models
+        self._layouts: dict[Any, ModelLayout | None] = {}
         self._pending: set[Future[bool]] = set()
         self._ram_only_kinds: set[tuple[type, ...]] = set()
         self._warned: set[str] = set()
@@ -117,6 +129,7 @@ class PersistentPromptCache(LRUPromptCache):
                 "disk_hits",
                 "bucket_hits",
                 "misses",
+                "misfits",
                 "tokens_from_ram",
                 "tokens_from_disk",
                 "tokens_from_bucket",
@@ -223,6 +236,12 @@ class PersistentPromptCache(LRUPromptCache):
             seconds = time.perf_counter() - started
             if loaded is None:
                 return None
+            misfit = self._misfit(model, loaded.caches)
+            if misfit is not None:
+                self._count(misfits=1)
+                self._warn_once("misfit", "blockkv: entry %s does not fit the model (%s); served without it",
+                                match.entry.id, misfit)
+                return None
             prefix = list(tokens[: match.prefix_len])
             # Into mlx-lm's RAM tier by mlx-lm's own rules; the caller gets a copy
             # to extend in place, as from any RAM hit.
@@ -239,6 +258,20 @@ class PersistentPromptCache(LRUPromptCache):
             match.prefix_len, len(tokens), "the bucket" if tier == "bucket" else "disk",
         )
         return served, tokens[match.prefix_len :]
+
+    def _misfit(self, model: Any, caches: list[Any]) -> str | None:
+        """Why restored ``caches`` do not fit the model of key ``model`` (None:
+        they do, or no ``models`` was given). The layout is the model's own,
+        made once per key; one that cannot be made refuses every restore."""
+        if self._models is None:
+            return None
+        if model not in self._layouts:
+            self._layouts[model] = None  # a probe that fails is not retried on every request
+            loaded = self._models(model)
+            if loaded:
+                self._layouts[model] = ModelLayout(loaded, self._kv)
+        layout = self._layouts[model]
+        return "the model is not loaded" if layout is None else layout.misfit(caches)
 
     def _worth_restoring(self, prefix_len: int, from_ram: int) -> bool:
         """A disk match of ``prefix_len`` tokens against the RAM tier's ``from_ram``:

@@ -94,6 +94,14 @@ def _own_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _loaded_models(model_provider: Any, key: Any) -> list[Any] | None:
+    """The model objects mlx-lm's server makes caches for under ``key``
+    (the model, then its draft model); None if another key is loaded."""
+    if model_provider.model_key != key:
+        return None
+    return [m for m in (model_provider.model, model_provider.draft_model) if m is not None]
+
+
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -150,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 chat_template=cli.chat_template or None,
                 remote=args.remote,
                 remote_options=options,
+                models=functools.partial(_loaded_models, model_provider),
             )
             caches.append(cache)
             metrics.watch(cache)
