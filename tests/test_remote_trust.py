@@ -312,6 +312,36 @@ def test_with_a_fleet_key_nodes_serve_only_what_a_key_holder_sealed(
     assert len(keys(endpoint, bucket_name, f"fleet/{FP_DIR}/entries")) == 3  # nothing deleted for it
 
 
+def test_with_a_fleet_key_a_header_planted_in_a_nodes_root_is_never_sealed(
+        tmp_path: Path, endpoint: str, bucket_name: str, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """A local writer of node A's root without the key plants a header (a valid
+    unkeyed digest: another prompt over A's blocks) and an empty backlog mark.
+    A's next sync must not seal it with the fleet key, or every keyed node
+    would serve it; a store of A's own that waited in the backlog still goes."""
+    own, waiting = node.conversation(36), node.conversation(37)
+    forged_tokens = own[0][::-1]
+    with keyed(tmp_path / "a", endpoint, bucket_name) as a:
+        assert a.store(*own)
+        header = a._dir.read_header(a._dir.header_path("", a.find_exact(own[0]).entry.id))
+        a._remote.breaker.failed()  # the bucket unreachable for a moment: stored locally, in the backlog
+        assert not a.store(*waiting)
+        planted = uuid.uuid4().hex
+        path = a._dir.header_path("", planted)
+        backlog = a.directory / "backlog"
+    path.write_bytes(encode_header(type(header)(header.identity, "", node.np.asarray(forged_tokens, dtype=node.np.uint32),
+                                                header.descriptor)))
+    (backlog / planted).touch()
+    with caplog.at_level(logging.WARNING, logger="blockkv"), keyed(tmp_path / "a", endpoint, bucket_name) as a:
+        assert a.find_exact(forged_tokens) is not None  # the root is the planter's: this node serves it
+        a.sync_remote()
+        assert a._remote.uploads.backlog() == []
+    with keyed(tmp_path / "b", endpoint, bucket_name) as b:
+        assert b.find_exact(forged_tokens) is None
+        assert restores_bit_exact(b, *own) and restores_bit_exact(b, *waiting)
+    assert not any(k.endswith(planted + ".bkv") for k in keys(endpoint, bucket_name))  # not uploaded at all
+    assert any("backlog mark is not this node's own" in r.getMessage() for r in caplog.records)
+
+
 def test_with_a_fleet_key_a_planted_identity_does_not_stop_a_node(
         tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
     raw = raw_store(endpoint, bucket_name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from blockkv.fs import DIR_MODE, FILE_MODE, FileLayer, refuse_linked
 from blockkv.remote.bucket_dir import HeaderCopy
 
 _UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog holds
+_MARK_BYTES = 128  # more than a backlog mark's MAC
 _COPY_MAGIC = b"BKVRH1 "  # a cached copy: this, the object's ETag, a newline, the header's bytes
 _MAX_COPY_BYTES = MAX_HEADER_BYTES + 256
 
@@ -125,22 +127,28 @@ class HeaderCache:
 
 
 class Backlog:
-    """``backlog/<entry id>``: an empty file per store whose upload the bucket
-    has not acknowledged, for a later sync to send."""
+    """``backlog/<entry id>``: a file per store whose upload the bucket has not
+    acknowledged, for a later sync to send. With a fleet key it holds the
+    store's MAC over the header it wrote (``FleetKey.backlog_body``), so a
+    header planted in the root by someone without the key is never sealed."""
 
     def __init__(self, directory: Path, warn: Callable[[str, str], None]) -> None:
         self.directory = directory
         self._warn = warn
 
-    def mark(self, entry_id: str) -> None:
-        """Put an entry in the backlog before its upload (an empty file, not
-        fsynced: a power cut may lose it, and the entry then stays local-only)."""
+    def mark(self, entry_id: str, body: bytes = b"") -> None:
+        """Put an entry in the backlog before its upload (not fsynced: a power
+        cut may lose it, and the entry then stays local-only)."""
         try:
             refuse_linked(self.directory)
             if not self.directory.is_dir():
                 os.makedirs(self.directory, DIR_MODE, exist_ok=True)
-            os.close(os.open(self.directory / entry_id, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             FILE_MODE))
+            fd = os.open(self.directory / entry_id, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, FILE_MODE)
+            try:
+                os.write(fd, body)
+            finally:
+                os.close(fd)
         except OSError as exc:
             self._warn("remote-backlog", f"could not record entry {entry_id} in {self.directory}: {exc}")
 
@@ -152,6 +160,19 @@ class Backlog:
             pass
         except OSError as exc:
             self._warn("remote-backlog", f"could not clear {self.directory / entry_id}: {exc}")
+
+    def body(self, entry_id: str) -> bytes:
+        """What an entry's mark holds (bounded: a MAC is 64 hex digits); b"" if
+        it cannot be read as a regular file."""
+        try:
+            refuse_linked(self.directory)
+            fd = os.open(self.directory / entry_id, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                return os.read(fd, _MARK_BYTES) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+            finally:
+                os.close(fd)
+        except OSError:
+            return b""
 
     def pending(self) -> list[str]:
         """Entry ids stored locally whose upload has not been acknowledged."""

@@ -76,6 +76,13 @@ class FleetKey:
     def marker_sealed(self, name: str, body: bytes) -> bool:
         return self._matches("marker", name, b"", body.decode("ascii", "replace"))
 
+    # -- backlog marks (local: a planted header is never sealed for upload) -------------------
+    def backlog_body(self, name: str, header: bytes) -> bytes:
+        return self.mac("backlog", name, header).encode()
+
+    def backlog_sealed(self, name: str, header: bytes, body: bytes) -> bool:
+        return self._matches("backlog", name, header, body.decode("ascii", "replace"))
+
 
 def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()

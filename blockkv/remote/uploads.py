@@ -73,7 +73,8 @@ class Uploader:
         Otherwise the entry stays local and in the backlog, for a later sync.
         The entries the store's rules ``replaced`` (identical, or superseded
         prefixes) are then removed from the bucket too (in the background)."""
-        self._backlog.mark(entry_id)
+        key = self._bucket.key
+        self._backlog.mark(entry_id, key.backlog_body(header_name(ns, entry_id), encoded) if key is not None else b"")
         if self._breaker.is_open():
             self._warn("remote", "bucket unreachable: storing locally only; uploads resume when it answers")
             return False
@@ -182,6 +183,14 @@ class Uploader:
                 self._backlog.unmark(entry_id)  # its header is gone: removed meanwhile
                 continue
             name = header_name(entry.ns, entry_id)
+            key = self._bucket.key
+            if key is not None and not key.backlog_sealed(name, encoded, self._backlog.body(entry_id)):
+                # not a store of this node's with the key: a header planted in the root, or a mark an
+                # older blockkv or a keyless run left. Sealing it would make every keyed node serve it.
+                self._warn("remote-backlog-mark", f"entry {entry_id} not uploaded: its backlog mark is not this "
+                           "node's own under the fleet key; it stays local")
+                self._backlog.unmark(entry_id)
+                continue
             if self._upload(entry_id, entry.ns, name, encoded, blocks_for_prefix(header.descriptor, None), set(),
                             exists_ok=name in listed):
                 self._backlog.unmark(entry_id)
