@@ -227,6 +227,34 @@ def test_a_swapped_manifest_record_is_never_learned_and_deletes_nothing(
     assert {name_a, name_b} <= listed
 
 
+def test_with_a_fleet_key_a_manifest_record_that_fails_its_seal_costs_a_get_not_the_entry(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    """A keyless bucket writer swaps the MANIFEST's record for header A: A's
+    name and ETag, B's sealed bytes. The record fails its seal as A: a fresh
+    keyed node fetches A on its own and serves it (#32 case 12)."""
+    convs = [node.conversation(12), node.conversation(13)]
+    with keyed(tmp_path / "a", endpoint, bucket_name) as a:
+        assert all(a.store(*c) for c in convs)
+        name_a, name_b = (header_name("", a.find_exact(t).entry.id) for t, _ in convs)
+        bytes_a, bytes_b = a.remote.headers.get(name_a), a.remote.headers.get(name_b)
+        assert len(bytes_a) == len(bytes_b)  # the premise: a swap that keeps every length
+        for _ in range(40):  # more entries, each sealed by a key holder under its own name
+            name = header_name("", uuid.uuid4().hex)
+            a.remote.headers.put_if_absent(name, [a.remote.key.seal_header(name, bytes_b)])
+    with keyed(tmp_path / "b", endpoint, bucket_name):  # fetches them one by one, then packs them
+        pass
+    raw = raw_store(endpoint, bucket_name)
+    key = f"fleet/{FP_DIR}/MANIFEST"
+    manifest = bytes(obstore.get(raw, key).bytes())
+    start = manifest.index(bytes_a, manifest.index(name_a.encode()))
+    obstore.put(raw, key, manifest[:start] + bytes_b + manifest[start + len(bytes_b):])
+    with keyed(tmp_path / "c", endpoint, bucket_name) as c:
+        assert len(c._remote.catalog) == 42
+        for tokens, caches in convs:
+            assert restores_bit_exact(c, tokens, caches)
+        assert c.find_exact(convs[0][0]).entry.id == name_a.rpartition("/")[2].removesuffix(".bkv")
+
+
 # -- case 5: a header with a mismatched namespace key ------------------------------------------
 
 def bait(store: BlockStore, tokens: list[int], ns: str, into: str) -> str:
