@@ -553,6 +553,52 @@ def test_ls_and_stats_with_a_lost_index_and_a_corrupt_header_change_nothing(root
     assert llama_check["index_missing"] and llama_check["corrupt_headers"] == llama["corrupt_headers"]
 
 
+_STOPPED_WRITER = """
+import os, signal, sys
+from blockkv import BlockStore
+from blockkv.fs import FileLayer
+from blockkv.testing.models import prefill, random_tokens, tiny_model
+
+
+class StopInTheLock(FileLayer):
+    def crash_point(self, name):
+        if name == "store:header-written":  # inside the directory lock, as a store publishes its entry
+            print("holding", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+tokens = random_tokens(50, seed=9)
+caches, _ = prefill(tiny_model("llama"), tokens)
+with BlockStore(sys.argv[1], model_id=sys.argv[2], config_fingerprint=sys.argv[3], tokenizer_hash="tok-llama",
+                max_bytes=1 << 30, block_tokens=16, fs=StopInTheLock()) as store:
+    store.store(tokens, caches)
+"""
+
+
+def test_read_commands_never_wait_without_bound_on_a_stopped_writer(root: Root, tmp_path: Path) -> None:
+    """A writer stopped (SIGSTOP: a suspended laptop, a debugger) in the middle
+    of a store holds the directory lock. ls, stats and export read without it;
+    check waits --wait seconds for it, then says the root is busy (exit 75)."""
+    writer = subprocess.Popen([sys.executable, "-c", _STOPPED_WRITER, str(root.path), root.llama.model_id,
+                               root.llama.fingerprint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "holding\n"
+        _, status = os.waitpid(writer.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        ls = run_json("ls", root.path, "-f", root.llama.fingerprint)
+        entry = ls["fingerprints"][0]["entries"][0]["id"] if "fingerprints" in ls else ls["entries"][0]["id"]
+        check, stats, export = run_all(
+            ["check", root.path, "--wait", "1"], ["stats", root.path, "--json"],
+            ["export", root.path, entry, "-f", root.llama.fingerprint, "-o", tmp_path / "x.safetensors"])
+        assert check.returncode == 75, check.stderr
+        assert check.stderr.startswith("blockkv check: busy: a writer holds") and "Traceback" not in check.stderr
+        assert stats.returncode == 0 and export.returncode == 0, (stats.stderr, export.stderr)
+    finally:
+        writer.send_signal(signal.SIGCONT)
+        writer.communicate(timeout=120)
+    assert writer.returncode == 0
+
+
 def test_a_closed_pipe_ends_ls_quietly(built: Root) -> None:
     """``blockkv ls | head -1``: the reader leaving is not "problems found" (exit 1)."""
     proc = subprocess.Popen([SCRIPT, "ls", built.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

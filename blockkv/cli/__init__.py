@@ -61,11 +61,11 @@ from typing import Any, NoReturn
 
 import lmdb
 
-from blockkv.cli.common import EXIT_BROKEN_PIPE, EXIT_PROBLEMS, EXIT_USAGE, UsageError
+from blockkv.cli.common import EXIT_BROKEN_PIPE, EXIT_BUSY, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 from blockkv.cli.passthrough import PASSTHROUGH, run_passthrough
 from blockkv.cli.portable import add_commands as add_portable_commands
 from blockkv.cli.remove import add_command as add_rm_command
-from blockkv.errors import BlockKVError
+from blockkv.errors import BlockKVError, LockTimeout
 from blockkv.human import parse_option, parse_seconds, parse_size
 
 
@@ -152,6 +152,9 @@ def build_parser() -> Parser:
     check.add_argument("--repair", action="store_true",
                        help="fix refcounts, remove dangling entries and unreferenced blocks "
                        "(needs -f or --all)")
+    check.add_argument("--wait", type=parse_seconds, default=30.0, metavar="SECONDS",
+                       help="how long to wait for a store in progress to finish (default: 30); a writer "
+                       "stopped in the middle of one is reported as busy, exit 75")
     check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
     gc_cmd = command("gc", _run("maintenance", "cmd_gc"), "delete blocks no entry references", mutating=True)
@@ -210,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # a command that changes a store, or no SIGPIPE on this platform
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except LockTimeout as exc:  # a writer stopped (or slow) in the middle of a store: never waited on without bound
+        print(f"{prog}: busy: {exc}", file=sys.stderr)
+        return EXIT_BUSY
     except (BlockKVError, OSError, ValueError, lmdb.Error) as exc:
         # what the disk or the store refused, in one line: a script gets exit 1
         print(f"{prog}: {exc}", file=sys.stderr)

@@ -31,7 +31,7 @@ from blockkv.cli.common import (
 )
 from blockkv.cli.remote import open_bucket, remote_fingerprints
 from blockkv.cli.stores import default_gc_grace, open_store
-from blockkv.errors import BlockKVError
+from blockkv.errors import BlockKVError, LockTimeout
 from blockkv.fs import FileLayer
 from blockkv.human import format_size
 from blockkv.local.check import CheckReport, check_directory
@@ -71,7 +71,7 @@ PROBLEMS = {
 
 
 def check_one(
-    fp: FingerprintDir, repair: bool, progress: Callable[[int, int], None]
+    fp: FingerprintDir, repair: bool, progress: Callable[[int, int], None], wait: float
 ) -> CheckReport:
     """Without ``repair``: the store's read-only inspection of the files and a
     read-only view of the index, so checking changes nothing (the directory is
@@ -80,7 +80,11 @@ def check_one(
     directory = Directory(fp.path, read_identity(fp.path), FileLayer())
     rows = read_only_block_rows(directory.index_dir)
     if not repair:
-        return check_directory(directory, progress=progress)
+        try:
+            return check_directory(directory, lock_timeout=wait, progress=progress)
+        except LockTimeout:
+            raise LockTimeout(f"a writer holds {fp.path} (its directory lock, for more than {wait:g} s: a stopped "
+                              "or very slow process); try again, or give --wait more seconds") from None
     with open_store(fp) as store:
         opened = list(store.recovery)  # what opening had to fix: rebuilding a lost index deletes corrupt headers
         report: CheckReport = store.check(repair=True, progress=progress)
@@ -104,7 +108,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         )
         for fp in fps:
             with block_progress(f"check {fp.path.name}", args.progress) as progress:
-                report = check_one(fp, args.repair, progress)
+                report = check_one(fp, args.repair, progress, args.wait)
             results.append((fp, report, foreign_owners(fp, report.foreign_headers)))
         # Directories the store skips because their IDENTITY does not read: a problem
         # to report (never to repair: whose data it is cannot be known).

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported where used: ``--help`` loads none of them (cli/__i
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+EXIT_BUSY = 75  # sysexits' EX_TEMPFAIL: a writer holds the root now; try again
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process killed by SIGPIPE
 
 
