@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from blockkv.errors import NotRegularFileError
+from blockkv.errors import NotRegularFileError, OversizedError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -128,10 +128,14 @@ class FileLayer:
     def mkdir(self, path: Path) -> None:
         os.mkdir(path, DIR_MODE)
 
-    def read(self, path: Path) -> bytes:
-        """The whole file, at most its size when opened (a growing file cannot feed us more)."""
+    def read(self, path: Path, limit: int | None = None) -> bytes:
+        """The whole file, at most its size when opened (a growing file cannot feed us more);
+        ``OversizedError``, unread, if that size is above ``limit``."""
         with open(self.open_regular(path), "rb", buffering=0) as f:
-            return f.read(os.fstat(f.fileno()).st_size)
+            size = os.fstat(f.fileno()).st_size
+            if limit is not None and size > limit:
+                raise OversizedError(f"{path}: {size} bytes, more than the {limit} it can be; not read")
+            return f.read(size)
 
     def read_exact(self, path: Path, buffers: Sequence[memoryview],
                    on_read: Callable[[Sequence[memoryview]], None] | None = None) -> bool:

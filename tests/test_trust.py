@@ -321,9 +321,11 @@ def test_fifo_in_place_of_a_file_does_not_hang_restore(
 
 _MEASURE = textwrap.dedent("""
     import json, os, resource, sys
-    from blockkv import BlockStore, NewerFormatError
-    root, ident, to_zero = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    with BlockStore(root, **ident) as s:
+    from blockkv import BlockStore, NewerFormatError, ReadOnlyStore
+    root, ident, to_zero, read_only = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+    if read_only:
+        del ident["max_bytes"]
+    with (ReadOnlyStore if read_only else BlockStore)(root, **ident) as s:
         entry = s.entries()[0]
         if to_zero:  # replaced while the store is open: its entry is indexed
             os.unlink(to_zero)
@@ -338,10 +340,11 @@ _MEASURE = textwrap.dedent("""
 """)
 
 
-def _restore_growth(root: Path, to_zero: Path | None = None) -> dict[str, Any]:
+def _restore_growth(root: Path, to_zero: Path | None = None, read_only: bool = False) -> dict[str, Any]:
     """Peak RSS growth of a restore in a fresh process (``to_zero``: a file to
-    replace with a symlink to /dev/zero once the store is open)."""
-    argv = [sys.executable, "-c", _MEASURE, str(root), json.dumps(IDENT), str(to_zero or "")]
+    replace with a symlink to /dev/zero once the store is open; ``read_only``:
+    by a ``ReadOnlyStore``)."""
+    argv = [sys.executable, "-c", _MEASURE, str(root), json.dumps(IDENT), str(to_zero or ""), "1" if read_only else ""]
     out = subprocess.run(argv, check=True,
                          capture_output=True, text=True, timeout=300)
     return json.loads(out.stdout.splitlines()[-1])
@@ -375,6 +378,26 @@ def test_tiny_header_declaring_a_huge_block_allocates_nothing_of_that_size(
     result = _restore_growth(tmp_path)
     assert not result["restored"]
     assert result["grew_kib"] < 128 << 10, result  # the block file is ~100 bytes: so is the read
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="measures VmSize from /proc (Linux)")
+@pytest.mark.parametrize("read_only", [False, True], ids=["BlockStore", "ReadOnlyStore"])
+def test_a_block_file_larger_than_its_largest_frame_is_not_read(
+    tmp_path: Path, stored: tuple[list[int], list[Any]], read_only: bool
+) -> None:
+    """A block file grown to 1 GiB (sparse: it costs the disk nothing, a reader
+    everything) is above the largest frame its header's raw size allows: not
+    read, a miss; kept, since a size proves nothing a read would not."""
+    tokens, cache = stored
+    with BlockStore(tmp_path, **IDENT) as s:
+        assert s.store(tokens, cache)
+        block = s.directory / "blobs" / s.entries()[0].blocks[-1][:2] / s.entries()[0].blocks[-1]
+    with open(block, "r+b") as f:
+        f.truncate(1 << 30)
+    result = _restore_growth(tmp_path, read_only=read_only)
+    assert not result["restored"]
+    assert result["grew_kib"] < 128 << 10, result
+    assert block.stat().st_size == 1 << 30
 
 
 def test_symlinked_fingerprint_directory_is_refused(tmp_path: Path, stored: tuple[list[int], list[Any]]) -> None:

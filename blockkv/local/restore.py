@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError
 from blockkv.format.codec import device_buffers
-from blockkv.format.frame import decode_block, frame_layout
+from blockkv.format.frame import decode_block, frame_layout, max_frame_bytes
 from blockkv.format.header import Header, Identity
 from blockkv.format.rebuild import Check, ParsedEntry, Target
 from blockkv.local.directory import Directory
@@ -92,8 +92,8 @@ class EntryRead:
             if self._pool.read_exact(name, [head, *target.pieces], feed) and prefix == target.frame_prefix:
                 if check is not None:
                     check.finish()
-            else:
-                data = self._pool.read(name)
+            else:  # never more than the largest frame the header's raw size allows: a 2 GiB file is not read
+                data = self._pool.read(name, max_frame_bytes(target.ref.raw_bytes))
                 payload, layout = decode_block(name, data, verify=bool(self._verify), key=self._key), frame_layout(data)
                 if not self._verify and not target.fits(payload, layout):
                     decode_block(name, data, key=self._key)  # the block against its name before the header is blamed

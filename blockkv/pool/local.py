@@ -91,9 +91,10 @@ class LocalPool:
         for s in staged:
             self._fs.unlink_tmp(s.tmp)
 
-    def read(self, name: str) -> bytes:
+    def read(self, name: str, limit: int | None = None) -> bytes:
+        """A block file whole; ``OversizedError``, unread, if it is above ``limit`` bytes."""
         try:
-            return self._fs.read(self.path(name))
+            return self._fs.read(self.path(name), limit)
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 
