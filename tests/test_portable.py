@@ -283,3 +283,33 @@ def test_import_refuses_a_file_of_another_model_or_layout(tmp_path: Path) -> Non
     assert list(root.rglob("*.bkv")) == []
     taken = blockkv_import(bare, model_dir, "--unlabelled")
     assert taken.returncode == 0, taken.stderr
+
+
+def test_a_header_of_another_structure_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """A safetensors header's size and structure are known before json.loads
+    builds it: a million ``{}`` where a shape's ints belong (60 MiB of them cost
+    3.7 GiB) allocate no more than a few copies of the header's bytes, and a
+    tensor description with a key safetensors does not have is refused."""
+    import tracemalloc
+
+    _, tokens, caches = case("KVCache")
+    with open_store(tmp_path / "a") as store, open_store(tmp_path / "b") as other:
+        assert store.store(tokens, caches)
+        good = export_prompt_cache(store, store.find_exact(tokens).entry, tmp_path / "x.safetensors").read_bytes()
+        length = struct.unpack("<Q", good[:8])[0]
+        name = next(k for k in json.loads(good[8 : 8 + length]) if k != "__metadata__")
+        for how, change in [("containers", {"shape": [{}] * 1_000_000}), ("unknown key", {"extra": "x"})]:
+            header = json.loads(good[8 : 8 + length])
+            header[name].update(change)
+            raw = json.dumps(header).encode()
+            path = tmp_path / f"{how}.safetensors"
+            path.write_bytes(struct.pack("<Q", len(raw)) + raw + good[8 + length :])
+            tracemalloc.start()
+            try:
+                with pytest.raises(PromptCacheFileError):
+                    import_prompt_cache(other, path)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            assert peak < 8 * len(raw) + (1 << 20), (how, peak, len(raw))
+        assert len(other) == 0

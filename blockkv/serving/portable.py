@@ -46,6 +46,19 @@ TOKENS_KEY = "blockkv_tokens"
 MAX_HEADER_BYTES = 64 << 20  # far above any real file's (a million tokens of metadata is ~7 MiB)
 MAX_TENSORS = 1 << 16
 MAX_METADATA_KEYS = 1 << 16
+# A header's shape, known before json.loads builds it: with its strings emptied and its whitespace gone,
+# a header is one object of tensor descriptions (objects of strings and flat int lists) and one metadata
+# object (of strings), with at most _MAX_STRINGS strings, MAX_TENSORS + 2 objects and _MAX_COMMAS items.
+# Counted and matched without building anything per item: 60 MiB of {} cost json.loads 3.7 GiB.
+# Possessive repeats (*+): the regex engine keeps no backtracking state per character or item.
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
+_FIELD = rb'"":(?:""|\[(?:-?[0-9]++(?:,-?[0-9]++)*+)?\])'
+_OBJECT = rb"\{(?:" + _FIELD + rb"(?:," + _FIELD + rb")*+)?\}"
+_SKELETON = re.compile(rb'\{(?:"":' + _OBJECT + rb'(?:,"":' + _OBJECT + rb")*+)?\}")
+_MAX_STRINGS = 5 * MAX_TENSORS + 2 * MAX_METADATA_KEYS + 1  # a name, three keys and a dtype per tensor
+_MAX_DIMS = 8
+_MAX_COMMAS = (4 + _MAX_DIMS) * MAX_TENSORS + MAX_METADATA_KEYS  # a tensor's three fields, its shape and offsets
+_TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 # safetensors dtype names -> bytes per element (the ones mlx writes)
 _SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4,
                        "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
@@ -187,6 +200,7 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
             raw = f.read(length)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot read {path}: {exc.strerror or exc}") from None
+    _check_structure(raw, path)
     try:
         header = json.loads(raw)
     except ValueError:
@@ -200,8 +214,8 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
                     isinstance(k, str) and isinstance(v, str) for k, v in t.items()):
                 raise PromptCacheFileError(f"{path}: its metadata is not a bounded map of strings")
             continue
-        ok = (isinstance(t, dict) and t.get("dtype") in _SAFETENSORS_DTYPES
-              and isinstance(t.get("shape"), list) and all(type(d) is int and d >= 0 for d in t["shape"])
+        ok = (isinstance(t, dict) and t.keys() == _TENSOR_KEYS and t.get("dtype") in _SAFETENSORS_DTYPES
+              and isinstance(t.get("shape"), list) and len(t["shape"]) <= _MAX_DIMS and all(type(d) is int and d >= 0 for d in t["shape"])
               and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
               and all(type(o) is int for o in t["data_offsets"]))
         if not ok:
@@ -210,6 +224,18 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
         if not 0 <= start <= stop <= data or stop - start != math.prod(t["shape"]) * _SAFETENSORS_DTYPES[t["dtype"]]:
             raise PromptCacheFileError(f"{path}: tensor {name[:80]!r} does not fit in the file")
     return header
+
+
+def _check_structure(raw: bytes, path: Path) -> None:
+    """Refuse a header whose size or structure is not a safetensors header's
+    before it is parsed: each step allocates at most a copy of ``raw`` (a
+    substitution's pieces are bounded by the strings counted first)."""
+    if raw.count(b'"') - raw.count(b'\\"') > 2 * _MAX_STRINGS:
+        raise PromptCacheFileError(f"{path}: its safetensors header holds more strings than one can")
+    skeleton = _STRING.sub(b'""', raw).translate(None, b" \t\r\n")
+    if (skeleton.count(b"{") > MAX_TENSORS + 2 or skeleton.count(b",") > _MAX_COMMAS
+            or not _SKELETON.fullmatch(skeleton)):
+        raise PromptCacheFileError(f"{path}: its safetensors header is not one of tensor descriptions and metadata")
 
 
 def _check_classes(metadata: dict[str, str], path: Path) -> None:
