@@ -44,6 +44,13 @@ def test_rm_by_id_and_by_namespace_in_the_default_root(tmp_path: Path) -> None:
     assert json.loads(blockkv("check", root, "--json").stdout)["clean"] is True
 
     for argv, message in ((["rm", root, "-f", "rm-test"], "name entries"), (["rm", root, "nope"], "-f"),
-                          (["rm", root, "-f", "rm-test", "feedface"], "no entry 'feedface'")):
+                          (["rm", root, "-f", "rm-test", "feedface"], "no entry 'feedface'"),
+                          (["rm", root, "-f", "rm-test", ""], "empty entry id"),  # "$ID" of an unset variable
+                          (["rm", root, "-f", "", ids[""]], "empty fingerprint")):
         refused = blockkv(*argv)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    assert [e["id"] for e in json.loads(blockkv("ls", root, "--json").stdout)["entries"]] == [ids[""]]
+    out = tmp_path / "missing" / "x.safetensors"
+    export = blockkv("export", root, ids[""], "-f", "rm-test", "-o", out)
+    assert export.returncode == 1 and "Traceback" not in export.stderr, export.stderr
+    assert export.stderr.strip() == f"blockkv export: cannot write {out}: no directory {out.parent}"

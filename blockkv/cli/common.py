@@ -93,6 +93,8 @@ def choose_fingerprints(known: list[Any], wanted: Sequence[str] | None, where: s
         return known
     chosen: list[Any] = []
     for want in wanted:
+        if not want:
+            raise UsageError("an empty fingerprint (an unset shell variable?) names none")
         keys = [(fp, (fp.model_id, fp.config_fingerprint, fp_place(fp)[0])) for fp in known]
         matches = [fp for fp, names in keys if want in names] or [
             fp for fp, names in keys if any(n.startswith(want) for n in names)
@@ -151,6 +153,8 @@ def entry_json(e: Entry) -> dict[str, Any]:
 
 def one_entry(entries: Sequence[Entry], wanted: str, where: str) -> Entry:
     """The entry ``wanted`` names: its id, or a prefix of exactly one id (as ``ls`` shows them)."""
+    if not wanted:
+        raise UsageError("an empty entry id (an unset shell variable?) names no entry")
     hits = [e for e in entries if e.id == wanted] or [e for e in entries if e.id.startswith(wanted)]
     if len(hits) != 1:
         raise UsageError(f"{'no' if not hits else 'more than one'} entry {wanted!r} in {where}")

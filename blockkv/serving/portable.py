@@ -80,6 +80,8 @@ def export_prompt_cache(store: BlockStore | ReadOnlyStore, entry: Entry, path: s
     path = Path(path).expanduser()
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: a prompt-cache file must end in .safetensors (mlx-lm reads it by its suffix)")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: no directory {path.parent}")
     loaded = store.restore(entry, prefix_len)
     if loaded is None:
         raise BlockKVError(f"entry {entry.id} could not be read (the store's warning says why)")
@@ -98,6 +100,8 @@ def export_prompt_cache(store: BlockStore | ReadOnlyStore, entry: Entry, path: s
         os.replace(partial, path)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from None
+    except (RuntimeError, ValueError):  # mlx's writer names only the temporary file it could not open
+        raise OSError(f"cannot write {path}") from None
     finally:
         partial.unlink(missing_ok=True)
     return path
