@@ -356,8 +356,8 @@ def test_with_a_fleet_key_a_header_planted_in_a_nodes_root_is_never_sealed(
         planted = uuid.uuid4().hex
         path = a._dir.header_path("", planted)
         backlog = a.directory / "backlog"
-    path.write_bytes(encode_header(type(header)(header.identity, "", node.np.asarray(forged_tokens, dtype=node.np.uint32),
-                                                header.descriptor)))
+    forged = node.np.asarray(forged_tokens, dtype=node.np.uint32)
+    path.write_bytes(encode_header(type(header)(header.identity, "", forged, header.descriptor)))
     (backlog / planted).touch()
     with caplog.at_level(logging.WARNING, logger="blockkv"), keyed(tmp_path / "a", endpoint, bucket_name) as a:
         assert a.find_exact(forged_tokens) is not None  # the root is the planter's: this node serves it

@@ -219,7 +219,8 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
                 raise PromptCacheFileError(f"{path}: its metadata is not a bounded map of strings")
             continue
         ok = (isinstance(t, dict) and t.keys() == _TENSOR_KEYS and t.get("dtype") in _SAFETENSORS_DTYPES
-              and isinstance(t.get("shape"), list) and len(t["shape"]) <= _MAX_DIMS and all(type(d) is int and d >= 0 for d in t["shape"])
+              and isinstance(t.get("shape"), list) and len(t["shape"]) <= _MAX_DIMS
+              and all(type(d) is int and d >= 0 for d in t["shape"])
               and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
               and all(type(o) is int for o in t["data_offsets"]))
         if not ok:
