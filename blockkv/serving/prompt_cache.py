@@ -266,12 +266,13 @@ class PersistentPromptCache(LRUPromptCache):
         if self._models is None:
             return None
         if model not in self._layouts:
-            self._layouts[model] = None  # a probe that fails is not retried on every request
             loaded = self._models(model)
-            if loaded:
-                self._layouts[model] = ModelLayout(loaded, self._kv)
+            if not loaded:
+                return "the model is not loaded"
+            self._layouts[model] = None  # a probe that raises is not retried on every request
+            self._layouts[model] = ModelLayout(loaded, self._kv)
         layout = self._layouts[model]
-        return "the model is not loaded" if layout is None else layout.misfit(caches)
+        return "the model's layout is unknown" if layout is None else layout.misfit(caches)
 
     def _worth_restoring(self, prefix_len: int, from_ram: int) -> bool:
         """A disk match of ``prefix_len`` tokens against the RAM tier's ``from_ram``:
