@@ -25,6 +25,7 @@ from blockkv.serving.demo import Agent
 from blockkv.serving.identity import KVQuant
 from blockkv.testing.faults import FaultyFileLayer
 from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.testing.models import prefill
 
 MAX_TOKENS = 8
 # Most tests here use prompts shorter than one block (256 tokens) to stay fast;
@@ -200,6 +201,32 @@ def test_models_and_kv_quantisation_never_share_entries(llama: Model, tmp_path: 
         assert llama.agent.ask_tokens(probe, cache).from_disk == 0
     with ShortPromptCache(cache_dir=cache_dir) as cache:
         assert llama.agent.ask_tokens(probe, cache).from_disk > 0
+
+
+def test_a_restored_cache_that_does_not_fit_the_model_is_a_miss(
+        llama: Model, tmp_path: Path, cache_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An entry of two KV heads planted under a one-head model's identity: with
+    ``models=``, the fetch that matches it is a miss with one warning, never
+    that cache in mlx-lm's hands; an entry that fits is restored as before."""
+    wide = mlx_lm.load(str(build_model_dir(tmp_path / "wide", "llama", overrides={"num_key_value_heads": 2})))[0]
+    planted, good = llama.encode(40, seed=16), llama.encode(40, seed=17)
+    with ShortPromptCache(cache_dir=cache_dir) as cache:
+        store = cache.store_for(llama.key)
+        assert store is not None
+        assert store.store(planted, prefill(wide, planted)[0])
+        assert store.store(good, _prefill(llama, good)[0])
+
+    def loaded(key: Any) -> list[Any] | None:
+        return [llama.model] if key == llama.key else None
+
+    with caplog.at_level(logging.WARNING, logger="blockkv"), \
+            ShortPromptCache(cache_dir=cache_dir, models=loaded) as cache:
+        for _ in range(2):
+            assert cache.fetch_nearest_cache(llama.key, planted + [1]) == (None, planted + [1])
+        found, rest = cache.fetch_nearest_cache(llama.key, good + [1])
+        assert found is not None and rest == [1]
+        assert cache.tier_stats["misfits"] == 2 and cache.tier_stats["disk_hits"] == 1
+    assert len([r for r in caplog.records if "does not fit the model" in r.getMessage()]) == 1
 
 
 def test_unopenable_cache_dir_degrades_to_ram_only(
