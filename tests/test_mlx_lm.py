@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
+from blockkv.format.header import Header, decode_header, encode_header
 from blockkv.fs import Buffer, FileLayer
 from blockkv.mlx_lm import PersistentPromptCache
 from blockkv.serving.demo import Agent
@@ -227,6 +229,24 @@ def test_a_restored_cache_that_does_not_fit_the_model_is_a_miss(
         assert found is not None and rest == [1]
         assert cache.tier_stats["misfits"] == 2 and cache.tier_stats["disk_hits"] == 1
     assert len([r for r in caplog.records if "does not fit the model" in r.getMessage()]) == 1
+
+
+def test_a_planted_header_whose_tokens_outrun_its_caches_is_a_miss(llama: Model, cache_dir: Path) -> None:
+    """A header rewritten (valid digest) to name 20 more tokens than its caches
+    hold: served, mlx-lm would skip those 20 tokens of the prompt."""
+    tokens = llama.encode(40, seed=18)
+    longer = tokens + llama.encode(20, seed=19)
+    with ShortPromptCache(cache_dir=cache_dir) as cache:
+        store = cache.store_for(llama.key)
+        assert store is not None and store.store(tokens, _prefill(llama, tokens)[0])
+        (path,) = (store.directory / "entries").rglob(f"{store.entries()[0].id}.bkv")
+    header = decode_header(path.read_bytes())
+    path.write_bytes(encode_header(Header(header.identity, header.ns, np.asarray(longer, np.uint32),
+                                          header.descriptor)))
+    shutil.rmtree(store.directory / "index")  # the next open rebuilds it from the headers, the planted one too
+    with ShortPromptCache(cache_dir=cache_dir) as cache:
+        assert cache.fetch_nearest_cache(llama.key, longer + [1]) == (None, longer + [1])
+        assert cache.tier_stats["misfits"] == 1
 
 
 def test_unopenable_cache_dir_degrades_to_ram_only(

@@ -32,7 +32,7 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 
 from blockkv import BlockStore
-from blockkv.format.codec import codec_for
+from blockkv.format.codec import codec_for, encode_cache, record_offsets
 from blockkv.fs import FileLayer
 from blockkv.serving.cache_fit import ModelLayout
 from blockkv.serving.identity import KVQuant, StoreIdentity, identity_from_key
@@ -236,7 +236,7 @@ class PersistentPromptCache(LRUPromptCache):
             seconds = time.perf_counter() - started
             if loaded is None:
                 return None
-            misfit = self._misfit(model, loaded.caches)
+            misfit = self._misfit(model, loaded.caches, match.prefix_len)
             if misfit is not None:
                 self._count(misfits=1)
                 self._warn_once("misfit", "blockkv: entry %s does not fit the model (%s); served without it",
@@ -259,10 +259,15 @@ class PersistentPromptCache(LRUPromptCache):
         )
         return served, tokens[match.prefix_len :]
 
-    def _misfit(self, model: Any, caches: list[Any]) -> str | None:
-        """Why restored ``caches`` do not fit the model of key ``model`` (None:
-        they do, or no ``models`` was given). The layout is the model's own,
-        made once per key; one that cannot be made refuses every restore."""
+    def _misfit(self, model: Any, caches: list[Any], prefix_len: int) -> str | None:
+        """Why restored ``caches`` do not fit the ``prefix_len`` tokens they are
+        served for (a planted header's tokens can outrun its caches: mlx-lm would
+        skip the difference) or the model of key ``model`` (None: they fit; the
+        model's layout is checked only with ``models``, made once per key, and
+        one that cannot be made refuses every restore)."""
+        held = record_offsets([encode_cache(c, data=False) for c in caches])
+        if held and held != {prefix_len}:
+            return f"its caches hold {'/'.join(map(str, sorted(held)))} tokens, its match {prefix_len}"
         if self._models is None:
             return None
         if model not in self._layouts:
