@@ -27,13 +27,15 @@ asked once (stored); the same document with a second question is timed warm
 recomputed (new empty cache directory): each time only the question is new.
 
 Models: ``demo`` (``blockkv demo``'s random-weight llama: 4 layers, 2 KV
-heads, head_dim 64, float32) and ``llama-1b-kv``: a random-weight llama with
-Llama-3.2-1B's KV shapes (16 layers, 8 KV heads, head_dim 64; bfloat16, so
-32 KiB of KV per token as the real model) and a narrow residual (hidden 128)
-so that it prefills at all on a CPU.
+heads, head_dim 64, float32; 20 turns, a 12k-token document) and
+``llama-1b-kv``: a random-weight llama with Llama-3.2-1B's KV shapes (16
+layers, 8 KV heads, head_dim 64; bfloat16, so 32 KiB of KV per token as the
+real model) and a narrow residual (hidden 128) so that it prefills at all on
+a CPU; it still prefills at ~10-80 tokens/s on 2 cores, so its session has 4
+turns and its document 8k tokens.
 
     python tools/restart_bench.py --quick --out DIR   # ~1-2 min: demo model, 3 turns of 400 tokens, 1.5k-token document
-    python tools/restart_bench.py                     # docs/restart-bench.{md,json,png}
+    python tools/restart_bench.py                     # docs/restart-bench.{md,json,png}; about an hour on 2 cores
 """
 
 from __future__ import annotations
@@ -76,13 +78,15 @@ class Shape:
     models: list[str]
     system_tokens: int = 1200
     tool_tokens: int = 950
-    turns: dict[str, int] = field(default_factory=lambda: {"demo": 20, "llama-1b-kv": 6})
-    long_tokens: int = 12000
+    # the Llama-3.2-1B-shaped model prefills at ~10-80 tokens/s on a 2-core CPU: fewer turns, the shortest document
+    turns: dict[str, int] = field(default_factory=lambda: {"demo": 20, "llama-1b-kv": 4})
+    long_tokens: dict[str, int] = field(default_factory=lambda: {"demo": 12000, "llama-1b-kv": 8000})
     max_tokens: int = 8
 
 
 # a smoke run: the demo model, 3 turns of a smaller session, a 1.5k-token document
-QUICK = Shape(models=["demo"], system_tokens=600, tool_tokens=400, turns={"demo": 3}, long_tokens=1500)
+QUICK = Shape(models=["demo"], system_tokens=600, tool_tokens=400, turns={"demo": 3, "llama-1b-kv": 2},
+              long_tokens={"demo": 1500, "llama-1b-kv": 1000})
 
 
 # ---------------------------------------------------------------- the model and its prompts
@@ -278,8 +282,8 @@ def run_model(kind: str, shape: Shape, work: Path) -> dict[str, Any]:
 
 
 def long_prompt(kind: str, model: Path, texts: Texts, shape: Shape, work: Path) -> dict[str, Any]:
-    print(f"[{kind}] long prompt of ~{shape.long_tokens} tokens", flush=True)
-    document = texts.of(shape.long_tokens, seed=7)
+    print(f"[{kind}] long prompt of ~{shape.long_tokens[kind]} tokens", flush=True)
+    document = texts.of(shape.long_tokens[kind], seed=7)
     first = [{"role": "system", "content": document}, {"role": "user", "content": "question: " + texts.of(20, seed=8)}]
     second, third = ([first[0], {"role": "user", "content": "question: " + texts.of(20, seed=seed)}] for seed in (9, 10))
     cache = work / f"{kind}-long-cache"
@@ -397,7 +401,7 @@ def main() -> int:
     if args.turns:
         shape.turns = {m: args.turns for m in MODELS}
     if args.long_tokens:
-        shape.long_tokens = args.long_tokens
+        shape.long_tokens = {m: args.long_tokens for m in MODELS}
     out = args.out or REPO / "docs"
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="blockkv-restart-", dir=args.workdir))
