@@ -39,6 +39,16 @@ def test_device_buffers_are_writable_views_of_their_arrays(dtype: str) -> None:
         assert np.array_equal(np.array(array.reshape(-1).view(mx.uint8)), bits)
 
 
+def test_device_buffers_of_one_restore_share_no_byte() -> None:
+    """One load makes every array of a restore: each must be its own memory,
+    or filling one would overwrite another."""
+    made = device_buffers([("bfloat16", (1, 4, 40, 8))] * 5 + [("int8", (7,)), ("complex64", (3, 2))])
+    for k, (_, view) in enumerate(made):
+        view.reshape(-1).view(np.uint8)[:] = k
+    for k, (array, _) in enumerate(made):
+        assert np.array_equal(np.array(array.reshape(-1).view(mx.uint8)), np.full(array.nbytes, k, np.uint8))
+
+
 def test_a_fill_that_leaves_bytes_unwritten_serves_nothing() -> None:
     """A ``fill`` that stops short (here: the last block is never read) gets no
     arrays back: rebuild counts the bytes of the targets filled, per array."""

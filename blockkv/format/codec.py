@@ -98,7 +98,7 @@ def device_buffers(specs: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[m
     the memory mlx will use, with no second copy. The memory is not zeroed
     first (``unfilled.py``): the caller writes every byte or drops the arrays."""
     kinds = [(_BITS_VIEW.get(dtype, DTYPES[dtype][0]), DTYPES[dtype][1], tuple(shape)) for dtype, shape in specs]
-    fresh = iter(unfilled_arrays([k for k in kinds if math.prod(k[2])]))
+    fresh = iter(unfilled_arrays([(bits, shape) for bits, _, shape in kinds if math.prod(shape)]))
     out = []
     for (dtype, _), (bits_dtype, host, shape) in zip(specs, kinds):
         bits = next(fresh) if math.prod(shape) else mx.zeros(shape, dtype=bits_dtype)

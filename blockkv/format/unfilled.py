@@ -2,10 +2,14 @@
 before the restore fills it.
 
 mlx 0.32 has no uninitialised allocation (``mx.zeros`` writes every byte, a
-third of a warm restore). Its ``mx.load`` of a Python stream allocates the
-array and hands its memory to the stream's ``readinto``; a ``.npy`` stream
-whose payload reads write nothing yields exactly that allocation, from the
-same buffer cache and heap as any mlx array.
+third of a warm restore). Its ``mx.load`` of a Python stream allocates each
+array and hands its memory to the stream's ``readinto``; a safetensors
+stream whose payload reads write nothing yields exactly those allocations,
+from the same buffer cache and heap as any mlx array: one array (its own
+buffer) per tensor the stream's header declares. One stream for all of a
+restore's arrays, not one ``.npy`` stream per array: 32 arrays of 1 MiB took
+1.2 against 1.9 ms of CPU (4.1 against 2.9 at 8.5 MiB), a fixed cost of every
+restore that weighs most on small entries.
 
 Two things make that safe:
 
@@ -17,7 +21,7 @@ Two things make that safe:
   stream on one of its I/O threads, after the load; if the interpreter is
   finalising by then, that thread cannot take the GIL and the process aborts
   at exit (2 in 40 processes that allocated and exited at once). Waiting
-  here until every stream has been collected (a weakref callback) closes
+  here until the stream has been collected (a weakref callback) closes
   that window: 0 in 150.
 
 An mlx that loads such a stream differently (this rests on how 0.32 reads
@@ -27,13 +31,15 @@ one) gets zeroed arrays instead, with one warning: slower, never a miss.
 from __future__ import annotations
 
 import io
+import json
 import logging
+import math
+import struct
 import threading
 import weakref
 from collections.abc import Sequence
 
 import mlx.core as mx
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +48,27 @@ _RELEASE_WAIT = 10.0  # seconds: mlx releases a stream microseconds after the lo
 _refused = False  # mlx refused an unfilled stream once: zeroed arrays from then on
 
 
-class _Unfilled(io.RawIOBase):
-    """A ``.npy`` stream of ``host`` values in ``shape`` whose payload is never written."""
+# safetensors' name of each dtype an unfilled array is made of (floats come as their bits, codec._BITS_VIEW)
+_SAFETENSORS_DTYPES: dict[mx.Dtype, str] = {
+    mx.bool_: "BOOL", mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64",
+    mx.int8: "I8", mx.int16: "I16", mx.int32: "I32", mx.int64: "I64", mx.complex64: "C64",
+}
 
-    def __init__(self, host: np.dtype, shape: tuple[int, ...]) -> None:
-        head = io.BytesIO()
-        np.lib.format.write_array_header_1_0(
-            head, {"descr": np.lib.format.dtype_to_descr(host), "fortran_order": False, "shape": tuple(shape)})
-        self._head = head.getvalue()
-        self._size = len(self._head) + int(np.prod(shape, dtype=np.int64)) * host.itemsize
+
+class _Unfilled(io.RawIOBase):
+    """A safetensors stream of tensors ``"0"``, ``"1"``, ... in ``specs`` whose payload is never written."""
+
+    def __init__(self, specs: Sequence[tuple[mx.Dtype, tuple[int, ...]]]) -> None:
+        tensors, offset = {}, 0
+        for i, (dtype, shape) in enumerate(specs):
+            nbytes = math.prod(shape) * dtype.size
+            tensors[str(i)] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                               "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header = json.dumps(tensors).encode()
+        header += b" " * (-len(header) % 8)  # the payload starts 8-byte aligned
+        self._head = struct.pack("<Q", len(header)) + header
+        self._size = len(self._head) + offset
         self._pos = 0
 
     def readable(self) -> bool:
@@ -73,14 +91,16 @@ class _Unfilled(io.RawIOBase):
         return n
 
 
-def unfilled_arrays(specs: Sequence[tuple[mx.Dtype, np.dtype, tuple[int, ...]]]) -> list[mx.array]:
-    """One evaluated, row-contiguous mlx array per ``(bits dtype, host dtype, shape)``,
-    its contents whatever the memory held: the caller writes every byte.
+def unfilled_arrays(specs: Sequence[tuple[mx.Dtype, tuple[int, ...]]]) -> list[mx.array]:
+    """One evaluated, row-contiguous mlx array per ``(bits dtype, shape)`` (no
+    empty shape), its contents whatever the memory held: the caller writes every byte.
 
     An mlx that does not load such a stream (another version may read it
     differently) gets zeroed arrays instead, with one warning: a restore
     then costs the zeroing, never a miss."""
     global _refused
+    if not specs:
+        return []
     if not _refused:
         try:
             return _loaded(specs)
@@ -88,23 +108,23 @@ def unfilled_arrays(specs: Sequence[tuple[mx.Dtype, np.dtype, tuple[int, ...]]])
             _refused = True
             log.warning("blockkv: mlx did not load an unfilled stream (%s: %s); restores zero their arrays",
                         type(exc).__name__, exc)
-    arrays = [mx.zeros(shape, dtype=bits) for bits, _, shape in specs]
+    arrays = [mx.zeros(shape, dtype=bits) for bits, shape in specs]
     mx.eval(arrays)
     return arrays
 
 
-def _loaded(specs: Sequence[tuple[mx.Dtype, np.dtype, tuple[int, ...]]]) -> list[mx.array]:
-    sources = [_Unfilled(host, shape) for _, host, shape in specs]
+def _loaded(specs: Sequence[tuple[mx.Dtype, tuple[int, ...]]]) -> list[mx.array]:
+    source = _Unfilled(specs)
     released = threading.Semaphore(0)
-    watches = [weakref.ref(s, lambda _: released.release()) for s in sources]
-    arrays = [mx.load(source, format="npy", stream=mx.cpu) for source in sources]
-    for a, (bits, _, shape) in zip(arrays, specs):
+    watch = weakref.ref(source, lambda _: released.release())  # the callback fires only while ``watch`` lives
+    loaded = mx.load(source, format="safetensors", stream=mx.cpu)
+    arrays = [loaded[str(i)] for i in range(len(specs))]
+    for a, (bits, shape) in zip(arrays, specs):
         if a.dtype != bits or tuple(a.shape) != tuple(shape):
             raise RuntimeError(f"mlx loaded {a.dtype}{tuple(a.shape)} for {bits}{tuple(shape)}")
     mx.eval(arrays)
-    del sources
-    for _ in watches:
-        if not released.acquire(timeout=_RELEASE_WAIT):
-            log.warning("blockkv: mlx has not released a load stream after %.0f s", _RELEASE_WAIT)
-            break
+    del source, loaded
+    if not released.acquire(timeout=_RELEASE_WAIT):
+        log.warning("blockkv: mlx has not released a load stream after %.0f s", _RELEASE_WAIT)
+    del watch
     return arrays
