@@ -30,6 +30,7 @@ _IOV_MAX = 512
 _READ_RUN = 512 << 10  # bytes a restore reads before checking them (fits a core's L2)
 _SYNC_THREADS = 16  # directory fsyncs in flight at once (they wait on the disk, not the CPU)
 _SYMLINK_ERRNOS = (errno.ELOOP, errno.EMLINK)  # O_NOFOLLOW on a link: Linux and macOS, FreeBSD
+_FULLFSYNC_UNSUPPORTED = (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY)  # a filesystem without it
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
@@ -74,7 +75,12 @@ def _advance(pending: list[memoryview], n: int) -> None:
 
 
 class FileLayer:
-    """Durable file primitives. Subclass and override a primitive to inject faults."""
+    """Durable file primitives. Subclass and override a primitive to inject faults.
+
+    ``platform`` chooses the barrier ``fsync`` uses: a layer on Linux that
+    sets it to ``"darwin"`` runs macOS's (tests/test_darwin_flush.py)."""
+
+    platform: str = sys.platform
 
     # -- primitives (the seam) --------------------------------------------
     def write(self, fd: int, buffers: Sequence[Buffer]) -> int:
@@ -82,14 +88,28 @@ class FileLayer:
         return os.writev(fd, buffers)
 
     def fsync(self, fd: int) -> None:
-        if sys.platform == "darwin":  # os.fsync does not reach the platter on macOS
-            import fcntl
-
+        """The durability barrier, for a file or a directory: when it returns,
+        what was written to ``fd`` survives a power cut. On macOS that takes
+        ``F_FULLFSYNC`` (a plain ``fsync`` leaves the data in the drive's
+        cache); a filesystem that does not support it (it says so with
+        ENOTSUP, EINVAL or ENOTTY) gets a plain ``fsync``. Any other failure,
+        EIO first, is raised: the caller must not acknowledge what it covers."""
+        if self.platform == "darwin":
             try:
-                fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+                self.full_fsync(fd)
                 return
-            except OSError:
-                pass
+            except OSError as exc:
+                if exc.errno not in _FULLFSYNC_UNSUPPORTED:
+                    raise
+        self.plain_fsync(fd)
+
+    def full_fsync(self, fd: int) -> None:
+        """macOS's barrier that reaches the medium (``fcntl(F_FULLFSYNC)``)."""
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+
+    def plain_fsync(self, fd: int) -> None:
         os.fsync(fd)
 
     def replace(self, src: Path, dst: Path) -> None:

@@ -14,7 +14,10 @@ transaction). Nothing here knows the index's tables (index.py).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,12 +38,29 @@ TXN_LOCK = "txn.lock"  # in the environment's directory: it goes wherever the en
 TXN_TIMEOUT = 10.0  # the longest a transaction waits for another's: only a stopped process holds it that long
 
 
-def boot_id() -> str:
-    """Changes on every OS boot; '' where unknown (then transactions are synced)."""
+def boot_id(platform: str = sys.platform) -> str:
+    """Changes on every OS boot: Linux's ``boot_id``, macOS's
+    ``kern.bootsessionuuid``; '' where unknown (then transactions are synced)."""
+    if platform == "darwin":
+        return _boot_session_uuid()
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
+
+
+@functools.cache
+def _boot_session_uuid() -> str:
+    """``sysctlbyname("kern.bootsessionuuid")`` (a UUID string, new each boot); '' if it fails."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(64)
+        size = ctypes.c_size_t(len(buf))
+        if libc.sysctlbyname(b"kern.bootsessionuuid", buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+            return ""
+    except (OSError, AttributeError):  # no libc, or no sysctlbyname in it (not macOS)
+        return ""
+    return buf.value.decode("ascii", "replace").strip()
 
 
 @dataclass

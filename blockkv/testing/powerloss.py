@@ -34,13 +34,13 @@ be lost, independently" — OSDI 2014):
   that moment, and a crash state takes one of three forms: ``"lost"`` (no
   environment: never synced), ``"previous-boot"`` (the last commit before
   the cut, from a boot that has ended: after a power cut
-  ``/proc/sys/kernel/random/boot_id`` differs, so the store trusts it only
+  the boot id (``lmdb_env.boot_id``) differs, so the store trusts it only
   if it was settled, its ``index.settled`` marker present, and otherwise rebuilds
   the tables from the files; a marker, written through the seam, is durable
   before any commit it covers, so the last commit of a cut without one is
   the one the settle synced), or ``"synced"`` (the last
-  commit before the cut, trusted: where no boot id exists, as on macOS,
-  transactions are synced and the store reconciles them with the files).
+  commit before the cut, trusted: where no boot id exists, transactions
+  are synced and the store reconciles them with the files).
   LMDB without sync can also leave a torn environment after a power cut;
   that is not modelled here (docs/design.md's known limits).
 - A crash point is a log position and the LMDB contents at that moment:
