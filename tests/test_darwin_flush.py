@@ -26,13 +26,22 @@ IDENT = dict(model_id="m", config_fingerprint="fp-darwin", tokenizer_hash="t", m
 
 class DarwinBarriers(FileLayer):
     """macOS's barrier path, recording (barrier, file or dir) per call;
-    ``fail_at``: the n-th full flush (1-based) fails with EIO."""
+    ``fail_at``: the n-th flush (1-based, full or plain) fails with EIO.
+    ``steps`` also logs renames and crash points, for the order."""
 
     platform = "darwin"
 
     def __init__(self, fail_at: int = 0) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.steps: list[str] = []
         self.fail_at = fail_at
+
+    def replace(self, src: Path, dst: Path) -> None:
+        self.steps.append("rename")
+        super().replace(src, dst)
+
+    def crash_point(self, name: str) -> None:
+        self.steps.append(name)
 
     @staticmethod
     def _kind(fd: int) -> str:
@@ -40,12 +49,29 @@ class DarwinBarriers(FileLayer):
 
     def full_fsync(self, fd: int) -> None:
         self.calls.append(("F_FULLFSYNC", self._kind(fd)))
+        self.steps.append("F_FULLFSYNC")
         if len(self.calls) == self.fail_at:
             raise OSError(errno.EIO, "Input/output error")
         os.fsync(fd)  # Linux has no F_FULLFSYNC: the nearest real flush
 
     def plain_fsync(self, fd: int) -> None:
         self.calls.append(("fsync", self._kind(fd)))
+        self.steps.append("fsync")
+        if len(self.calls) == self.fail_at:
+            raise OSError(errno.EIO, "Input/output error")
+        os.fsync(fd)
+
+
+class LinuxBarriers(FileLayer):
+    """Linux's barrier path (every fsync a barrier), counted by file or dir."""
+
+    platform = "linux"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def plain_fsync(self, fd: int) -> None:
+        self.calls.append(("fsync", DarwinBarriers._kind(fd)))
         os.fsync(fd)
 
 
@@ -62,15 +88,60 @@ def prompts(model: Any) -> tuple[tuple[list[int], Any], tuple[list[int], Any]]:
     return (first, prefill(model, first)[0]), (longer, prefill(model, longer)[0])
 
 
-def test_every_barrier_on_darwin_is_a_full_fsync(tmp_path: Path, prompts: Any) -> None:
-    (first, caches), (longer, longer_caches) = prompts
+def counts(calls: list[tuple[str, str]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for barrier, kind in calls:
+        out[f"{barrier} {kind}"] = out.get(f"{barrier} {kind}", 0) + 1
+    return out
+
+
+def store_counting(fs: Any, root: Path, prompts: Any) -> list[dict[str, int]]:
+    """The flushes of a fresh 1024-token store (4 blocks of 256 tokens) and of
+    its +512 continuation (2 new blocks; it supersedes the first entry)."""
+    per_store = []
+    with BlockStore(root, fs=fs, **IDENT) as store:
+        for tokens, caches in prompts:
+            before = len(fs.calls)
+            assert store.store(tokens, caches)
+            per_store.append(counts(fs.calls[before:]))
+    return per_store
+
+
+def test_barriers_per_store_on_linux(tmp_path: Path, prompts: Any) -> None:
+    """Pinned (docs/design.md, "Barriers per store", says why each is needed):
+    a fresh store fsyncs its 4 block files and its header file, the 4 shard
+    directories and the header's directory; a continuation its 2 new blocks
+    and its header, their 2 shards and the header's directory, and that
+    directory again for the superseded entry's header it removes."""
+    fresh, continuation = store_counting(LinuxBarriers(), tmp_path, prompts)
+    assert fresh == {"fsync file": 5, "fsync dir": 5}
+    assert continuation == {"fsync file": 3, "fsync dir": 4}
+
+
+def test_barriers_per_store_on_darwin(tmp_path: Path, prompts: Any) -> None:
+    """On macOS a batch of blocks pays two drive flushes (their data, then
+    their names), not two per block: the files and all directories but the
+    last get a plain fsync; the header keeps its own two."""
+    fresh, continuation = store_counting(DarwinBarriers(), tmp_path, prompts)
+    assert fresh == {"fsync file": 4, "fsync dir": 3, "F_FULLFSYNC file": 1, "F_FULLFSYNC dir": 3}
+    assert continuation == {"fsync file": 2, "fsync dir": 1, "F_FULLFSYNC file": 1, "F_FULLFSYNC dir": 4}
+
+
+def test_on_darwin_no_plain_fsync_stands_unflushed_before_the_next_step(tmp_path: Path, prompts: Any) -> None:
+    """Every rename and every step of the write order comes after a full
+    flush that follows the last plain fsync: what a plain fsync left in the
+    drive's cache is on the medium before anything depends on it."""
     fs = DarwinBarriers()
-    with BlockStore(tmp_path, fs=fs, **IDENT) as store:
-        assert store.store(first, caches)
-        assert store.store(longer, longer_caches)
-    kinds = {kind for _, kind in fs.calls}
-    assert kinds == {"file", "dir"}  # both kinds were flushed...
-    assert {barrier for barrier, _ in fs.calls} == {"F_FULLFSYNC"}  # ...and every flush was a full one
+    store_counting(fs, tmp_path, prompts)
+    unflushed = False
+    for step in fs.steps:
+        if step == "fsync":
+            unflushed = True
+        elif step == "F_FULLFSYNC":
+            unflushed = False
+        else:
+            assert not unflushed, f"{step} with a plain fsync not yet flushed: {fs.steps}"
+    assert not unflushed
 
 
 def test_a_filesystem_without_full_fsync_gets_a_plain_one(tmp_path: Path) -> None:
@@ -84,8 +155,8 @@ def test_a_filesystem_without_full_fsync_gets_a_plain_one(tmp_path: Path) -> Non
     assert fs.calls == [("F_FULLFSYNC", "file"), ("fsync", "file"), ("F_FULLFSYNC", "dir"), ("fsync", "dir")]
 
 
-def test_an_eio_from_full_fsync_is_not_stored(tmp_path: Path, prompts: Any) -> None:
-    """Each barrier of a store in turn fails with EIO: the store returns
+def test_an_eio_from_any_flush_is_not_stored(tmp_path: Path, prompts: Any) -> None:
+    """Each flush of a store in turn (full or plain) fails with EIO: the store returns
     False (never raises), and a fresh handle finds nothing it acknowledged.
     Before, the EIO fell back to a plain fsync and the store said True."""
     (first, caches), _ = prompts
