@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import stat
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ import pytest
 from blockkv import BlockStore
 from blockkv.fs import FileLayer
 from blockkv.testing.models import prefill, random_tokens, tiny_model
+from blockkv.testing.powerloss import RecordingFileLayer
+from tool_scripts import load
 
 IDENT = dict(model_id="m", config_fingerprint="fp-darwin", tokenizer_hash="t", max_bytes=1 << 30)
 
@@ -174,3 +177,55 @@ def test_an_eio_from_any_flush_is_not_stored(tmp_path: Path, prompts: Any) -> No
             assert store.store(first, caches) is False, f"barrier {n} of {barriers} failed and the store said True"
         with BlockStore(root, **IDENT) as fresh:
             assert fresh.find_exact(first) is None, f"barrier {n}: an entry whose flush failed is served"
+
+
+# -- the power-loss model of macOS's barriers (blockkv.testing.powerloss, platform "darwin") --
+
+powerloss_tool = load("powerloss")
+
+
+def test_the_darwin_barrier_path_loses_nothing_at_any_crash_point(tmp_path: Path) -> None:
+    """Every crash point of a store and its superseding continuation (one
+    state each, taken in turn: the quick form), with plain fsyncs modelled as
+    the drive's cache: no acknowledged entry lost, nothing restores wrong
+    (``tools/powerloss.py --platform darwin`` runs every workload)."""
+    fig = powerloss_tool.Figures()
+    powerloss_tool.run_workload("supersede", powerloss_tool.w_supersede, tmp_path / "w", fig, random.Random(0),
+                                sample=None, n_random=1, exhaustive_upto=0, per_point=1, platform="darwin")
+    assert (fig.lost, fig.wrong, fig.problems) == (0, 0, [])
+    assert fig.verified > 0 and fig.successions > 0
+
+
+def test_a_darwin_store_without_its_full_flushes_is_caught(tmp_path: Path) -> None:
+    """The model bites: where every flush is a plain fsync, entries are lost."""
+
+    class PlainOnly(RecordingFileLayer):
+        def full_fsync(self, fd: int) -> None:
+            self.plain_fsync(fd)
+
+    work = tmp_path / "w"
+    (work / "live").mkdir(parents=True)
+    driver = powerloss_tool.Driver(work / "live", work / "base", PlainOnly, "darwin")
+    powerloss_tool.w_store(driver)
+    rec = driver.finish()
+    end = rec.crash_points()[-1]  # the store acknowledged; only plain fsyncs since the base
+    nothing_unsynced = rec.states(end, random.Random(0), n_random=0)[0]
+    rec.materialize(nothing_unsynced, tmp_path / "cut")
+    fig = powerloss_tool.Figures()
+    powerloss_tool.check_state(tmp_path / "cut", nothing_unsynced, driver.journal, fig, "end")
+    assert fig.lost > 0, fig.line()
+
+
+def test_a_plain_fsync_is_durable_only_once_a_full_one_follows(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    rec = RecordingFileLayer(root, tmp_path / "base", platform="darwin")
+    tmp, _ = rec.write_tmp(root / "a", [b"a" * 5000], batched=True)  # plain fsync: in the drive's cache
+    unflushed = len(rec.log)
+    rec.fsync_dir(root)  # F_FULLFSYNC: flushes the cache, the tmp file's bytes with it
+    rec.finish()
+    assert [(op.kind, op.cached) for op in rec.log] == [
+        ("create", False), ("write", False), ("fsync", True), ("fsync_dir", False)]
+    assert rec.uncertain(unflushed).writes == [1]
+    assert rec.uncertain(len(rec.log)).writes == []
+    assert tmp.name.endswith(".tmp")
