@@ -57,8 +57,7 @@ class DirLock:
     def __init__(self, path: Path, *, create: bool = True) -> None:
         """``create=False``: a tool that only looks opens an existing LOCK read-only."""
         self.path = path
-        flags = (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY
-        self._fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._fd = _open_lock_file(path, create)
         self._thread = threading.RLock()
         self._depth = 0
         self._mode = 0
@@ -105,6 +104,18 @@ class DirLock:
             os.close(fd)
 
 
+def _open_lock_file(path: Path, create: bool) -> int:
+    """A lock file's fd (read-write, created if missing; read-only with
+    ``create=False``). One this user may not open says whose problem it is."""
+    flags = (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except PermissionError as exc:
+        raise PermissionError(exc.errno, f"{exc.strerror}: a blockkv lock file this user may not open, likely "
+                              "made by another user (blockkv run with sudo on this cache?); give the cache back "
+                              "to its owner (chown -R)", str(path)) from None
+
+
 def _flock_until(fd: int, mode: int, deadline: float | None, path: Path) -> None:
     """``flock(fd, mode)``, waiting at most until ``deadline`` (None: forever)."""
     if deadline is None:
@@ -146,12 +157,7 @@ class TxnLock:
     def __init__(self, path: Path, *, timeout: float, create: bool = True) -> None:
         self.path = path
         self.timeout = timeout
-        flags = (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY
-        try:
-            self._fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except PermissionError as exc:
-            raise PermissionError(exc.errno, f"{exc.strerror}: the index's lock file belongs to another user "
-                                  "(was blockkv run as root on this cache?); chown the cache back", str(path)) from None
+        self._fd = _open_lock_file(path, create)
         self._cond = threading.Condition()
         self._readers = 0  # threads of this process inside a read transaction
         self._writing = False  # a thread of this process holds (or is taking) the lock exclusively
