@@ -86,9 +86,10 @@ def line(proc: subprocess.Popen[str]) -> str:
 
 def test_a_writer_killed_inside_an_index_write_wedges_nothing(tmp_path: Path) -> None:
     survivor = spawn(_SURVIVOR, tmp_path, stdin=subprocess.PIPE)
-    victim = spawn(_VICTIM, tmp_path)
+    victim = None
     try:
-        assert line(survivor) == "open"
+        assert line(survivor) == "open"  # before the victim holds the transaction lock (an open waits for it)
+        victim = spawn(_VICTIM, tmp_path)
         assert line(victim) == "in-txn"
         victim.send_signal(signal.SIGKILL)
         victim.wait(WAIT)
@@ -102,8 +103,9 @@ def test_a_writer_killed_inside_an_index_write_wedges_nothing(tmp_path: Path) ->
         assert newcomer.stdout.strip() == "stored [True, True, True]", newcomer.stderr[-2000:]
     finally:
         for proc in (victim, survivor):
-            proc.kill()
-            proc.wait()
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
 
 _READER = textwrap.dedent("""
@@ -139,3 +141,54 @@ def test_a_reader_in_another_process_keeps_writers_out_until_it_dies(tmp_path: P
         reader.kill()
         reader.wait()
         lock.close()
+
+
+_ROWS = 64
+_WRITER = textwrap.dedent(f"""
+    import sys
+    from pathlib import Path
+    from blockkv.local.lmdb_env import open_env, release_env
+    env = open_env(Path(sys.argv[1]), 1 << 24, max_dbs=1, sync=False)
+    for gen in range(int(sys.argv[2])):
+        def rewrite(txn, gen=gen):
+            for k in range({_ROWS}):  # every row rewritten: the old pages are free for the next writer
+                txn.put(b"%04d" % k, (b"%08d" % gen) * 512)
+        env.write(rewrite)
+    release_env(env)
+""")
+
+_SCANNER = textwrap.dedent(f"""
+    import sys
+    from pathlib import Path
+    from blockkv.local.lmdb_env import open_env, release_env
+    env = open_env(Path(sys.argv[1]), 1 << 24, max_dbs=1, sync=False)
+    last = b"%08d" % (int(sys.argv[2]) - 1)
+    mixed = scans = 0
+    gens = set()
+    while gens != {{last}}:  # until the writer's last generation: every one of its writes overlapped a scan
+        rows = env.read(lambda txn: [v for _, v in txn.cursor()])
+        if rows:
+            scans += 1
+            gens = {{v[:8] for v in rows}}
+            if len(rows) != {_ROWS} or len(gens) != 1 or any(v != v[:8] * 512 for v in rows):
+                mixed += 1
+    release_env(env)
+    print("mixed", mixed, "of", scans, flush=True)
+""")
+
+
+def test_readers_in_another_process_see_one_committed_state_while_a_writer_rewrites(tmp_path: Path) -> None:
+    """LMDB without its lock keeps no reader table: only the shared lock,
+    held for the read transaction's life, keeps a writer from reusing the
+    pages a reader in another process walks. Every scan must see all rows of
+    one generation, whole."""
+    env_dir = tmp_path / "index"
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(env_dir), "500"])
+    try:
+        scanner = subprocess.run([sys.executable, "-c", _SCANNER, str(env_dir), "500"], capture_output=True,
+                                 text=True, timeout=WAIT)
+        assert writer.wait(WAIT) == 0
+    finally:
+        writer.kill()
+        writer.wait()
+    assert scanner.stdout.startswith("mixed 0 of "), scanner.stdout + scanner.stderr[-2000:]
