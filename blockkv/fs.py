@@ -30,6 +30,7 @@ _IOV_MAX = 512
 _READ_RUN = 512 << 10  # bytes a restore reads before checking them (fits a core's L2)
 _SYNC_THREADS = 16  # directory fsyncs in flight at once (they wait on the disk, not the CPU)
 _SYMLINK_ERRNOS = (errno.ELOOP, errno.EMLINK)  # O_NOFOLLOW on a link: Linux and macOS, FreeBSD
+_FULLFSYNC_UNSUPPORTED = (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY)  # a filesystem without it
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
@@ -74,7 +75,12 @@ def _advance(pending: list[memoryview], n: int) -> None:
 
 
 class FileLayer:
-    """Durable file primitives. Subclass and override a primitive to inject faults."""
+    """Durable file primitives. Subclass and override a primitive to inject faults.
+
+    ``platform`` chooses the barrier ``fsync`` uses: a layer on Linux that
+    sets it to ``"darwin"`` runs macOS's (tests/test_darwin_flush.py)."""
+
+    platform: str = sys.platform
 
     # -- primitives (the seam) --------------------------------------------
     def write(self, fd: int, buffers: Sequence[Buffer]) -> int:
@@ -82,14 +88,28 @@ class FileLayer:
         return os.writev(fd, buffers)
 
     def fsync(self, fd: int) -> None:
-        if sys.platform == "darwin":  # os.fsync does not reach the platter on macOS
-            import fcntl
-
+        """The durability barrier, for a file or a directory: when it returns,
+        what was written to ``fd`` survives a power cut. On macOS that takes
+        ``F_FULLFSYNC`` (a plain ``fsync`` leaves the data in the drive's
+        cache); a filesystem that does not support it (it says so with
+        ENOTSUP, EINVAL or ENOTTY) gets a plain ``fsync``. Any other failure,
+        EIO first, is raised: the caller must not acknowledge what it covers."""
+        if self.platform == "darwin":
             try:
-                fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+                self.full_fsync(fd)
                 return
-            except OSError:
-                pass
+            except OSError as exc:
+                if exc.errno not in _FULLFSYNC_UNSUPPORTED:
+                    raise
+        self.plain_fsync(fd)
+
+    def full_fsync(self, fd: int) -> None:
+        """macOS's barrier that reaches the medium (``fcntl(F_FULLFSYNC)``)."""
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+
+    def plain_fsync(self, fd: int) -> None:
         os.fsync(fd)
 
     def replace(self, src: Path, dst: Path) -> None:
@@ -211,10 +231,13 @@ class FileLayer:
             self.fsync_dir(path.parent)
         return total
 
-    def write_tmp(self, path: Path, parts: Sequence[Buffer], *, tag: str = "") -> tuple[Path, int]:
+    def write_tmp(self, path: Path, parts: Sequence[Buffer], *, tag: str = "",
+                  batched: bool = False) -> tuple[Path, int]:
         """The first half of ``write_atomic``: a durable tmp file beside ``path``
         (write → fsync), removed on failure. Returns it and the bytes written;
-        ``publish`` renames a batch of them. ``tag`` names the writer (writers.py)."""
+        ``publish`` renames a batch of them. ``tag`` names the writer (writers.py).
+        ``batched``: only ``publish`` will name it, and on macOS its data is
+        made durable by the batch's one drive flush there, not one of its own."""
         tmp = tmp_name(path, tag)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
@@ -230,7 +253,10 @@ class FileLayer:
                         raise OSError(errno.EIO, "short write", str(path))
                     total += n
                     _advance(pending, n)
-                self.fsync(fd)
+                if batched and self.platform == "darwin":
+                    self.plain_fsync(fd)  # in the drive's cache: publish flushes it before any rename
+                else:
+                    self.fsync(fd)
             finally:
                 os.close(fd)
         except BaseException:
@@ -243,7 +269,15 @@ class FileLayer:
         once: when this returns, every name is durable. A batch pays one
         directory fsync per directory instead of one per file, and issues
         them together (``fsync_dirs``). On failure the caller removes the tmp
-        files not yet renamed (``unlink_tmp``)."""
+        files not yet renamed (``unlink_tmp``).
+
+        On macOS the tmp files were written ``batched`` (a plain fsync each:
+        their data is in the drive's cache), so one ``F_FULLFSYNC`` (it
+        flushes the whole drive cache) makes all their data durable before
+        the first rename; ``fsync_dirs`` then ends with one more for the
+        names. Two drive flushes per batch instead of two per file."""
+        if moves and self.platform == "darwin":
+            self.fsync_dir(moves[0][1].parent)
         for tmp, final in moves:
             self.replace(tmp, final)
         self.fsync_dirs(final.parent for _, final in moves)
@@ -253,14 +287,22 @@ class FileLayer:
         fsync waits for a journal commit and a device cache flush; issued
         together they share them, one after another each pays its own (16
         shard directories on ext4: 2.6 ms together, 7-34 ms in turn).
-        Re-raises the first failure once every one has returned."""
+        Re-raises the first failure once every one has returned. On macOS
+        every directory but the last gets a plain fsync, and the last, once
+        they have all returned, the ``F_FULLFSYNC`` that flushes the drive's
+        cache for them all: one drive flush for the batch."""
         dirs = list(dict.fromkeys(paths))
         errors: list[BaseException] = []
+        darwin = self.platform == "darwin"
+        last = dirs.pop() if darwin and dirs else None
 
         def run(share: list[Path]) -> None:
             for d in share:
                 try:
-                    self.fsync_dir(d)
+                    if darwin:
+                        self._plain_fsync_dir(d)
+                    else:
+                        self.fsync_dir(d)
                 except BaseException as exc:  # noqa: BLE001 - re-raised below, once all have returned
                     errors.append(exc)
 
@@ -274,6 +316,16 @@ class FileLayer:
             t.join()
         if errors:
             raise errors[0]
+        if last is not None:
+            self.fsync_dir(last)
+
+    def _plain_fsync_dir(self, path: Path) -> None:
+        """macOS: a directory's changes into the drive's cache; a later ``fsync_dir`` flushes them."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            self.plain_fsync(fd)
+        finally:
+            os.close(fd)
 
     def unlink_tmp(self, tmp: Path) -> None:
         """Remove a tmp file if it is still there (cleanup: never raises)."""

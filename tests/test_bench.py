@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# the benchmark reads /proc (cpuinfo, self/io, clear_refs), findmnt and posix_fadvise
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the benchmark measures through Linux's /proc")
+
 BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
 
 

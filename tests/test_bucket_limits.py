@@ -38,6 +38,10 @@ def open_node(root: Path, endpoint: str, bucket: str, out: Path) -> dict:  # noq
     return json.loads(out.read_text())
 
 
+needs_proc = pytest.mark.skipif(sys.platform != "linux", reason="measures peak memory from /proc/self/status (Linux)")
+
+
+@needs_proc
 def test_planted_oversized_objects_cost_a_node_nothing(tmp_path: Path, endpoint: str) -> None:  # noqa: F811
     bucket = make_bucket(endpoint)
     raw = raw_store(endpoint, bucket)
@@ -66,6 +70,7 @@ def test_planted_oversized_objects_cost_a_node_nothing(tmp_path: Path, endpoint:
     assert after["maxrss_mib"] - before["maxrss_mib"] < ALLOWED
 
 
+@needs_proc
 def test_a_planted_identity_is_one_clear_error_and_costs_nothing(tmp_path: Path, endpoint: str) -> None:  # noqa: F811
     clean, planted = make_bucket(endpoint), make_bucket(endpoint)
     before = open_node(tmp_path / "before", endpoint, clean, tmp_path / "before.json")

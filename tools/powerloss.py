@@ -17,6 +17,7 @@ that module's docstring), opens a ``BlockStore`` on each and checks:
 
     python tools/powerloss.py                       # the full run (docs/reliability.md)
     python tools/powerloss.py --quick               # what tests/test_powerloss.py runs
+    python tools/powerloss.py --platform darwin     # macOS's barrier path (F_FULLFSYNC), on any machine
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class Driver:
     """Runs a workload on ``root``: set-up with a plain file layer, then the
     recorded part with a RecordingFileLayer, journaling every entry."""
 
-    def __init__(self, root: Path, base: Path, fs_class: type[RecordingFileLayer] = RecordingFileLayer) -> None:
-        self.root, self.base, self.fs_class = root, base, fs_class
+    def __init__(self, root: Path, base: Path, fs_class: type[RecordingFileLayer] = RecordingFileLayer,
+                 platform: str = sys.platform) -> None:
+        self.root, self.base, self.fs_class, self.platform = root, base, fs_class, platform
         self.journal = Journal()
         self.clock = FakeClock()
         self.recorder: RecordingFileLayer | None = None
@@ -118,7 +120,7 @@ class Driver:
         before = self.ids()
         if self._store is not None:
             self._store.close()
-        self.recorder = self.fs_class(self.root, self.base)
+        self.recorder = self.fs_class(self.root, self.base, platform=self.platform)
         self._store = BlockStore(self.root, fs=self.recorder, clock=self.clock, **PARAMS)
         for entry_id in before - self.ids():  # recovery at open removed it
             self.journal.doomed.setdefault(entry_id, -1)
@@ -375,13 +377,14 @@ def check_state(dest: Path, state: CrashState, journal: Journal, fig: Figures, w
 
 def run_workload(name: str, workload: Callable[[Driver], None], work: Path, fig: Figures, rng: random.Random, *,
                  sample: int | None, n_random: int, exhaustive_upto: int, per_point: int | None = None,
-                 fs_class: type[RecordingFileLayer] = RecordingFileLayer) -> None:
+                 fs_class: type[RecordingFileLayer] = RecordingFileLayer, platform: str = sys.platform) -> None:
     """Record ``workload`` and check its crash states: at every crash point (or
     ``sample`` random ones), all its states, or ``per_point`` of them taken in
-    turn (the quick form: successive points get different kinds of state)."""
+    turn (the quick form: successive points get different kinds of state).
+    ``platform``: whose barrier path the store runs and the model follows."""
     shutil.rmtree(work, ignore_errors=True)
     (work / "live").mkdir(parents=True)
-    driver = Driver(work / "live", work / "base", fs_class)
+    driver = Driver(work / "live", work / "base", fs_class, platform)
     workload(driver)
     recorder = driver.finish()
     points = all_points = recorder.crash_points()
@@ -408,15 +411,17 @@ def run_workload(name: str, workload: Callable[[Driver], None], work: Path, fig:
           f"lost {fig.lost} wrong {fig.wrong} so far", file=sys.stderr, flush=True)
 
 
-def run(work: Path, *, quick: bool, seed: int, long_runs: int, long_steps: int, sample: int) -> Figures:
+def run(work: Path, *, quick: bool, seed: int, long_runs: int, long_steps: int, sample: int,
+        platform: str = sys.platform) -> Figures:
     fig = Figures()
     rng = random.Random(seed)
     for name, workload in SMALL.items():
         run_workload(name, workload, work / "w", fig, rng, sample=None, n_random=1 if quick else 2,
-                     exhaustive_upto=0 if quick else 3, per_point=1 if quick else None)
+                     exhaustive_upto=0 if quick else 3, per_point=1 if quick else None, platform=platform)
     for i in range(long_runs):
         run_workload(f"long#{i}", long_workload(seed * 1000 + i, long_steps), work / "w", fig, rng,
-                     sample=sample, n_random=2, exhaustive_upto=0, per_point=2 if quick else None)
+                     sample=sample, n_random=2, exhaustive_upto=0, per_point=2 if quick else None,
+                     platform=platform)
     return fig
 
 
@@ -429,6 +434,9 @@ def main() -> int:
     ap.add_argument("--long-runs", type=int, help="random long workloads (default 4, quick 1)")
     ap.add_argument("--long-steps", type=int, help="operations per long workload (default 16, quick 8)")
     ap.add_argument("--sample", type=int, help="crash points sampled per long workload (default 40, quick 8)")
+    ap.add_argument("--platform", default=sys.platform,
+                    help="whose barrier path to run and model: darwin (plain fsyncs in the drive's cache until an "
+                         "F_FULLFSYNC) or any other (every fsync a barrier); default this machine's")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     t0 = time.perf_counter()
@@ -440,7 +448,7 @@ def main() -> int:
         fig = run(Path(tmp), quick=args.quick, seed=args.seed,
                   long_runs=args.long_runs if args.long_runs is not None else (1 if args.quick else 4),
                   long_steps=args.long_steps or (8 if args.quick else 16),
-                  sample=args.sample or (8 if args.quick else 40))
+                  sample=args.sample or (8 if args.quick else 40), platform=args.platform)
     print(fig.table())
     print(fig.line() + f"  ({time.perf_counter() - t0:.0f} s)")
     for p in fig.problems[:20]:

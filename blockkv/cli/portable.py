@@ -47,7 +47,7 @@ def add_commands(sub: Any, make: Any) -> None:
     """``export``, ``import`` and ``warm`` on the parser's subcommands (``make``
     builds a subparser the way ``blockkv.cli`` builds every other one)."""
     export = make("export", cmd_export, "write an entry as a .safetensors prompt-cache file mlx-lm loads")
-    export.add_argument("root", nargs="?", help="cache root (default: serve's, ~/.cache/blockkv)")
+    export.add_argument("root", nargs="?", help="cache root (default: serve's, by platform: docs/cli.md)")
     export.add_argument("entry", help="entry id (or a unique prefix), as 'blockkv ls' shows it")
     export.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
     export.add_argument("-f", "--fingerprint", metavar="FP", help="the entry's fingerprint (or --model)")
@@ -55,7 +55,8 @@ def add_commands(sub: Any, make: Any) -> None:
     add_identity_options(export, required=False)
     imp = make("import", cmd_import, "store a .safetensors prompt-cache file (blockkv export's or "
                "mlx_lm.cache_prompt's) where 'blockkv serve --model' finds it")
-    imp.add_argument("root", nargs="?", help="cache root (default: serve's, ~/.cache/blockkv; created if missing)")
+    imp.add_argument("root", nargs="?", help="cache root (default: serve's, by platform: docs/cli.md; "
+                     "created if missing)")
     imp.add_argument("file", help="the prompt-cache file")
     prompt = imp.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="the text mlx_lm.cache_prompt was given (--prompt)")
@@ -66,7 +67,8 @@ def add_commands(sub: Any, make: Any) -> None:
                      help="take a file whose metadata names no model (you vouch that --model made it)")
     add_identity_options(imp, required=True)
     warm = make("warm", cmd_warm, "store a system prompt's cache before the first request")
-    warm.add_argument("root", nargs="?", help="cache root (default: serve's, ~/.cache/blockkv; created if missing)")
+    warm.add_argument("root", nargs="?", help="cache root (default: serve's, by platform: docs/cli.md; "
+                      "created if missing)")
     warm.add_argument("file", type=Path, help="a chat-messages JSON file (its leading system messages) "
                       "or a text file (the system prompt)")
     add_identity_options(warm, required=True)

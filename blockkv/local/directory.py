@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,12 +59,18 @@ log = logging.getLogger("blockkv")
 ROOT_MARKER = ".blockkv"  # "this is a blockkv root": tools refuse a directory without it
 
 
-def default_root() -> Path:
-    """``$XDG_CACHE_HOME/blockkv`` (``~/.cache/blockkv``): where ``blockkv serve``
-    keeps its cache and every ``blockkv`` command looks unless told (survives
-    restarts, unlike /tmp)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "blockkv"
+def default_root(platform: str = sys.platform) -> Path:
+    """Where ``blockkv serve`` keeps its cache and every ``blockkv`` command
+    looks unless told (survives restarts, unlike /tmp): the platform's cache
+    directory, ``~/Library/Caches/blockkv`` on macOS (Time Machine and
+    Spotlight leave it alone), ``$XDG_CACHE_HOME/blockkv`` (``~/.cache/blockkv``)
+    elsewhere. On macOS a cache already at the old default (a blockkv root
+    there, none at the new place) is still the one found."""
+    old = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "blockkv"
+    if platform != "darwin":
+        return old
+    new = Path.home() / "Library" / "Caches" / "blockkv"
+    return old if (old / ROOT_MARKER).is_file() and not new.exists() else new
 _UUID = re.compile(r"[0-9a-f]{32}")
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
 _HEADER_REL = re.compile(rf"entries/[0-9a-f]{{16}}/([0-9a-f]{{32}}){re.escape(SUFFIX)}")

@@ -3,15 +3,30 @@ restore never queues behind a store."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+
+_MAX_CORE_THREADS = 8  # past this a handle's hashing or reading would crowd out the model it serves
+
+
+def core_threads() -> int:
+    """Threads for work that keeps a core busy (hashing, reading and checking
+    blocks): one per core this process may run on, at least 2 (the count
+    measured on 2 cores), at most ``_MAX_CORE_THREADS``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity masks
+        cores = os.cpu_count() or 2
+    return max(2, min(cores, _MAX_CORE_THREADS))
+
 
 _WORKERS = {
     "io": 4,  # a store's block writes: each ends in an fsync that waits on the disk, not a core; a
     # 1024-token entry's 4 blocks written on 4 threads wait for one fsync, not two in turn
     # (4096 tokens: 0.76x -> 1.32x mlx-lm's save + fsync, alternating, load ~8)
-    "hash": 2,  # a store's block hashing: one per core
-    "read": 2,  # a restore's block reads and checks: one per core (four read no faster)
+    "hash": core_threads(),  # a store's block hashing: one per core
+    "read": core_threads(),  # a restore's block reads and checks: one per core (on 2 cores, four read no faster)
     "alloc": 1,  # a restore's destination arrays: always one thread, whose arena keeps freed pages (restore.py)
 }
 
@@ -19,8 +34,8 @@ _WORKERS = {
 class Executors:
     """Made on first use: "store" and "restore" (the async calls), one thread
     each; "io" (a store's block writes), four; "hash" (a store's block
-    hashing) and "read" (a restore's block reads and checks), two each;
-    "alloc" (a restore's destination arrays), one."""
+    hashing) and "read" (a restore's block reads and checks), one per core
+    (``core_threads``); "alloc" (a restore's destination arrays), one."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()

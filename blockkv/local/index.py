@@ -23,7 +23,7 @@ under the lock once that file's removal is durable. After a reboot the file
 proves the tables are what was last synced; without it they are rebuilt
 (docs/design.md, "The LMDB accelerator").
 
-Here: the tables, through a handle (``Index``) or read without the lock by
+Here: the tables, through a handle (``Index``) or read without the directory lock by
 tools (``read_only_*``). The environment handles share is lmdb_env.py's; an
 entry's row is packed by index_records.py.
 """
@@ -34,16 +34,18 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
 
-from blockkv.errors import CorruptError
+from blockkv.errors import CorruptError, LockTimeout
 from blockkv.fs import TMP_SUFFIX, FileLayer
 from blockkv.local.index_records import gc_paused, pack_record, unpack_record, unpack_records
-from blockkv.local.lmdb_env import boot_id, env_key, open_env, release_env
+from blockkv.local.lmdb_env import TXN_LOCK, TXN_TIMEOUT, boot_id, env_key, open_env, release_env
+from blockkv.local.locks import TxnLock
 from blockkv.records import EntryRecord
 
 # 2: writes only once ``index.settled`` is gone. A blockkv that knows nothing
@@ -418,13 +420,30 @@ def settled_marker(index_dir: Path) -> Path:
 
 def _read_only(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R], *,
                this_boot: bool = False) -> R | None:
-    """``fn`` over an index opened read-only without its lock file (for tools
-    that must change nothing), if it has our format (and, ``this_boot``, one a
+    """``fn`` over an index opened read-only (for tools that must change nothing), if it has our format (and, ``this_boot``, one a
     store would trust: written in this boot, or settled); None otherwise, or if
-    anything fails to parse. Without the lock a writer may reuse pages under
-    us, so garbage is possible and reads as "no usable index"."""
+    anything fails to parse. It holds the environment's transaction lock
+    shared (opened read-only: this works on a read-only mount) so no writer
+    reuses pages under it; an index with no lock file (or one this process
+    may not open) is read without, where garbage is possible and reads as
+    "no usable index"."""
     if not (path / "data.mdb").is_file():
         return None
+    try:
+        txns: TxnLock | None = TxnLock(path / TXN_LOCK, timeout=TXN_TIMEOUT, create=False)
+    except OSError:
+        txns = None
+    try:
+        with txns.shared() if txns is not None else nullcontext():
+            return _read_env(path, fn, this_boot=this_boot)
+    except LockTimeout:
+        return None
+    finally:
+        if txns is not None:
+            txns.close()
+
+
+def _read_env(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R], *, this_boot: bool) -> R | None:
     try:
         env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=len(Index._DBS))
     except lmdb.Error:
@@ -446,7 +465,7 @@ def _read_only(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R]
 
 
 def read_only_block_rows(path: Path) -> dict[str, BlockRow] | None:
-    """Block rows of an index, read without its lock; None if there is no usable index."""
+    """Block rows of an index, read without the directory lock; None if there is no usable index."""
 
     def read(env: lmdb.Environment, txn: lmdb.Transaction) -> dict[str, BlockRow]:
         blocks = env.open_db(b"blocks", txn=txn, create=False)
@@ -457,7 +476,7 @@ def read_only_block_rows(path: Path) -> dict[str, BlockRow] | None:
 
 def read_only_entries(path: Path) -> tuple[dict[str, EntryRecord], dict[str, float]] | None:
     """Entry rows and last-use times of an index a store would trust, read
-    without its lock; None if it would not be trusted or does not parse."""
+    without the directory lock; None if it would not be trusted or does not parse."""
 
     def read(env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[dict[str, EntryRecord], dict[str, float]]:
         entries = env.open_db(b"entries", txn=txn, create=False)

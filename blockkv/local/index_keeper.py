@@ -169,6 +169,9 @@ class IndexKeeper:
                 raise lmdb.Error("the index was replaced on disk")
             self._catalog.apply_changes(self.index)
             return True
+        except LockTimeout as exc:  # a stopped process inside a transaction: serve what we know
+            self._warn("index-busy", f"LMDB index busy ({exc}); serving the last known state")
+            return True
         except lmdb.Error as exc:
             self._warn("index", f"LMDB index lost ({exc}); reopening and recovering")
             self._needs_recovery = True

@@ -1,15 +1,23 @@
 """One LMDB environment per process and file, shared by every index handle.
 
 LMDB forbids opening one environment twice in a process, so handles share it
-through a registry keyed by path and inode; py-lmdb forbids resizing the map
-while another thread of the process is inside a transaction, so every
-transaction holds a gate that a resize takes exclusively. Nothing here knows
-the index's tables (index.py).
+through a registry keyed by path and inode. The environment is opened without
+LMDB's own lock (``lock=False``): on macOS its cross-process writer lock is a
+POSIX semaphore, which a SIGKILLed writer never releases (every other process
+then hangs on its next write). Every transaction instead holds the
+environment's ``TxnLock`` (a flock, released by the kernel when its holder
+dies): shared for the life of a read, exclusive for a write, for opening the
+environment (a new one is initialised by its first opener) and for a map
+resize (py-lmdb forbids resizing while another thread is inside a
+transaction). Nothing here knows the index's tables (index.py).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,57 +27,40 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from blockkv.local.locks import TxnLock
+
 # liblmdb errors that prove an environment broken (not a transient failure):
 # only these move it aside to be rebuilt
 BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
                 lmdb.PageNotFoundError, lmdb.BadRslotError)
 R = TypeVar("R")
+TXN_LOCK = "txn.lock"  # in the environment's directory: it goes wherever the environment is moved
+TXN_TIMEOUT = 10.0  # the longest a transaction waits for another's: only a stopped process holds it that long
 
 
-def boot_id() -> str:
-    """Changes on every OS boot; '' where unknown (then transactions are synced)."""
+def boot_id(platform: str = sys.platform) -> str:
+    """Changes on every OS boot: Linux's ``boot_id``, macOS's
+    ``kern.bootsessionuuid``; '' where unknown (then transactions are synced)."""
+    if platform == "darwin":
+        return _boot_session_uuid()
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
 
 
-class _Gate:
-    """Readers-writer lock over one environment's transactions: any number of
-    transactions, or one map resize with none open (py-lmdb forbids resizing
-    while another thread of the process is inside a transaction)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self._resizing = False
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing or self._active:
-                self._cond.wait()
-            self._resizing = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
+@functools.cache
+def _boot_session_uuid() -> str:
+    """``sysctlbyname("kern.bootsessionuuid")`` (a UUID string, new each boot); '' if it fails."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(64)
+        size = ctypes.c_size_t(len(buf))
+        if libc.sysctlbyname(b"kern.bootsessionuuid", buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+            return ""
+    except (OSError, AttributeError):  # no libc, or no sysctlbyname in it (not macOS)
+        return ""
+    return buf.value.decode("ascii", "replace").strip()
 
 
 @dataclass
@@ -79,14 +70,14 @@ class SharedEnv:
 
     env: lmdb.Environment
     key: tuple[int, int]  # (st_dev, st_ino) of data.mdb when opened
-    gate: _Gate
+    txns: TxnLock
     users: int = 1
 
     def open_db(self, name: bytes) -> Any:
         """Creating a table is a write: it may need the map to grow too."""
         while True:
             try:
-                with self.gate.shared():
+                with self.txns.exclusive():
                     return self.env.open_db(name)
             except lmdb.MapFullError:
                 self._grow()
@@ -95,7 +86,7 @@ class SharedEnv:
         """Run ``fn`` in a write transaction; grow the map when it is full."""
         while True:
             try:
-                with self.gate.shared(), self.env.begin(write=True) as txn:
+                with self.txns.exclusive(), self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
                 self._grow()
@@ -105,7 +96,7 @@ class SharedEnv:
     def read(self, fn: Callable[[lmdb.Transaction], R]) -> R:
         while True:
             try:
-                with self.gate.shared(), self.env.begin() as txn:
+                with self.txns.shared(), self.env.begin() as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 self._adopt_size()
@@ -113,17 +104,17 @@ class SharedEnv:
     def sync(self) -> None:
         """Every committed transaction durable (fdatasync of the data file), even
         in an environment opened without sync."""
-        with self.gate.shared():
+        with self.txns.shared():
             self.env.sync(True)
 
     def _grow(self) -> None:
         """Double the map, with no transaction of this process open (py-lmdb's rule)."""
-        with self.gate.exclusive():
+        with self.txns.exclusive():
             self.env.set_mapsize(self.env.info()["map_size"] * 2)
 
     def _adopt_size(self) -> None:
         """Another process grew the map: adopt its size, again with no transaction open."""
-        with self.gate.exclusive():
+        with self.txns.exclusive():
             self.env.set_mapsize(0)
 
 
@@ -152,18 +143,23 @@ def open_env(path: Path, map_size: int, *, max_dbs: int, sync: bool) -> SharedEn
         # file was replaced in place is dead. Close it once no transaction is
         # inside it; its handles get an error and reopen (``Index.replaced``).
         for stale in [v for k, v in _ENVS.items() if k[0] == resolved]:
-            with stale.gate.exclusive():
+            with stale.txns.exclusive():
                 stale.env.close()
             for k in [k for k, v in _ENVS.items() if v is stale]:
                 del _ENVS[k]
         path.mkdir(mode=0o700, exist_ok=True)
-        env = lmdb.open(
-            str(path), map_size=map_size, max_dbs=max_dbs, max_readers=1024,
-            sync=sync, metasync=sync, readahead=False, mode=0o600,
-        )
-        env.reader_check()
-        key = env_key(path)
-        shared = _ENVS[(resolved, *key)] = SharedEnv(env, key, _Gate())
+        txns = TxnLock(path / TXN_LOCK, timeout=TXN_TIMEOUT)
+        try:
+            with txns.exclusive():
+                env = lmdb.open(
+                    str(path), map_size=map_size, max_dbs=max_dbs, lock=False,
+                    sync=sync, metasync=sync, readahead=False, mode=0o600,
+                )
+                key = env_key(path)
+        except BaseException:
+            txns.close()
+            raise
+        shared = _ENVS[(resolved, *key)] = SharedEnv(env, key, txns)
         return shared
 
 
@@ -177,3 +173,4 @@ def release_env(shared: SharedEnv) -> None:
             if v is shared:
                 del _ENVS[k]
         shared.env.close()  # a no-op if it was closed as stale
+        shared.txns.close()

@@ -25,6 +25,7 @@ from blockkv.format.header import Identity
 from blockkv.fs import FileLayer
 from blockkv.local.catalog import Catalog
 from blockkv.local.directory import Directory, fingerprint_dirname, read_identity
+from blockkv.local.executors import core_threads
 from blockkv.local.reader import read_directory
 from blockkv.local.restore import EntryRead
 from blockkv.records import Entry, Loaded, Match
@@ -47,7 +48,7 @@ class ReadOnlyStore:
         self.verify = verify
         self._dir = Directory(self.directory, self.identity, FileLayer())
         self._catalog = Catalog(self.identity.digest(), time.time)
-        self._io = ThreadPoolExecutor(2, thread_name_prefix="blockkv-read")
+        self._io = ThreadPoolExecutor(core_threads(), thread_name_prefix="blockkv-read")
         self.refresh()
 
     @classmethod

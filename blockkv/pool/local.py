@@ -68,11 +68,11 @@ class LocalPool:
         return self._fs.write_atomic(path, parts, tag=tag)
 
     def stage(self, name: str, parts: Sequence[Buffer], *, tag: str = "") -> Staged:
-        """Write a block to a durable tmp file; nothing can see it until ``publish``."""
+        """Write a block to a tmp file, durable once ``publish`` returns; nothing can see it until then."""
         path = self.path(name)
         refuse_linked(path.parent)
         self._fs.makedirs(path.parent)
-        tmp, nbytes = self._fs.write_tmp(path, parts, tag=tag)
+        tmp, nbytes = self._fs.write_tmp(path, parts, tag=tag, batched=True)
         return Staged(tmp, path, nbytes)
 
     def publish(self, staged: Sequence[Staged]) -> int:

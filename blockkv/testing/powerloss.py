@@ -34,35 +34,41 @@ be lost, independently" — OSDI 2014):
   that moment, and a crash state takes one of three forms: ``"lost"`` (no
   environment: never synced), ``"previous-boot"`` (the last commit before
   the cut, from a boot that has ended: after a power cut
-  ``/proc/sys/kernel/random/boot_id`` differs, so the store trusts it only
+  the boot id (``lmdb_env.boot_id``) differs, so the store trusts it only
   if it was settled, its ``index.settled`` marker present, and otherwise rebuilds
   the tables from the files; a marker, written through the seam, is durable
   before any commit it covers, so the last commit of a cut without one is
   the one the settle synced), or ``"synced"`` (the last
-  commit before the cut, trusted: where no boot id exists, as on macOS,
-  transactions are synced and the store reconciles them with the files).
+  commit before the cut, trusted: where no boot id exists, transactions
+  are synced and the store reconciles them with the files).
   LMDB without sync can also leave a torn environment after a power cut;
   that is not modelled here (docs/design.md's known limits).
 - A crash point is a log position and the LMDB contents at that moment:
   when LMDB committed between two operations, the moments just after the
   first and just before the second are two crash points.
-- On macOS only ``fcntl(F_FULLFSYNC)`` is a barrier (plain ``fsync`` leaves
-  the data in the drive's cache); ``FileLayer.fsync`` uses it, and this model
-  is what its barriers promise.
+- On macOS only ``fcntl(F_FULLFSYNC)`` is a barrier: a plain ``fsync``
+  leaves the data in the drive's cache, and ``F_FULLFSYNC`` flushes the
+  whole cache. A recorder whose ``platform`` is ``"darwin"`` (the default on
+  a Mac; pass it on Linux to check macOS's barrier path) models that: a
+  plain fsync (``cached``) makes nothing durable until a later full one,
+  which makes every cached one before it durable too; a file's writes after
+  its plain fsync are not covered. Elsewhere every fsync is a barrier.
 
 The recorder does not call the real ``fsync``: the crash states come from the
-log, not from the disk, and skipping it keeps recording fast. Linux only (it
-names an fd's file through ``/proc/self/fd``). Not modelled: directory
+log, not from the disk, and skipping it keeps recording fast. It names an
+fd's file through ``/proc/self/fd`` on Linux, ``F_GETPATH`` on macOS. Not modelled: directory
 renames (the store makes none), and a write_atomic's own clean-up unlink after
 a failed write (recording runs are fault-free).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import shutil
 import stat
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,6 +98,7 @@ class Op:
     dst: str = ""  # rename target
     offset: int = 0  # write offset
     data: bytes = b""  # the bytes a write landed
+    cached: bool = False  # an fsync that left it in the drive's cache (macOS's plain fsync)
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,8 @@ class RecordingFileLayer(FileLayer):
     ``base`` receives a copy of ``root`` as it is now: the durable starting
     point of every crash state. Use one recorder per workload."""
 
-    def __init__(self, root: Path, base: Path) -> None:
+    def __init__(self, root: Path, base: Path, platform: str = sys.platform) -> None:
+        self.platform = platform  # whose barrier path the store runs, and the model follows
         self.root = Path(root).resolve()
         self.base = Path(base)
         self.log: list[Op] = []
@@ -175,13 +183,19 @@ class RecordingFileLayer(FileLayer):
             self._append(Op("write", path, inode, offset=offset, data=data), before)
             return n
 
-    def fsync(self, fd: int) -> None:
+    def full_fsync(self, fd: int) -> None:
+        self._log_fsync(fd, cached=False)
+
+    def plain_fsync(self, fd: int) -> None:
+        self._log_fsync(fd, cached=self.platform == "darwin")
+
+    def _log_fsync(self, fd: int, *, cached: bool) -> None:
         with self._lock:
             path = self._fd_path(fd)
             if stat.S_ISDIR(os.fstat(fd).st_mode):
-                self._append(Op("fsync_dir", path))
+                self._append(Op("fsync_dir", path, cached=cached))
             else:
-                self._append(Op("fsync", path, self._inode_at(path)))  # not performed: see the docstring
+                self._append(Op("fsync", path, self._inode_at(path), cached=cached))  # not performed: see the docstring
 
     def replace(self, src: Path, dst: Path) -> None:
         with self._lock:
@@ -219,6 +233,8 @@ class RecordingFileLayer(FileLayer):
         return "" if rel == "." else rel
 
     def _fd_path(self, fd: int) -> str:
+        if hasattr(fcntl, "F_GETPATH"):  # macOS: no /proc
+            return self._rel(fcntl.fcntl(fd, fcntl.F_GETPATH, bytes(1024)).split(b"\0", 1)[0].decode())
         return self._rel(os.readlink(f"/proc/self/fd/{fd}"))
 
     def _inode_at(self, path: str) -> int:
@@ -286,11 +302,19 @@ class RecordingFileLayer(FileLayer):
         """What a cut after ``k`` operations leaves undecided."""
         synced_upto: dict[int, int] = {}  # inode -> position of its last fsync
         dir_synced: dict[str, int] = {}  # directory -> position of its last fsync
+        cached: list[tuple[int, Op]] = []  # fsyncs in the drive's cache, until a full one flushes it
         for i, op in enumerate(self.log[:k]):
-            if op.kind == "fsync":
-                synced_upto[op.inode] = i
-            elif op.kind == "fsync_dir":
-                dir_synced[op.path] = i
+            if op.kind not in ("fsync", "fsync_dir"):
+                continue
+            if op.cached:
+                cached.append((i, op))
+                continue
+            for j, c in [*cached, (i, op)]:
+                if c.kind == "fsync":
+                    synced_upto[c.inode] = max(j, synced_upto.get(c.inode, -1))
+                else:
+                    dir_synced[c.path] = max(j, dir_synced.get(c.path, -1))
+            cached.clear()
         out = _Uncertain()
         for i, op in enumerate(self.log[:k]):
             if op.kind == "write" and synced_upto.get(op.inode, -1) < i:
