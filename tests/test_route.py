@@ -236,6 +236,40 @@ def test_a_node_whose_residency_is_not_as_published_is_routed_without_it(
         follower.stop()
 
 
+def _events(**over: Any) -> bytes:
+    answer = {"epoch": "e1", "seq": 1, "block_size": 32, "resync": False,
+              "batches": [{"seq": 1, "ts": 0, "events": []}], **over}
+    return json.dumps(answer).encode()
+
+
+@pytest.mark.parametrize("answer", [
+    _events(batches=[{"seq": 1, "ts": 0, "events": 5}]),
+    _events(batches=[5]),
+    _events(seq=2**64),
+    _events().replace(b'"seq": 1,', b'"seq": ' + b"9" * 5000 + b","),  # past Python's int parsing limit
+    _events(batches=[{"seq": 1, "events": [{"type": "BlockStored", "medium": "RAM", "block_hashes": 5}]}]),
+])
+def test_a_malformed_events_answer_never_stops_the_following(
+        answer: bytes, fakes: list[FakeNode], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Each bad answer is one warning and a snapshot later: the node is still followed."""
+    monkeypatch.setattr("blockkv.serving.fleet.NO_RESIDENCY_RETRY_S", 0.05)
+    fake = FakeNode({"/blockkv/residency": (200, _snapshot()), "/blockkv/events": (200, answer)})
+    fakes.append(fake)
+    node = Node(fake.url)
+    follower = Follower(node, KEY)
+    follower.start()
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while fake.hits.count("/blockkv/events") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fake.hits.count("/blockkv/events") >= 3 and follower._thread.is_alive()
+        assert node.up
+        assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    finally:
+        follower.stop()
+
+
 def test_reads_from_a_node_are_bounded_and_another_salt_is_ignored(fakes: list[FakeNode]) -> None:
     big = _snapshot(media={"RAM": ["0" * 16] * 10, "DISK": []})
     fakes.append(FakeNode({"/blockkv/residency": (200, big)}))

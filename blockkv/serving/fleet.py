@@ -33,6 +33,7 @@ POLL_TIMEOUT_S = 5.0  # beyond the long poll: a busy node still answers a poll w
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 NO_RESIDENCY_RETRY_S = 30.0  # a node that publishes nothing (plain mlx_lm server, other salt): asked again
+MAX_SEQ = 2**63 - 1  # a node's event sequence number (a count of batches) never reaches this
 PREDICTED_TTL_S = 10.0  # a routed prompt counts as hot there this long after it finished, until events confirm it
 
 
@@ -130,9 +131,10 @@ class Node:
         if epoch != self.epoch or block_size != self.block_size or answer.get("resync") is not False:
             return False
         batches = answer.get("batches")
-        if not isinstance(batches, list):
-            raise BadResidency("batches is not a list")
-        changes = [_event(e) for b in batches for e in (b.get("events") if isinstance(b, dict) else None) or ()]
+        if not isinstance(batches, list) or not all(isinstance(b, dict) and isinstance(b.get("events"), list)
+                                                    for b in batches):
+            raise BadResidency("batches is not a list of objects with a list of events")
+        changes = [_event(e) for b in batches for e in b["events"]]
         with self.lock:
             for kind, medium, digests in changes:
                 if kind == "AllBlocksCleared":
@@ -194,7 +196,7 @@ def _head(answer: dict[str, Any]) -> tuple[str, int, int]:
     epoch, seq, block_size = answer.get("epoch"), answer.get("seq"), answer.get("block_size")
     if not isinstance(epoch, str) or not 0 < len(epoch) <= 64:
         raise BadResidency("epoch is not a short string")
-    if not _int(seq) or seq < 0 or not _int(block_size) or not 1 <= block_size <= 4096:
+    if not _int(seq) or not 0 <= seq <= MAX_SEQ or not _int(block_size) or not 1 <= block_size <= 4096:
         raise BadResidency("seq or block_size out of range")
     return epoch, seq, block_size
 
@@ -234,7 +236,7 @@ def read_json(node: Node, path: str, limit: int, timeout: float) -> Any:
             raise BadResidency(f"{path}: answer over {limit} bytes")
         try:
             return json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer of over 4,300 digits
             raise BadResidency(f"{path}: not JSON ({e})") from e
     finally:
         conn.close()
@@ -289,3 +291,8 @@ class Follower:
                 self._stopped.wait(NO_RESIDENCY_RETRY_S)
             except (OSError, http.client.HTTPException) as e:
                 node.failed(e)
+            except Exception as e:  # noqa: BLE001 - a bug of ours on a node's answer must not end the following
+                self._warn_once("error", "blockkv route: following node %s failed (%r); routing without its "
+                                "residency, asked again later", node.url, e)
+                node.forget()
+                self._stopped.wait(NO_RESIDENCY_RETRY_S)
