@@ -14,6 +14,7 @@ restored from the bucket rather than prefilled."""
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -187,6 +188,31 @@ def test_sessions_stay_on_their_node_and_answer_as_a_node_does(fleet: Fleet) -> 
     assert text.headers[NODE_HEADER] and text.parse().usage.prompt_tokens == len(
         fleet.tokenizer.tokens("/v1/completions", {"prompt": "agent tool call"}))
     _same_as_direct(fleet, record, fleet.nodes)
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """``request`` sent as it is (no client would send it): the whole answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=BOUND_S) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        return b"".join(iter(lambda: s.recv(1 << 16), b""))
+
+
+def test_a_clients_malformed_request_is_the_clients_error(fleet: Fleet) -> None:
+    """A path no node could be sent, or a body that is not UTF-8: 400 from the router, no node
+    marked down, no request left charged to a node, no traceback (#32 case 7)."""
+    body = '{"messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1")
+    requests = [b"GET /v1/models\x01 HTTP/1.0\r\n\r\n", b"GET /v1/models\xff HTTP/1.0\r\n\r\n",
+                b"POST /v1/chat/completions\x7f HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}",
+                b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)]
+    for request in requests:
+        for _ in range(8):  # more failures than the seven in a row that back a node off for 30 s
+            assert _raw(fleet.router.url, request).startswith(b"HTTP/1.0 400 "), request
+    nodes = fleet.router.get("/health")["nodes"]
+    assert all(n["up"] and n["in_flight"] == 0 for n in nodes.values()), nodes
+    assert _ask(fleet, [{"role": "user", "content": "still served"}], stream=False).content
+    assert "Traceback" not in fleet.router.log.read_text()
 
 
 def test_a_node_killed_mid_run_loses_nothing_it_acknowledged(fleet: Fleet) -> None:

@@ -20,10 +20,12 @@ is a node's.
 from __future__ import annotations
 
 import argparse
+import codecs
 import http.client
 import itertools
 import json
 import logging
+import re
 import signal
 import sys
 import threading
@@ -51,6 +53,7 @@ MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413)
 MAX_ANSWER_BYTES = 1 << 30  # a node's answer is cut off past this
 CONNECT_TIMEOUT_S = 3.0
 NODE_HEADER = "X-Blockkv-Node"
+_PATH = re.compile(r"[\x21-\x7e]+")  # what a node is sent: printable ASCII, no space (RFC 3986's characters)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
                "proxy-authorization"}
 
@@ -144,11 +147,21 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s - %s", self.address_string(), format % args)
 
+    def parse_request(self) -> bool:
+        """http.server's checks, then the path's: a path no node could be sent is the client's error (400)."""
+        if not super().parse_request():
+            return False
+        if not _PATH.fullmatch(self.path):
+            self._reply(400, {"error": "the request path is not printable ASCII"})
+            return False
+        return True
+
     def do_GET(self) -> None:
         if self.path.startswith("/v1/models"):
             self._relay("GET", None, None)
         elif self.path == "/health":
-            self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0}
+            self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0,
+                                                                "in_flight": n.queue()[1]}
                                                         for n in self.router.nodes}})
         else:
             self._reply(404, {"error": "Not Found"})
@@ -166,6 +179,9 @@ class Handler(BaseHTTPRequestHandler):
             self._reply(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"})
             return
         body = self.rfile.read(length)
+        if not _is_utf8(body):
+            self._reply(400, {"error": "the request body is not UTF-8"})
+            return
         self._relay("POST", body, self.router.prompt(self.path, body))
 
     def _relay(self, method: str, body: bytes | None, tokens: list[int] | None) -> None:
@@ -179,6 +195,11 @@ class Handler(BaseHTTPRequestHandler):
                 node.abandon(request_id)
                 node.failed(e)
                 continue
+            except Exception as e:  # noqa: BLE001 - not the node's fault, and nothing was relayed yet
+                node.abandon(request_id)
+                log.warning("blockkv route: %s %s not sent to %s (%r)", method, self.path, node.url, e)
+                self._reply(500, {"error": "the router could not send the request"})
+                return
             node.answered()
             log.debug("blockkv route: %s -> %s (%s, %d tokens reused)", self.path, node.url, start.tier, start.reused)
             try:
@@ -233,6 +254,18 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def _is_utf8(data: bytes) -> bool:
+    """Whether ``data`` is UTF-8, checked a MiB at a time (decoded whole, a large body would be held 4 times over)."""
+    decoder, view = codecs.getincrementaldecoder("utf-8")(), memoryview(data)
+    try:
+        for i in range(0, len(view), 1 << 20):
+            decoder.decode(view[i : i + (1 << 20)])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def serve(router: Router, host: str, port: int) -> ThreadingHTTPServer:
