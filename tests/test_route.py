@@ -12,17 +12,18 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import mlx_lm
+import openai
 import pytest
 
 from blockkv.serving.digests import fleet_key, prefix_digests, salt_check
 from blockkv.serving.fleet import Follower, Node, read_json
-from blockkv.serving.route import NODE_HEADER, Router, serve
+from blockkv.serving.route import MAX_BODY_BYTES, MAX_TOKENIZED_BYTES, NODE_HEADER, Router, serve
 from blockkv.serving.route_tokens import PromptTokenizer
 from blockkv.serving.scoring import (
     ACTIVE_COST,
@@ -34,6 +35,7 @@ from blockkv.serving.scoring import (
     order,
     start_cost,
 )
+from blockkv.testing.fleet import Process
 from blockkv.testing.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import random_tokens
 
@@ -147,11 +149,15 @@ def test_a_routed_prompt_counts_as_hot_until_events_confirm_it() -> None:
     assert a.predicted == {} and a.queue() == (0.0, 0)
 
 
+Answer = tuple[int, bytes] | Callable[[str, bytes], tuple[int, bytes]]
+
+
 class FakeNode:
-    """A misbehaving node on 127.0.0.1: ``answers`` maps a path to (status, body bytes);
+    """A misbehaving node on 127.0.0.1: ``answers`` maps a path to (status, body bytes),
+    or to a function of the request's path with its query and its body that returns them;
     ``hang`` accepts connections and never answers."""
 
-    def __init__(self, answers: dict[str, tuple[int, bytes]] | None = None, hang: bool = False) -> None:
+    def __init__(self, answers: dict[str, Answer] | None = None, hang: bool = False) -> None:
         self.hits: list[str] = []
         if hang:
             self.sock = socket.socket()
@@ -169,9 +175,9 @@ class FakeNode:
             def _answer(self) -> None:
                 path = self.path.split("?")[0]
                 fake.hits.append(path)
-                if self.command == "POST":
-                    self.rfile.read(int(self.headers["Content-Length"]))
-                status, body = (answers or {}).get(path, (404, b"Not Found"))
+                sent = self.rfile.read(int(self.headers["Content-Length"])) if self.command == "POST" else b""
+                answer = (answers or {}).get(path, (404, b"Not Found"))
+                status, body = answer(self.path, sent) if callable(answer) else answer
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
@@ -276,9 +282,9 @@ def test_reads_from_a_node_are_bounded_and_another_salt_is_ignored(fakes: list[F
     node = Node(fakes[0].url)
     with pytest.raises(ValueError, match="over"):
         read_json(node, "/blockkv/residency", len(big) - 1, 5.0)
-    assert node.load_snapshot(json.loads(big), KEY) and node.held["RAM"] == {"0" * 16}
+    assert node.load_snapshot(json.loads(big), KEY) and set(node.held["RAM"]) == {"0" * 16}
     assert not node.load_snapshot(json.loads(big), fleet_key("another salt"))
-    assert node.held["RAM"] == set() and node.epoch is None
+    assert set(node.held["RAM"]) == set() and node.epoch is None
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
@@ -320,3 +326,136 @@ def test_a_silent_or_refusing_node_is_skipped_and_the_answer_is_a_nodes_own(fake
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _status_mib(pid: int, field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of process ``pid``, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise LookupError(field)
+
+
+class MemoryBound:
+    """Watches a process's resident memory and kills it past ``limit_mib``: a router that
+    grows without bound fails the test at the bound instead of taking the machine's memory."""
+
+    def __init__(self, process: Process, limit_mib: float) -> None:
+        self.process, self.limit_mib = process, limit_mib
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02) and self.process.proc.poll() is None:
+            try:
+                if _status_mib(self.process.proc.pid, "VmRSS") > self.limit_mib:
+                    self.process.proc.kill()
+            except (OSError, LookupError):
+                return
+
+    def peak_mib(self) -> float:
+        """The process's peak resident memory so far (it must still run)."""
+        self._stop.set()
+        self._thread.join()
+        assert self.process.proc.poll() is None, f"killed at over {self.limit_mib:.0f} MiB resident"
+        return _status_mib(self.process.proc.pid, "VmHWM")
+
+
+def _router_process(model_dir: Path, node: str, log: Path) -> Process:
+    router = Process(["route", "--model", str(model_dir), "--node", node, "--fleet-salt", SALT], log)
+    router.wait_ready()
+    return router
+
+
+CHAT_ANSWER = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}).encode()
+
+
+def test_a_huge_request_costs_the_router_its_body_and_holds_up_no_other(
+        model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
+    """A body at the size limit is not tokenized (#32 case 4: 64 MiB took the router to 12.7 GiB
+    and made a 2-token request wait 122 s): the router holds about the body, and a small
+    request sent meanwhile is answered while the huge one is still being answered."""
+    small_answered = threading.Event()
+
+    def chat(path: str, body: bytes) -> tuple[int, bytes]:
+        if len(body) > MAX_TOKENIZED_BYTES:
+            small_answered.wait(BOUND_S)  # the huge request's answer waits for the small one
+        else:
+            small_answered.set()
+        return 200, CHAT_ANSWER
+
+    fake = FakeNode({"/v1/chat/completions": chat})
+    fakes.append(fake)
+    router = _router_process(model_dir, fake.url, tmp_path / "router.log")
+    try:
+        baseline = _status_mib(router.proc.pid, "VmRSS")
+        bound = MemoryBound(router, baseline + 3 * MAX_BODY_BYTES / 2**20)
+        words = " ".join(sample_text(200, seed=9).split()[:5])
+        huge = json.dumps({"messages": [{"role": "user", "content": ""}]}).encode()
+        filler = (words + " ").encode() * ((MAX_BODY_BYTES - len(huge)) // (len(words) + 1))
+        huge = huge.replace(b'"content": ""', b'"content": "' + filler + b'"')
+        assert MAX_TOKENIZED_BYTES < len(huge) <= MAX_BODY_BYTES
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+        results: list[Any] = []
+        sender = threading.Thread(target=lambda: results.append(_post_raw(router.url, huge)))
+        sender.start()
+        while not any(p == "/v1/chat/completions" for p in fake.hits) and sender.is_alive():
+            time.sleep(0.05)  # the huge request has reached the node
+        small = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        sender.join(BOUND_S)
+        assert small.choices[0].message.content == "ok" and small_answered.is_set()
+        assert results and results[0][0] == 200
+        assert bound.peak_mib() <= baseline + 3 * MAX_BODY_BYTES / 2**20
+    finally:
+        router.stop()
+
+
+def _post_raw(url: str, body: bytes) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=BOUND_S) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+FLOOD = 600_000  # new digests per events answer: 11 MiB, under the 16 MiB an answer may take
+
+
+def test_an_event_flood_costs_the_router_a_bounded_memory(
+        model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
+    """A node whose every events answer stores 600k new digests (#32 case 5: the router grew
+    ~1.4 GiB in 90 s, linearly): the router keeps at most MAX_DIGESTS of them and still answers."""
+    def events(path: str, body: bytes) -> tuple[int, bytes]:
+        since = int(path.split("since=")[1].split("&")[0])
+        digests = [f"{i:016x}" for i in range(since * FLOOD, (since + 1) * FLOOD)]
+        batch = {"seq": since + 1, "ts": 0, "events": [
+            {"type": "BlockStored", "block_hashes": digests, "medium": "RAM"}]}
+        return 200, json.dumps({"epoch": "e1", "seq": since + 1, "block_size": 32, "resync": False,
+                                "batches": [batch]}).encode()
+
+    fake = FakeNode({"/blockkv/residency": (200, _snapshot()), "/blockkv/events": events,
+                     "/v1/chat/completions": (200, CHAT_ANSWER)})
+    fakes.append(fake)
+    router = _router_process(model_dir, fake.url, tmp_path / "router.log")
+    try:
+        baseline = _status_mib(router.proc.pid, "VmRSS")
+        limit = baseline + 400  # MAX_DIGESTS kept (~40 MiB) and one answer being parsed (~150 MiB)
+        bound = MemoryBound(router, limit)
+        deadline = time.monotonic() + 4 * BOUND_S
+        while fake.hits.count("/blockkv/events") < 12 and router.proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert router.proc.poll() is None, f"killed at over {limit:.0f} MiB resident"
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+        assert bound.peak_mib() <= limit
+        assert "Traceback" not in (tmp_path / "router.log").read_text()
+    finally:
+        router.stop()

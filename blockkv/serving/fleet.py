@@ -13,10 +13,12 @@ doubles up to ``MAX_BACKOFF_S``.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import logging
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +28,8 @@ from blockkv.serving.residency import MEDIA
 
 log = logging.getLogger(__name__)
 
-MAX_SNAPSHOT_BYTES = 64 << 20
+MAX_DIGESTS = 1 << 18  # per node and medium: 8M tokens of distinct prefixes, about 40 MB of the router's memory
+MAX_SNAPSHOT_BYTES = 16 << 20  # two media of MAX_DIGESTS, 19 bytes each in JSON, with room
 MAX_EVENTS_BYTES = 16 << 20
 LONG_POLL_S = 10.0
 POLL_TIMEOUT_S = 5.0  # beyond the long poll: a busy node still answers a poll within this
@@ -39,6 +42,41 @@ PREDICTED_TTL_S = 10.0  # a routed prompt counts as hot there this long after it
 
 class BadResidency(ValueError):
     """A node's residency answer is not as published: its residency is unknown."""
+
+
+class Held:
+    """The digests a node holds in one medium, the most recently stored
+    ``cap``: past it the oldest are forgotten (a node that publishes more, or
+    a flood of events, costs the router a bounded memory and at worst a
+    prompt it routes as if that node had to prefill it)."""
+
+    def __init__(self, digests: Iterable[str] = (), cap: int = MAX_DIGESTS) -> None:
+        self._cap = cap
+        self._digests: dict[str, None] = {}  # insertion order: the oldest first
+        self.update(digests)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._digests
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def update(self, digests: Iterable[str]) -> None:
+        for d in digests:
+            self._digests.pop(d, None)
+            self._digests[d] = None
+        for d in list(itertools.islice(self._digests, max(0, len(self._digests) - self._cap))):
+            del self._digests[d]
+
+    def difference_update(self, digests: Iterable[str]) -> None:
+        for d in digests:
+            self._digests.pop(d, None)
+
+    def clear(self) -> None:
+        self._digests.clear()
 
 
 @dataclass
@@ -66,7 +104,7 @@ class Node:
     seq: int = 0
     block_size: int = 0  # 0: residency unknown
     remote: bool = False
-    held: dict[str, set[str]] = field(default_factory=lambda: {m: set() for m in MEDIA})
+    held: dict[str, Held] = field(default_factory=lambda: {m: Held() for m in MEDIA})
     predicted: dict[str, float] = field(default_factory=dict)  # digest -> until (inf while in flight)
     in_flight: dict[int, InFlight] = field(default_factory=dict)
     routed: int = 0
@@ -114,7 +152,7 @@ class Node:
         if snap.get("salt_check") != salt_check(key):
             self.forget()
             return False
-        held = {m: _digests(snap["media"].get(m, [])) for m in MEDIA}
+        held = {m: Held(_digests(snap["media"].get(m, []))) for m in MEDIA}
         with self.lock:
             if epoch != self.epoch:
                 self.predicted.clear()  # a restarted node holds nothing the router sent its last life
@@ -163,7 +201,10 @@ class Node:
             self.in_flight[request_id] = InFlight(work, digests)
             self.routed += 1
             for d in digests:
+                self.predicted.pop(d, None)
                 self.predicted[d] = float("inf")
+            for d in list(itertools.islice(self.predicted, max(0, len(self.predicted) - MAX_DIGESTS))):
+                del self.predicted[d]  # the oldest: at worst a prompt routed as if it had to be prefilled
 
     def started(self, request_id: int) -> None:
         with self.lock:
@@ -205,18 +246,18 @@ def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _digests(values: object) -> set[str]:
+def _digests(values: object) -> list[str]:
     if not isinstance(values, list) or not all(is_digest(v) for v in values):
         raise BadResidency("digests are not a list of 16 hex characters each")
-    return set(values)  # type: ignore[arg-type]
+    return values  # type: ignore[return-value]
 
 
-def _event(event: object) -> tuple[str, str, set[str]]:
+def _event(event: object) -> tuple[str, str, list[str]]:
     if not isinstance(event, dict) or event.get("medium") not in MEDIA:
         raise BadResidency("an event without a known medium")
     kind = event.get("type")
     if kind == "AllBlocksCleared":
-        return kind, event["medium"], set()
+        return kind, event["medium"], []
     if kind in ("BlockStored", "BlockRemoved"):
         return kind, event["medium"], _digests(event.get("block_hashes"))
     raise BadResidency(f"unknown event type {kind!r}")

@@ -50,6 +50,10 @@ from blockkv.serving.scoring import (
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413)
+# A longer request is routed by load alone: tokenizing costs the router ~120 bytes of memory and
+# ~1.5 µs per prompt byte (a 1 MiB body is ~150k tokens), and a 128k-token prompt is ~0.5 MiB of text.
+MAX_TOKENIZED_BYTES = 1 << 20
+MAX_PROMPT_TOKENS = 1 << 18  # and so is a prompt of more tokens: its digests are at most 8,192
 MAX_ANSWER_BYTES = 1 << 30  # a node's answer is cut off past this
 CONNECT_TIMEOUT_S = 3.0
 NODE_HEADER = "X-Blockkv-Node"
@@ -88,13 +92,14 @@ class Router:
 
     def prompt(self, path: str, body: bytes) -> list[int] | None:
         """The request's prompt tokens, or None (routed by load alone)."""
-        if self.tokenizer is None or path not in (*CHAT_PATHS, *TEXT_PATHS):
+        if self.tokenizer is None or path not in (*CHAT_PATHS, *TEXT_PATHS) or len(body) > MAX_TOKENIZED_BYTES:
             return None
         try:
-            return self.tokenizer.tokens(path, json.loads(body))
+            tokens = self.tokenizer.tokens(path, json.loads(body))
         except Exception as e:  # noqa: BLE001 - the node will answer whatever this was; only the choice suffers
             log.debug("blockkv route: request not tokenized (%r); routed by load", e)
             return None
+        return tokens if len(tokens) <= MAX_PROMPT_TOKENS else None
 
     def rank(self, tokens: list[int] | None) -> list[tuple[Node, Start, list[str]]]:
         """Usable nodes, best first (scoring.order), each with its start and the prompt's digests in its block size."""
