@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -456,6 +457,40 @@ def test_an_event_flood_costs_the_router_a_bounded_memory(
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
         assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
         assert bound.peak_mib() <= limit
+        assert "Traceback" not in (tmp_path / "router.log").read_text()
+    finally:
+        router.stop()
+
+
+def _listen_backlog(port: int) -> int:
+    """The listen backlog of the socket listening on ``port`` (``ss``'s Send-Q of a listener)."""
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[2])
+
+
+def test_idle_connections_time_out_and_connections_at_once_are_capped(
+        model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
+    """Idle and half-sent connections are closed after --client-timeout, one past
+    --max-connections is answered 503 at once, and the listen backlog takes a burst of
+    64 clients (#32 case 8: 373 idle connections stayed open, a thread each; backlog 5)."""
+    fake = FakeNode({"/v1/chat/completions": (200, CHAT_ANSWER)})
+    fakes.append(fake)
+    router = Process(["route", "--model", str(model_dir), "--node", fake.url, "--client-timeout", "3",
+                      "--max-connections", "4"], tmp_path / "router.log")
+    router.wait_ready()
+    try:
+        assert _listen_backlog(router.port) >= 64
+        idle = [socket.create_connection(("127.0.0.1", router.port), timeout=BOUND_S) for _ in range(4)]
+        idle[0].sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 100\r\n\r\n{")  # body half sent
+        idle[1].sendall(b"GET /v1/mod")  # request line half sent
+        idle[2].sendall(b"GET /health HTTP/1.0\r\n")  # headers half sent
+        with socket.create_connection(("127.0.0.1", router.port), timeout=BOUND_S) as extra:
+            assert extra.recv(1 << 16).startswith(b"HTTP/1.0 503 ")  # the four are being served
+        for s in idle:
+            with s:
+                assert s.recv(1 << 16) == b""  # closed by the router (a timeout here would raise)
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
         assert "Traceback" not in (tmp_path / "router.log").read_text()
     finally:
         router.stop()

@@ -14,8 +14,10 @@ restored from the bucket rather than prefilled."""
 from __future__ import annotations
 
 import itertools
+import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +215,60 @@ def test_a_clients_malformed_request_is_the_clients_error(fleet: Fleet) -> None:
     assert all(n["up"] and n["in_flight"] == 0 for n in nodes.values()), nodes
     assert _ask(fleet, [{"role": "user", "content": "still served"}], stream=False).content
     assert "Traceback" not in fleet.router.log.read_text()
+
+
+def test_a_stream_its_node_cut_raises_in_the_client(fleet: Fleet) -> None:
+    """A node SIGKILLed mid-stream: the router ends the relayed stream with an error event,
+    so the ``openai`` client raises instead of taking the partial answer for a whole one,
+    and the router logs it (#33 case 4)."""
+    eos = fleet.tokenizer.tokenizer.eos_token_id
+    messages = [{"role": "user", "content": sample_text(40, seed=77)}]
+    with fleet.client().chat.completions.with_streaming_response.create(
+            model="default_model", messages=messages, max_tokens=100_000, temperature=0.0, stream=True,
+            extra_body={"logit_bias": {str(eos): -1000.0}}) as response:  # long enough to be cut
+        index = next(i for i, n in enumerate(fleet.nodes) if n.url == response.headers[NODE_HEADER])
+        chunks = iter(response.parse())
+        assert next(chunks).choices is not None
+        victim = fleet.nodes[index]
+        victim.proc.kill()
+        victim.proc.wait()
+        with pytest.raises(openai.APIError, match="cut short"):
+            for _ in chunks:
+                pass
+    assert "ended without [DONE]" in fleet.router.log.read_text()
+    fleet.nodes[index] = victim.restarted(fleet.logs / f"node{index}-restarted.log")
+    fleet.nodes[index].wait_ready()
+
+
+def test_a_router_stopped_with_requests_in_flight_finishes_them(fleet: Fleet) -> None:
+    """SIGTERM with answers being relayed: the router stops accepting, relays every answer
+    in flight to its end, then exits; no node logs a broken pipe (#33 case 3)."""
+    eos = fleet.tokenizer.tokenizer.eos_token_id
+    client = fleet.client()
+
+    def ask(i: int) -> str:
+        stream = client.chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": sample_text(30, seed=500 + i)}],
+            max_tokens=200, temperature=0.0, stream=i % 2 == 0, extra_body={"logit_bias": {str(eos): -1000.0}})
+        if i % 2:
+            return stream.choices[0].finish_reason
+        return [c.choices[0].finish_reason for c in stream if c.choices][-1]
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(ask, i) for i in range(4)]
+        deadline = time.monotonic() + BOUND_S
+        while sum(n["in_flight"] for n in fleet.router.get("/health")["nodes"].values()) < 4:
+            assert time.monotonic() < deadline and not any(a.done() for a in answers)
+            time.sleep(0.02)
+        fleet.router.proc.send_signal(signal.SIGTERM)
+        assert [a.result() for a in answers] == ["length"] * 4  # every answer whole
+    assert fleet.router.proc.wait(BOUND_S) == 0
+    for node in fleet.nodes:  # an event wakes the long poll the router left: its answer has no reader
+        for i in range(2):
+            fleet.client(node.url).chat.completions.create(
+                model="default_model", max_tokens=1, messages=[{"role": "user", "content": f"wake {i}"}])
+        assert "BrokenPipeError" not in node.log.read_text() and "Traceback" not in node.log.read_text()
+    fleet.start_router()
 
 
 def test_a_node_killed_mid_run_loses_nothing_it_acknowledged(fleet: Fleet) -> None:

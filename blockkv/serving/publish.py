@@ -169,7 +169,10 @@ def residency_handler(base: type, journal: Journal) -> type:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.end_headers()
+                self.wfile.write(data)
+            except ConnectionError:  # the reader left (a router that stopped during a long poll)
+                self.close_connection = True
 
     return ResidencyHandler

@@ -31,10 +31,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import FrameType
 from typing import Any
 
+from blockkv.serving.bounded_server import BoundedHTTPServer
 from blockkv.serving.digests import SALT_ENV, fleet_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
 from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
@@ -56,7 +57,11 @@ MAX_TOKENIZED_BYTES = 1 << 20
 MAX_PROMPT_TOKENS = 1 << 18  # and so is a prompt of more tokens: its digests are at most 8,192
 MAX_ANSWER_BYTES = 1 << 30  # a node's answer is cut off past this
 CONNECT_TIMEOUT_S = 3.0
+CLIENT_TIMEOUT_S = 60.0  # longest wait for a client's next byte (a request half sent, an answer not read)
+MAX_CONNECTIONS = 256
+DRAIN_S = 120.0  # on SIGTERM or Ctrl-C: longest wait for the answers being relayed
 NODE_HEADER = "X-Blockkv-Node"
+_DONE = b"data: [DONE]"
 _PATH = re.compile(r"[\x21-\x7e]+")  # what a node is sent: printable ASCII, no space (RFC 3986's characters)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
                "proxy-authorization"}
@@ -183,7 +188,15 @@ class Handler(BaseHTTPRequestHandler):
         if not 0 <= length <= MAX_BODY_BYTES:
             self._reply(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"})
             return
-        body = self.rfile.read(length)
+        try:
+            body = self.rfile.read(length)
+        except OSError as e:  # the client stalled (the timeout) or left: nothing to answer
+            log.debug("blockkv route: request body not received (%r)", e)
+            self.close_connection = True
+            return
+        if len(body) < length:
+            self.close_connection = True
+            return
         if not _is_utf8(body):
             self._reply(400, {"error": "the request body is not UTF-8"})
             return
@@ -237,7 +250,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.flush()
-        sent = 0
+        stream = response.status == 200 and response.getheader("Content-Type", "").startswith("text/event-stream")
+        sent, tail, why = 0, b"", "the node closed it"
         try:
             while sent < MAX_ANSWER_BYTES:
                 chunk = response.read1(64 << 10)
@@ -248,9 +262,29 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(chunk)
                 self.wfile.flush()
                 sent += len(chunk)
+                tail = (tail + chunk)[-64:]
+            else:
+                why = f"over {MAX_ANSWER_BYTES} bytes"
         except (OSError, http.client.HTTPException) as e:  # the node died, or the client left: cut short
             log.warning("blockkv route: relaying the answer of %s ended early (%s)", node.url, e)
+            why = repr(e)
         self.close_connection = True
+        if stream and _DONE not in tail:
+            self._cut(node, tail, why)
+
+    def _cut(self, node: Node, tail: bytes, why: str) -> None:
+        """End a stream its node did not finish with an error event, so that the
+        client (the ``openai`` client raises ``APIError``) never takes a partial
+        answer for a whole one."""
+        log.warning("blockkv route: the answer streamed by %s ended without [DONE] (%s); the client is told", node.url,
+                    why)
+        event = json.dumps({"error": {"message": f"blockkv route: the answer of {node.url} was cut short ({why})",
+                                      "type": "server_error", "code": "stream_cut"}})
+        try:
+            self.wfile.write((b"" if tail.endswith(b"\n\n") else b"\n\n") + f"data: {event}\n\n".encode())
+            self.wfile.flush()
+        except OSError:
+            pass  # the client left
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -273,12 +307,13 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
-def serve(router: Router, host: str, port: int) -> ThreadingHTTPServer:
+def serve(router: Router, host: str, port: int, client_timeout: float = CLIENT_TIMEOUT_S,
+          max_connections: int = MAX_CONNECTIONS) -> BoundedHTTPServer:
     """An HTTP server for ``router`` on ``host:port`` (not yet serving)."""
-    handler = type("RouteHandler", (Handler,), {"router": router})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    if not client_timeout > 0:
+        raise ValueError(f"--client-timeout must be positive, got {client_timeout}")
+    handler = type("RouteHandler", (Handler,), {"router": router, "timeout": client_timeout})
+    return BoundedHTTPServer((host, port), handler, max_connections)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -294,6 +329,12 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"the nodes' --fleet-salt (default: ${SALT_ENV}, else none)")
     p.add_argument("--node-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="longest wait for a node's next byte, prefill included (default: %(default)s)")
+    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, metavar="SECONDS",
+                   help="longest wait for a client's next byte; an idle connection is closed (default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                   help="connections served at once, a thread each; more are answered 503 (default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_S, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, longest wait for the answers being relayed (default: %(default)s)")
     p.add_argument("--chat-template", default="", help="the nodes' --chat-template, if they use one")
     p.add_argument("--chat-template-args", type=json.loads, default={}, metavar="JSON",
                    help="the nodes' --chat-template-args, if they use them")
@@ -320,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                                     use_default_chat_template=args.use_default_chat_template,
                                     trust_remote_code=args.trust_remote_code)
         router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout)
-        server = serve(router, args.host, args.port)
+        server = serve(router, args.host, args.port, args.client_timeout, args.max_connections)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"blockkv route: error: {e}\n")
     if threading.current_thread() is threading.main_thread():
@@ -332,8 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        router.stop()
-        server.server_close()
+        # stop accepting, let the answers being relayed finish (a second signal ends the wait), then go
+        log.info("blockkv route: stopping; relaying the answers in flight (up to %g s)", args.drain_timeout)
+        try:
+            if left := server.drain(args.drain_timeout):
+                log.warning("blockkv route: %d answers still being relayed after %g s are cut", left,
+                            args.drain_timeout)
+        finally:
+            router.stop()
     return 0
 
 
