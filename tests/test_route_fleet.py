@@ -17,6 +17,7 @@ import itertools
 import signal
 import socket
 import time
+import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -269,6 +270,22 @@ def test_a_router_stopped_with_requests_in_flight_finishes_them(fleet: Fleet) ->
                 model="default_model", max_tokens=1, messages=[{"role": "user", "content": f"wake {i}"}])
         assert "BrokenPipeError" not in node.log.read_text() and "Traceback" not in node.log.read_text()
     fleet.start_router()
+
+
+def test_a_node_reachable_from_other_hosts_publishes_residency_only_with_a_salt(fleet: Fleet) -> None:
+    """Unsalted digests on a port other hosts reach would tell anyone whether a guessed
+    prompt is cached: without a salt such a node serves, but publishes nothing (#32 case 13)."""
+    node = Process(["serve", "--model", str(fleet.model), "--cache-dir", str(fleet.logs / "open-node")],
+                   fleet.logs / "open-node.log", {"BLOCKKV_FLEET_SALT": ""}, host="0.0.0.0")
+    try:
+        node.wait_ready()
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            node.get("/blockkv/residency")
+        assert fleet.client(node.url).chat.completions.create(
+            model="default_model", max_tokens=1, messages=[{"role": "user", "content": "served"}]).choices
+        assert "no --fleet-salt" in node.log.read_text()
+    finally:
+        node.stop()
 
 
 def test_a_node_killed_mid_run_loses_nothing_it_acknowledged(fleet: Fleet) -> None:
