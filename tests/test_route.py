@@ -153,6 +153,20 @@ def test_a_routed_prompt_counts_as_hot_until_events_confirm_it() -> None:
 Answer = tuple[int, bytes] | Callable[[str, bytes], tuple[int, bytes]]
 
 
+def test_a_node_whose_residency_is_unknown_is_taken_to_start_as_well_as_the_best() -> None:
+    """Unknown is not empty (#33 case 2): a node just restarted, whose residency the router has
+    not read yet, gets a request when the known node holding the prompt is busier."""
+    router = _router(2)
+    known, unknown = router.nodes
+    unknown.block_size = 0
+    prompt = random_tokens(40 * 32, seed=4)
+    known.held["RAM"].update(prefix_digests(prompt, KEY, 32))
+    assert router.rank(prompt)[0][0] is known  # equal starts, equal queues: fewer routed, then the first
+    known.begin(1, 0.0, [])
+    node, start, _ = router.rank(prompt)[0]
+    assert node is unknown and start.tier == "unknown" and start.cost == router.rank(prompt)[1][1].cost
+
+
 class FakeNode:
     """A misbehaving node on 127.0.0.1: ``answers`` maps a path to (status, body bytes),
     or to a function of the request's path with its query and its body that returns them;

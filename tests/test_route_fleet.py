@@ -218,10 +218,23 @@ def test_a_clients_malformed_request_is_the_clients_error(fleet: Fleet) -> None:
     assert "Traceback" not in fleet.router.log.read_text()
 
 
-def test_a_stream_its_node_cut_raises_in_the_client(fleet: Fleet) -> None:
+def test_a_stream_its_node_cut_raises_in_the_client_and_the_node_restarted_is_served_at_once(
+        fleet: Fleet) -> None:
     """A node SIGKILLed mid-stream: the router ends the relayed stream with an error event,
     so the ``openai`` client raises instead of taking the partial answer for a whole one,
-    and the router logs it (#33 case 4)."""
+    and the router logs it (#33 case 4). Restarted, the node publishes its disk before it
+    answers /health, and the conversations on its disk go back to it (#33 case 2)."""
+    systems = [{"role": "system", "content": sample_text(250, seed=s)} for s in (5, 6, 7)]
+    sessions = [[systems[s]] for s in range(3)]
+    record: dict[int, list[Turn]] = {}
+    _converse(fleet, sessions, range(2), record)
+    digests = {s: set(prefix_digests(fleet.tokenizer.tokens("/v1/chat/completions", {"messages": turns[-1].messages}),
+                                     fleet.key)) for s, turns in record.items()}
+    deadline = time.monotonic() + BOUND_S  # each conversation is on its node's disk
+    while not all(digests[s] <= set(fleet.node(turns[-1].node).get("/blockkv/residency")["media"]["DISK"])
+                  for s, turns in record.items()):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     eos = fleet.tokenizer.tokenizer.eos_token_id
     messages = [{"role": "user", "content": sample_text(40, seed=77)}]
     with fleet.client().chat.completions.with_streaming_response.create(
@@ -237,8 +250,19 @@ def test_a_stream_its_node_cut_raises_in_the_client(fleet: Fleet) -> None:
             for _ in chunks:
                 pass
     assert "ended without [DONE]" in fleet.router.log.read_text()
-    fleet.nodes[index] = victim.restarted(fleet.logs / f"node{index}-restarted.log")
-    fleet.nodes[index].wait_ready()
+    mine = [s for s, turns in record.items() if turns[-1].node == victim.url]
+    on_disk = {d for s in mine for d in digests[s]}
+    node = fleet.nodes[index] = victim.restarted(fleet.logs / f"node{index}-restarted.log")
+    node.wait_ready()
+    residency = node.get("/blockkv/residency")  # before any request reached it
+    assert residency["remote"] is True and on_disk <= set(residency["media"]["DISK"])
+    deadline = time.monotonic() + BOUND_S  # the router has read its new life
+    while not (state := fleet.router.get("/health")["nodes"][node.url])["up"] or not state["residency"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    _converse(fleet, sessions, range(2, 3), record)
+    for s in mine:
+        assert record[s][-1].node == node.url and record[s][-1].cached >= record[s][-2].prompt_tokens
 
 
 def test_a_router_stopped_with_requests_in_flight_finishes_them(fleet: Fleet) -> None:

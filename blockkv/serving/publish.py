@@ -9,9 +9,10 @@ shared through a bucket.
 - ``DiskWatcher``: follows the store's index change log (``BlockStore.changes``,
   one LMDB read when nothing changed) on a thread, so the disk tier, its
   evictions and what other processes on the same root did are journalled
-  without a scan per request. It starts when the store opens, at the node's
-  first request (not earlier: opening a store with a bucket lists the bucket,
-  and a listing at start would be stale by the first request).
+  without a scan per request. It starts when the store opens, which
+  ``blockkv serve`` does before it answers ``/health``: a restarted node
+  publishes what its disk holds at once, and its first request does not wait
+  for the open.
 - ``residency_handler``: mlx-lm's ``APIHandler`` plus ``GET /blockkv/events``
   (``?since=SEQ&wait=SECONDS``, a long poll) and ``GET /blockkv/residency``
   (the snapshot).
@@ -50,9 +51,12 @@ class ResidentPromptCache(PersistentPromptCache):
         self._ram_broken = False
         self._watcher: DiskWatcher | None = None
 
+    def open_published(self) -> None:
+        """Open the published model's store, and so start publishing its disk (and
+        whether it is on a bucket): ``blockkv serve`` calls it before it serves."""
+        self.store_for(self.model_key)
+
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
-        if model == self.model_key and self._watcher is None:
-            self.store_for(model)  # the disk is published from the first request on, whatever its length
         found = super().fetch_nearest_cache(model, tokens)  # a disk hit is also inserted into the RAM tier
         self._ram_changed()
         return found

@@ -126,11 +126,19 @@ class Router:
         held = {n.url: n.matched_blocks(digests(n.block_size), now) for n in self.nodes}
         bucket = {size: max((held[n.url][1] for n in self.nodes if n.remote and n.block_size == size), default=0)
                   for size in {n.block_size for n in self.nodes}}
+        starts = {}
+        for node in usable:
+            if node.block_size:
+                ram, disk = held[node.url]
+                size = node.block_size
+                starts[node.url] = start_cost(length, Matches(capped(ram, size), capped(disk, size),
+                                                              capped(bucket[size], size)))
+        # a node whose residency is unknown (just restarted, not publishing yet, another salt) may hold
+        # anything: it is taken to start as well as the best known node, so its queue decides its share
+        best = min(starts.values(), key=lambda s: s.cost, default=start_cost(length, Matches()))
         options = []
         for node in usable:
-            ram, disk = held[node.url]
-            size = node.block_size
-            start = start_cost(length, Matches(capped(ram, size), capped(disk, size), capped(bucket[size], size)))
+            start = starts.get(node.url) or Start(best.cost, "unknown", 0)
             work, in_flight = node.queue()
             options.append(Option(start, queue_cost(work, in_flight), in_flight, node.routed))
         return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]

@@ -52,7 +52,7 @@ class Start:
     """The cheapest way a node starts a prompt: its cost and the tier it reads."""
 
     cost: float
-    tier: str  # "ram", "disk", "bucket" or "cold"
+    tier: str  # "ram", "disk", "bucket", "cold", or "unknown" (the node's residency is)
     reused: int  # prompt tokens not prefilled
 
 

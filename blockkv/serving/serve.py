@@ -184,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
         http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
         handler = residency_handler(server.APIHandler, journal) if publish else server.APIHandler
-        setattr(server, "_run_http_server", functools.partial(http_server, handler_class=handler))
+        def run_http_server(*a: Any, **k: Any) -> Any:
+            for cache in caches:  # before /health answers: the first request does not pay the open, and
+                cache.open_published()  # a restarted node publishes its disk before the router asks
+            return http_server(*a, handler_class=handler, **k)
+
+        setattr(server, "_run_http_server", run_http_server)
         try:
             return original_run(host, port, model_provider, *more, **kw)
         finally:
