@@ -50,13 +50,24 @@ class ResidentPromptCache(PersistentPromptCache):
         self._ram: dict[int, list[int]] = {}  # id(tokens) -> tokens: mlx-lm's own key lists, kept alive here
         self._ram_broken = False
         self._watcher: DiskWatcher | None = None
+        self._relist = False  # the store was opened before the first request: list the bucket then
 
     def open_published(self) -> None:
         """Open the published model's store, and so start publishing its disk (and
-        whether it is on a bucket): ``blockkv serve`` calls it before it serves."""
-        self.store_for(self.model_key)
+        whether it is on a bucket): ``blockkv serve`` calls it before it serves.
+        The bucket is listed again at the first request, as a store opened then
+        would have: what the fleet stored since the start is restored, not prefilled."""
+        if self.store_for(self.model_key) is not None:
+            self._relist = True
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        if self._relist and model == self.model_key:
+            self._relist = False
+            store = self.store_for(model)
+            try:
+                store.sync_remote()  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - a listing missed costs restores, never the request
+                log.warning("blockkv: listing the bucket at the first request failed (%r)", e)
         found = super().fetch_nearest_cache(model, tokens)  # a disk hit is also inserted into the RAM tier
         self._ram_changed()
         return found
