@@ -102,8 +102,10 @@ def test_ranking_follows_residency_then_leaves_a_buried_hot_node() -> None:
     for i in range(3):  # c is busy with long prefills: the system prompt is worth restoring elsewhere
         c.begin(i, 3000.0, [])
     assert router.rank(prompt)[0][0] is b
-    for i in range(3):
-        c.started(i)  # their first tokens came back: ACTIVE_COST each remains, still more than b's restore
+    for i in range(3):  # their first tokens came back, each ACTIVE_COST units later per other in flight
+        seconds_per_unit = 0.01
+        c.started(i, now=c.in_flight[i].sent_at + seconds_per_unit * (3000.0 + ACTIVE_COST * i))
+    assert c.active_cost() == pytest.approx(ACTIVE_COST)  # each remains, still more than b's restore
     assert 3 * ACTIVE_COST > 64 * 32 * DISK_COST and router.rank(prompt)[0][0] is b
     c.end(0)
     c.end(1)  # one request in flight costs less than restoring the system prompt on b
@@ -165,6 +167,26 @@ def test_a_node_whose_residency_is_unknown_is_taken_to_start_as_well_as_the_best
     known.begin(1, 0.0, [])
     node, start, _ = router.rank(prompt)[0]
     assert node is unknown and start.tier == "unknown" and start.cost == router.rank(prompt)[1][1].cost
+
+
+def test_a_nodes_active_cost_is_measured_from_the_first_tokens_it_streams() -> None:
+    """A node where a request in flight delays a new one by far more than ACTIVE_COST
+    assumes (shared cores, a slow batch): once its answers show it, a prompt hot there
+    goes to an idle node that must prefill it (#33 case 1)."""
+    router = _router(2)
+    hot, idle = router.nodes
+    prompt = random_tokens(20 * 32, seed=5)
+    hot.held["RAM"].update(prefix_digests(prompt, KEY, 32))
+    hot.begin(1, 100.0, [])
+    hot.started(1, now=hot.in_flight[1].sent_at + 1.0)  # alone: 100 units of start in 1 s
+    hot.end(1)
+    hot.begin(2, 0.0, [])  # in flight, not started, from here on
+    assert hot.active_cost() == ACTIVE_COST and router.rank(prompt)[0][0] is hot  # nothing busy measured yet
+    hot.begin(3, 100.0, [])
+    hot.started(3, now=hot.in_flight[3].sent_at + 8.0)  # beside one other: 7 s later than alone
+    hot.end(3)
+    assert hot.active_cost() == pytest.approx(700.0)
+    assert hot.queue() == (0.0, 1) and router.rank(prompt)[0][0] is idle  # 1 + 700 > 639 to prefill
 
 
 class FakeNode:

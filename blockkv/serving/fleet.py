@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from blockkv.serving.digests import is_digest, salt_check
 from blockkv.serving.residency import MEDIA
+from blockkv.serving.scoring import Pace
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class InFlight:
 
     work: float  # its start cost when it was routed
     digests: list[str]
+    others: int  # requests in flight on the node when it was routed
+    sent_at: float  # time.monotonic() then
     started: bool = False  # its first token came back: its prefill is done
 
 
@@ -108,6 +111,7 @@ class Node:
     predicted: dict[str, float] = field(default_factory=dict)  # digest -> until (inf while in flight)
     in_flight: dict[int, InFlight] = field(default_factory=dict)
     routed: int = 0
+    pace: Pace = field(default_factory=Pace)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -198,7 +202,7 @@ class Node:
     # -- what the router sent it ---------------------------------------------------------
     def begin(self, request_id: int, work: float, digests: list[str]) -> None:
         with self.lock:
-            self.in_flight[request_id] = InFlight(work, digests)
+            self.in_flight[request_id] = InFlight(work, digests, len(self.in_flight), time.monotonic())
             self.routed += 1
             for d in digests:
                 self.predicted.pop(d, None)
@@ -206,10 +210,14 @@ class Node:
             for d in list(itertools.islice(self.predicted, max(0, len(self.predicted) - MAX_DIGESTS))):
                 del self.predicted[d]  # the oldest: at worst a prompt routed as if it had to be prefilled
 
-    def started(self, request_id: int) -> None:
+    def started(self, request_id: int, now: float | None = None) -> None:
+        """Its first token streamed back (at ``now``, a ``time.monotonic()``): the node's pace is measured by it."""
+        now = time.monotonic() if now is None else now
         with self.lock:
-            if request_id in self.in_flight:
-                self.in_flight[request_id].started = True
+            request = self.in_flight.get(request_id)
+            if request is not None and not request.started:
+                request.started = True
+                self.pace.observe(request.work, request.others, now - request.sent_at)
 
     def abandon(self, request_id: int) -> None:
         """The request never reached the node: no trace of it here."""
@@ -231,6 +239,10 @@ class Node:
         """(unstarted work, requests) in flight here."""
         with self.lock:
             return sum(r.work for r in self.in_flight.values() if not r.started), len(self.in_flight)
+
+    def active_cost(self) -> float:
+        with self.lock:
+            return self.pace.active_cost()
 
 
 def _head(answer: dict[str, Any]) -> tuple[str, int, int]:

@@ -140,7 +140,7 @@ class Router:
         for node in usable:
             start = starts.get(node.url) or Start(best.cost, "unknown", 0)
             work, in_flight = node.queue()
-            options.append(Option(start, queue_cost(work, in_flight), in_flight, node.routed))
+            options.append(Option(start, queue_cost(work, in_flight, node.active_cost()), in_flight, node.routed))
         return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
 
     def candidates(self, tokens: list[int] | None, request_id: int) -> Iterator[tuple[Node, Start]]:
@@ -179,7 +179,8 @@ class Handler(BaseHTTPRequestHandler):
             self._relay("GET", None, None)
         elif self.path == "/health":
             self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0,
-                                                                "in_flight": n.queue()[1]}
+                                                                "in_flight": n.queue()[1],
+                                                                "active_cost": round(n.active_cost(), 1)}
                                                         for n in self.router.nodes}})
         else:
             self._reply(404, {"error": "Not Found"})
