@@ -91,7 +91,8 @@ class Pace:
         self.delay_per_active_s: float | None = None
 
     def observe(self, work: float, others: int, ttft_s: float) -> None:
-        """A request of start cost ``work`` routed while ``others`` were in flight streamed its first token after ``ttft_s``."""
+        """A request of start cost ``work``, routed while ``others`` were in flight,
+        streamed its first token ``ttft_s`` seconds later."""
         if ttft_s < 0:
             return
         if not others:
