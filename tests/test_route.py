@@ -72,6 +72,38 @@ def test_the_routers_tokens_are_mlx_lms(model_dir: Path) -> None:
             router.tokens(path, body)
 
 
+def test_a_prompt_being_tokenized_holds_up_no_other(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizing is per request, not under one lock (#32 case 4: a 64 MiB prompt made a
+    2-token request wait 122 s): a tokenization that has not finished (held here until the
+    other is done) does not stop another request's."""
+    from mlx_lm.server import ResponseGenerator
+
+    tokenize, entered, release = ResponseGenerator._tokenize, threading.Event(), threading.Event()
+
+    def held(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        if request.messages[0]["content"] == "long":
+            entered.set()
+            release.wait(BOUND_S)
+        return tokenize(self, tokenizer, request, args)
+
+    monkeypatch.setattr(ResponseGenerator, "_tokenize", held)
+    router = PromptTokenizer(str(model_dir))
+    long = threading.Thread(target=router.tokens, args=("/v1/chat/completions",
+                                                         {"messages": [{"role": "user", "content": "long"}]}))
+    long.start()
+    try:
+        assert entered.wait(BOUND_S)
+        short: list[list[int]] = []
+        other = threading.Thread(target=lambda: short.append(router.tokens(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "short"}]})))
+        other.start()
+        other.join(BOUND_S)
+        assert short and long.is_alive()
+    finally:
+        release.set()
+        long.join()
+
+
 def test_the_cheapest_start_reads_the_best_tier() -> None:
     assert start_cost(1000, Matches()) .tier == "cold"
     ram = start_cost(1000, Matches(ram=600, disk=900, bucket=999))
