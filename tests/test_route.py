@@ -134,9 +134,9 @@ def test_ranking_follows_residency_then_leaves_a_buried_hot_node() -> None:
     for i in range(3):  # c is busy with long prefills: the system prompt is worth restoring elsewhere
         c.begin(i, 3000.0, [])
     assert router.rank(prompt)[0][0] is b
-    for i in range(3):  # their first tokens came back, each ACTIVE_COST units later per other in flight
+    for i in range(3):  # their first tokens came back after the prefills ahead, and ACTIVE_COST per other
         seconds_per_unit = 0.01
-        c.started(i, now=c.in_flight[i].sent_at + seconds_per_unit * (3000.0 + ACTIVE_COST * i))
+        c.started(i, now=c.in_flight[i].sent_at + seconds_per_unit * (3000.0 * (i + 1) + ACTIVE_COST * i))
     assert c.active_cost() == pytest.approx(ACTIVE_COST)  # each remains, still more than b's restore
     assert 3 * ACTIVE_COST > 64 * 32 * DISK_COST and router.rank(prompt)[0][0] is b
     c.end(0)

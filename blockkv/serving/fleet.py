@@ -87,6 +87,7 @@ class InFlight:
     work: float  # its start cost when it was routed
     digests: list[str]
     others: int  # requests in flight on the node when it was routed
+    ahead: float  # their start cost not yet done then
     sent_at: float  # time.monotonic() then
     started: bool = False  # its first token came back: its prefill is done
 
@@ -202,7 +203,8 @@ class Node:
     # -- what the router sent it ---------------------------------------------------------
     def begin(self, request_id: int, work: float, digests: list[str]) -> None:
         with self.lock:
-            self.in_flight[request_id] = InFlight(work, digests, len(self.in_flight), time.monotonic())
+            ahead = sum(r.work for r in self.in_flight.values() if not r.started)
+            self.in_flight[request_id] = InFlight(work, digests, len(self.in_flight), ahead, time.monotonic())
             self.routed += 1
             for d in digests:
                 self.predicted.pop(d, None)
@@ -217,7 +219,7 @@ class Node:
             request = self.in_flight.get(request_id)
             if request is not None and not request.started:
                 request.started = True
-                self.pace.observe(request.work, request.others, now - request.sent_at)
+                self.pace.observe(request.work, request.others, request.ahead, now - request.sent_at)
 
     def abandon(self, request_id: int) -> None:
         """The request never reached the node: no trace of it here."""
