@@ -322,10 +322,10 @@ def test_a_node_killed_mid_run_loses_nothing_it_acknowledged(fleet: Fleet) -> No
     mine = {s for s, turns in record.items() if turns[-1].node == victim.url}
 
     deadline = time.monotonic() + BOUND_S  # what the victim stored is acknowledged: in the bucket
-    while not _headers_under(fleet.roots[victim.url], "entries") <= fleet.bucket_headers():
+    # (the set read before the bucket is: a spill that lands after the look is not acknowledged yet)
+    while not (acknowledged := _headers_under(fleet.roots[victim.url], "entries")) <= fleet.bucket_headers():
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    acknowledged = _headers_under(fleet.roots[victim.url], "entries")
     victim.proc.kill()  # kill -9: no flush, no goodbye
     victim.proc.wait()
     deadline = time.monotonic() + BOUND_S
