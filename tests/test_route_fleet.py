@@ -18,6 +18,7 @@ import signal
 import socket
 import time
 import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -74,6 +75,13 @@ class Fleet:
     def bucket_headers(self) -> set[str]:
         fps, _ = list_bucket_fingerprints(self.url, self.s3)
         return {name for fp in fps for name in Bucket(self.url, fp.name, self.s3).list_headers()}
+
+
+def _pending_spills(node: Process) -> float:
+    """The node's entries handed to its disk tier and not written yet (its /metrics)."""
+    with urllib.request.urlopen(node.url + "/metrics", timeout=BOUND_S) as response:
+        lines = response.read().decode().splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith("blockkv_pending_spills ")))
 
 
 def _headers_under(root: Path, kind: str) -> set[str]:
@@ -321,9 +329,13 @@ def test_a_node_killed_mid_run_loses_nothing_it_acknowledged(fleet: Fleet) -> No
     survivors = [n for n in fleet.nodes if n is not victim]
     mine = {s for s, turns in record.items() if turns[-1].node == victim.url}
 
-    deadline = time.monotonic() + BOUND_S  # what the victim stored is acknowledged: in the bucket
-    # (the set read before the bucket is: a spill that lands after the look is not acknowledged yet)
-    while not (acknowledged := _headers_under(fleet.roots[victim.url], "entries")) <= fleet.bucket_headers():
+    # everything the victim stored is acknowledged (in the bucket): a request after the last turn's
+    # (mlx-lm inserts an answer's cache once it is sent) and its spills written, then its entries uploaded
+    fleet.client(victim.url).chat.completions.create(model="default_model", max_tokens=1,
+                                                     messages=[{"role": "user", "content": "after"}])
+    deadline = time.monotonic() + BOUND_S
+    while _pending_spills(victim) or not (
+            acknowledged := _headers_under(fleet.roots[victim.url], "entries")) <= fleet.bucket_headers():
         assert time.monotonic() < deadline
         time.sleep(0.2)
     victim.proc.kill()  # kill -9: no flush, no goodbye
