@@ -14,7 +14,12 @@ restored from the bucket rather than prefilled."""
 from __future__ import annotations
 
 import itertools
+import signal
+import socket
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +75,13 @@ class Fleet:
     def bucket_headers(self) -> set[str]:
         fps, _ = list_bucket_fingerprints(self.url, self.s3)
         return {name for fp in fps for name in Bucket(self.url, fp.name, self.s3).list_headers()}
+
+
+def _pending_spills(node: Process) -> float:
+    """The node's entries handed to its disk tier and not written yet (its /metrics)."""
+    with urllib.request.urlopen(node.url + "/metrics", timeout=BOUND_S) as response:
+        lines = response.read().decode().splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith("blockkv_pending_spills ")))
 
 
 def _headers_under(root: Path, kind: str) -> set[str]:
@@ -189,6 +201,125 @@ def test_sessions_stay_on_their_node_and_answer_as_a_node_does(fleet: Fleet) -> 
     _same_as_direct(fleet, record, fleet.nodes)
 
 
+def _raw(url: str, request: bytes) -> bytes:
+    """``request`` sent as it is (no client would send it): the whole answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=BOUND_S) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        return b"".join(iter(lambda: s.recv(1 << 16), b""))
+
+
+def test_a_clients_malformed_request_is_the_clients_error(fleet: Fleet) -> None:
+    """A path no node could be sent, or a body that is not UTF-8: 400 from the router, no node
+    marked down, no request left charged to a node, no traceback (#32 case 7)."""
+    body = '{"messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1")
+    requests = [b"GET /v1/models\x01 HTTP/1.0\r\n\r\n", b"GET /v1/models\xff HTTP/1.0\r\n\r\n",
+                b"POST /v1/chat/completions\x7f HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}",
+                b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)]
+    for request in requests:
+        for _ in range(8):  # more failures than the seven in a row that back a node off for 30 s
+            assert _raw(fleet.router.url, request).startswith(b"HTTP/1.0 400 "), request
+    nodes = fleet.router.get("/health")["nodes"]
+    assert all(n["up"] and n["in_flight"] == 0 for n in nodes.values()), nodes
+    assert _ask(fleet, [{"role": "user", "content": "still served"}], stream=False).content
+    assert "Traceback" not in fleet.router.log.read_text()
+
+
+def test_a_stream_its_node_cut_raises_in_the_client_and_the_node_restarted_is_served_at_once(
+        fleet: Fleet) -> None:
+    """A node SIGKILLed mid-stream: the router ends the relayed stream with an error event,
+    so the ``openai`` client raises instead of taking the partial answer for a whole one,
+    and the router logs it (#33 case 4). Restarted, the node publishes its disk before it
+    answers /health, and the conversations on its disk go back to it (#33 case 2)."""
+    systems = [{"role": "system", "content": sample_text(250, seed=s)} for s in (5, 6, 7)]
+    sessions = [[systems[s]] for s in range(3)]
+    record: dict[int, list[Turn]] = {}
+    _converse(fleet, sessions, range(2), record)
+    digests = {s: set(prefix_digests(fleet.tokenizer.tokens("/v1/chat/completions", {"messages": turns[-1].messages}),
+                                     fleet.key)) for s, turns in record.items()}
+    deadline = time.monotonic() + BOUND_S  # each conversation is on its node's disk
+    while not all(digests[s] <= set(fleet.node(turns[-1].node).get("/blockkv/residency")["media"]["DISK"])
+                  for s, turns in record.items()):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    eos = fleet.tokenizer.tokenizer.eos_token_id
+    messages = [{"role": "user", "content": sample_text(40, seed=77)}]
+    with fleet.client().chat.completions.with_streaming_response.create(
+            model="default_model", messages=messages, max_tokens=100_000, temperature=0.0, stream=True,
+            extra_body={"logit_bias": {str(eos): -1000.0}}) as response:  # long enough to be cut
+        index = next(i for i, n in enumerate(fleet.nodes) if n.url == response.headers[NODE_HEADER])
+        chunks = iter(response.parse())
+        assert next(chunks).choices is not None
+        victim = fleet.nodes[index]
+        victim.proc.kill()
+        victim.proc.wait()
+        with pytest.raises(openai.APIError, match="cut short"):
+            for _ in chunks:
+                pass
+    assert "ended without [DONE]" in fleet.router.log.read_text()
+    mine = [s for s, turns in record.items() if turns[-1].node == victim.url]
+    on_disk = {d for s in mine for d in digests[s]}
+    node = fleet.nodes[index] = victim.restarted(fleet.logs / f"node{index}-restarted.log")
+    node.wait_ready()
+    residency = node.get("/blockkv/residency")  # before any request reached it
+    assert residency["remote"] is True and on_disk <= set(residency["media"]["DISK"])
+    deadline = time.monotonic() + BOUND_S  # the router has read its new life
+    while not (state := fleet.router.get("/health")["nodes"][node.url])["up"] or not state["residency"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    _converse(fleet, sessions, range(2, 3), record)
+    for s in mine:
+        assert record[s][-1].node == node.url and record[s][-1].cached >= record[s][-2].prompt_tokens
+
+
+def test_a_router_stopped_with_requests_in_flight_finishes_them(fleet: Fleet) -> None:
+    """SIGTERM with answers being relayed: the router stops accepting, relays every answer
+    in flight to its end, then exits; no node logs a broken pipe (#33 case 3)."""
+    eos = fleet.tokenizer.tokenizer.eos_token_id
+    client = fleet.client()
+
+    def ask(i: int) -> str:
+        stream = client.chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": sample_text(30, seed=500 + i)}],
+            max_tokens=200, temperature=0.0, stream=i % 2 == 0, extra_body={"logit_bias": {str(eos): -1000.0}})
+        if i % 2:
+            return stream.choices[0].finish_reason
+        return [c.choices[0].finish_reason for c in stream if c.choices][-1]
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(ask, i) for i in range(4)]
+        deadline = time.monotonic() + BOUND_S
+        while sum(n["in_flight"] for n in fleet.router.get("/health")["nodes"].values()) < 4:
+            assert time.monotonic() < deadline and not any(a.done() for a in answers)
+            time.sleep(0.02)
+        fleet.router.proc.send_signal(signal.SIGTERM)
+        assert [a.result() for a in answers] == ["length"] * 4  # every answer whole
+    assert fleet.router.proc.wait(BOUND_S) == 0
+    for node in fleet.nodes:  # an event wakes the long poll the router left: its answer has no reader
+        for i in range(2):
+            fleet.client(node.url).chat.completions.create(
+                model="default_model", max_tokens=1, messages=[{"role": "user", "content": f"wake {i}"}])
+        assert "BrokenPipeError" not in node.log.read_text() and "Traceback" not in node.log.read_text()
+    fleet.start_router()
+
+
+def test_a_node_reachable_from_other_hosts_publishes_residency_only_with_a_salt(fleet: Fleet) -> None:
+    """Unsalted digests on a port other hosts reach would tell anyone whether a guessed
+    prompt is cached: without a salt such a node serves, but publishes nothing (#32 case 13)."""
+    node = Process(["serve", "--model", str(fleet.model), "--cache-dir", str(fleet.logs / "open-node")],
+                   fleet.logs / "open-node.log", {"BLOCKKV_FLEET_SALT": ""}, host="0.0.0.0")
+    try:
+        node.wait_ready()
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            node.get("/blockkv/residency")
+        assert fleet.client(node.url).chat.completions.create(
+            model="default_model", max_tokens=1, messages=[{"role": "user", "content": "served"}]).choices
+        assert "no --fleet-salt" in node.log.read_text()
+    finally:
+        node.stop()
+
+
 def test_a_node_killed_mid_run_loses_nothing_it_acknowledged(fleet: Fleet) -> None:
     systems = [{"role": "system", "content": sample_text(250, seed=s)} for s in (3, 4)]
     sessions = [[systems[s]] for s in range(2)]
@@ -198,11 +329,15 @@ def test_a_node_killed_mid_run_loses_nothing_it_acknowledged(fleet: Fleet) -> No
     survivors = [n for n in fleet.nodes if n is not victim]
     mine = {s for s, turns in record.items() if turns[-1].node == victim.url}
 
-    deadline = time.monotonic() + BOUND_S  # what the victim stored is acknowledged: in the bucket
-    while not _headers_under(fleet.roots[victim.url], "entries") <= fleet.bucket_headers():
+    # everything the victim stored is acknowledged (in the bucket): a request after the last turn's
+    # (mlx-lm inserts an answer's cache once it is sent) and its spills written, then its entries uploaded
+    fleet.client(victim.url).chat.completions.create(model="default_model", max_tokens=1,
+                                                     messages=[{"role": "user", "content": "after"}])
+    deadline = time.monotonic() + BOUND_S
+    while _pending_spills(victim) or not (
+            acknowledged := _headers_under(fleet.roots[victim.url], "entries")) <= fleet.bucket_headers():
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    acknowledged = _headers_under(fleet.roots[victim.url], "entries")
     victim.proc.kill()  # kill -9: no flush, no goodbye
     victim.proc.wait()
     deadline = time.monotonic() + BOUND_S

@@ -67,7 +67,7 @@ def check_bucket(bucket: BucketDir, identity: Identity, progress: Callable[[int,
     ``actions`` says what."""
     listed = list_directory(bucket)
     own = identity.digest()
-    report = BucketCheckReport(blocks=len(listed.blocks), unsealed_headers=listed.unsealed,
+    report = BucketCheckReport(unsealed_headers=listed.unsealed,
                                newer_headers=listed.sealed_damaged)
     claims: dict[str, list[_Claim]] = {}
     for name, read in sorted(listed.records.items()):
@@ -125,6 +125,7 @@ def _judge(bucket: BucketDir, name: str, claims: list[_Claim], settled: float | 
     except BucketError:
         report.unreadable.append(name)
         return
+    report.blocks += 1  # what was read and judged: blocks no header names are listed apart, never read
     verdict = judge_block(name, data, [*(c.key for c in claims), None])
     if verdict.good:
         report.bad_headers += [c.header for c in claims

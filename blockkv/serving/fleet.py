@@ -13,31 +13,71 @@ doubles up to ``MAX_BACKOFF_S``.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import logging
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from blockkv.serving.digests import is_digest, salt_check
 from blockkv.serving.residency import MEDIA
+from blockkv.serving.scoring import Pace
 
 log = logging.getLogger(__name__)
 
-MAX_SNAPSHOT_BYTES = 64 << 20
+MAX_DIGESTS = 1 << 18  # per node and medium: 8M tokens of distinct prefixes, about 40 MB of the router's memory
+MAX_SNAPSHOT_BYTES = 16 << 20  # two media of MAX_DIGESTS, 19 bytes each in JSON, with room
 MAX_EVENTS_BYTES = 16 << 20
 LONG_POLL_S = 10.0
 POLL_TIMEOUT_S = 5.0  # beyond the long poll: a busy node still answers a poll within this
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 NO_RESIDENCY_RETRY_S = 30.0  # a node that publishes nothing (plain mlx_lm server, other salt): asked again
+MAX_SEQ = 2**63 - 1  # a node's event sequence number (a count of batches) never reaches this
 PREDICTED_TTL_S = 10.0  # a routed prompt counts as hot there this long after it finished, until events confirm it
 
 
 class BadResidency(ValueError):
     """A node's residency answer is not as published: its residency is unknown."""
+
+
+class Held:
+    """The digests a node holds in one medium, the most recently stored
+    ``cap``: past it the oldest are forgotten (a node that publishes more, or
+    a flood of events, costs the router a bounded memory and at worst a
+    prompt it routes as if that node had to prefill it)."""
+
+    def __init__(self, digests: Iterable[str] = (), cap: int = MAX_DIGESTS) -> None:
+        self._cap = cap
+        self._digests: dict[str, None] = {}  # insertion order: the oldest first
+        self.update(digests)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._digests
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def update(self, digests: Iterable[str]) -> None:
+        for d in digests:
+            self._digests.pop(d, None)
+            self._digests[d] = None
+        for d in list(itertools.islice(self._digests, max(0, len(self._digests) - self._cap))):
+            del self._digests[d]
+
+    def difference_update(self, digests: Iterable[str]) -> None:
+        for d in digests:
+            self._digests.pop(d, None)
+
+    def clear(self) -> None:
+        self._digests.clear()
 
 
 @dataclass
@@ -46,6 +86,9 @@ class InFlight:
 
     work: float  # its start cost when it was routed
     digests: list[str]
+    others: int  # requests in flight on the node when it was routed
+    ahead: float  # their start cost not yet done then
+    sent_at: float  # time.monotonic() then
     started: bool = False  # its first token came back: its prefill is done
 
 
@@ -65,10 +108,11 @@ class Node:
     seq: int = 0
     block_size: int = 0  # 0: residency unknown
     remote: bool = False
-    held: dict[str, set[str]] = field(default_factory=lambda: {m: set() for m in MEDIA})
+    held: dict[str, Held] = field(default_factory=lambda: {m: Held() for m in MEDIA})
     predicted: dict[str, float] = field(default_factory=dict)  # digest -> until (inf while in flight)
     in_flight: dict[int, InFlight] = field(default_factory=dict)
     routed: int = 0
+    pace: Pace = field(default_factory=Pace)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -113,7 +157,7 @@ class Node:
         if snap.get("salt_check") != salt_check(key):
             self.forget()
             return False
-        held = {m: _digests(snap["media"].get(m, [])) for m in MEDIA}
+        held = {m: Held(_digests(snap["media"].get(m, []))) for m in MEDIA}
         with self.lock:
             if epoch != self.epoch:
                 self.predicted.clear()  # a restarted node holds nothing the router sent its last life
@@ -130,9 +174,10 @@ class Node:
         if epoch != self.epoch or block_size != self.block_size or answer.get("resync") is not False:
             return False
         batches = answer.get("batches")
-        if not isinstance(batches, list):
-            raise BadResidency("batches is not a list")
-        changes = [_event(e) for b in batches for e in (b.get("events") if isinstance(b, dict) else None) or ()]
+        if not isinstance(batches, list) or not all(isinstance(b, dict) and isinstance(b.get("events"), list)
+                                                    for b in batches):
+            raise BadResidency("batches is not a list of objects with a list of events")
+        changes = [_event(e) for b in batches for e in b["events"]]
         with self.lock:
             for kind, medium, digests in changes:
                 if kind == "AllBlocksCleared":
@@ -158,15 +203,23 @@ class Node:
     # -- what the router sent it ---------------------------------------------------------
     def begin(self, request_id: int, work: float, digests: list[str]) -> None:
         with self.lock:
-            self.in_flight[request_id] = InFlight(work, digests)
+            ahead = sum(r.work for r in self.in_flight.values() if not r.started)
+            self.in_flight[request_id] = InFlight(work, digests, len(self.in_flight), ahead, time.monotonic())
             self.routed += 1
             for d in digests:
+                self.predicted.pop(d, None)
                 self.predicted[d] = float("inf")
+            for d in list(itertools.islice(self.predicted, max(0, len(self.predicted) - MAX_DIGESTS))):
+                del self.predicted[d]  # the oldest: at worst a prompt routed as if it had to be prefilled
 
-    def started(self, request_id: int) -> None:
+    def started(self, request_id: int, now: float | None = None) -> None:
+        """Its first token streamed back (at ``now``, a ``time.monotonic()``): the node's pace is measured by it."""
+        now = time.monotonic() if now is None else now
         with self.lock:
-            if request_id in self.in_flight:
-                self.in_flight[request_id].started = True
+            request = self.in_flight.get(request_id)
+            if request is not None and not request.started:
+                request.started = True
+                self.pace.observe(request.work, request.others, request.ahead, now - request.sent_at)
 
     def abandon(self, request_id: int) -> None:
         """The request never reached the node: no trace of it here."""
@@ -189,12 +242,16 @@ class Node:
         with self.lock:
             return sum(r.work for r in self.in_flight.values() if not r.started), len(self.in_flight)
 
+    def active_cost(self) -> float:
+        with self.lock:
+            return self.pace.active_cost()
+
 
 def _head(answer: dict[str, Any]) -> tuple[str, int, int]:
     epoch, seq, block_size = answer.get("epoch"), answer.get("seq"), answer.get("block_size")
     if not isinstance(epoch, str) or not 0 < len(epoch) <= 64:
         raise BadResidency("epoch is not a short string")
-    if not _int(seq) or seq < 0 or not _int(block_size) or not 1 <= block_size <= 4096:
+    if not _int(seq) or not 0 <= seq <= MAX_SEQ or not _int(block_size) or not 1 <= block_size <= 4096:
         raise BadResidency("seq or block_size out of range")
     return epoch, seq, block_size
 
@@ -203,18 +260,18 @@ def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _digests(values: object) -> set[str]:
+def _digests(values: object) -> list[str]:
     if not isinstance(values, list) or not all(is_digest(v) for v in values):
         raise BadResidency("digests are not a list of 16 hex characters each")
-    return set(values)  # type: ignore[arg-type]
+    return values  # type: ignore[return-value]
 
 
-def _event(event: object) -> tuple[str, str, set[str]]:
+def _event(event: object) -> tuple[str, str, list[str]]:
     if not isinstance(event, dict) or event.get("medium") not in MEDIA:
         raise BadResidency("an event without a known medium")
     kind = event.get("type")
     if kind == "AllBlocksCleared":
-        return kind, event["medium"], set()
+        return kind, event["medium"], []
     if kind in ("BlockStored", "BlockRemoved"):
         return kind, event["medium"], _digests(event.get("block_hashes"))
     raise BadResidency(f"unknown event type {kind!r}")
@@ -234,7 +291,7 @@ def read_json(node: Node, path: str, limit: int, timeout: float) -> Any:
             raise BadResidency(f"{path}: answer over {limit} bytes")
         try:
             return json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer of over 4,300 digits
             raise BadResidency(f"{path}: not JSON ({e})") from e
     finally:
         conn.close()
@@ -289,3 +346,8 @@ class Follower:
                 self._stopped.wait(NO_RESIDENCY_RETRY_S)
             except (OSError, http.client.HTTPException) as e:
                 node.failed(e)
+            except Exception as e:  # noqa: BLE001 - a bug of ours on a node's answer must not end the following
+                self._warn_once("error", "blockkv route: following node %s failed (%r); routing without its "
+                                "residency, asked again later", node.url, e)
+                node.forget()
+                self._stopped.wait(NO_RESIDENCY_RETRY_S)

@@ -79,6 +79,8 @@ class _Collector:
         yield CounterMetricFamily("blockkv_spills", "Entries written to the disk tier", value=total("spills"))
         yield CounterMetricFamily("blockkv_spill_failures", "Entries the disk tier did not take",
                                   value=total("spill_failures"))
+        yield GaugeMetricFamily("blockkv_pending_spills", "Entries handed to the disk tier and not written yet",
+                                value=total("pending_spills"))
         stores = [s for c in caches for s in c.stores()]
         counters = [s.counters() for s in stores]
         for name, text, key in _STORE_COUNTERS:

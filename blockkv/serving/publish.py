@@ -9,9 +9,10 @@ shared through a bucket.
 - ``DiskWatcher``: follows the store's index change log (``BlockStore.changes``,
   one LMDB read when nothing changed) on a thread, so the disk tier, its
   evictions and what other processes on the same root did are journalled
-  without a scan per request. It starts when the store opens, at the node's
-  first request (not earlier: opening a store with a bucket lists the bucket,
-  and a listing at start would be stale by the first request).
+  without a scan per request. It starts when the store opens, which
+  ``blockkv serve`` does before it answers ``/health``: a restarted node
+  publishes what its disk holds at once, and its first request does not wait
+  for the open.
 - ``residency_handler``: mlx-lm's ``APIHandler`` plus ``GET /blockkv/events``
   (``?since=SEQ&wait=SECONDS``, a long poll) and ``GET /blockkv/residency``
   (the snapshot).
@@ -49,10 +50,24 @@ class ResidentPromptCache(PersistentPromptCache):
         self._ram: dict[int, list[int]] = {}  # id(tokens) -> tokens: mlx-lm's own key lists, kept alive here
         self._ram_broken = False
         self._watcher: DiskWatcher | None = None
+        self._relist = False  # the store was opened before the first request: list the bucket then
+
+    def open_published(self) -> None:
+        """Open the published model's store, and so start publishing its disk (and
+        whether it is on a bucket): ``blockkv serve`` calls it before it serves.
+        The bucket is listed again at the first request, as a store opened then
+        would have: what the fleet stored since the start is restored, not prefilled."""
+        if self.store_for(self.model_key) is not None:
+            self._relist = True
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
-        if model == self.model_key and self._watcher is None:
-            self.store_for(model)  # the disk is published from the first request on, whatever its length
+        if self._relist and model == self.model_key:
+            self._relist = False
+            store = self.store_for(model)
+            try:
+                store.sync_remote()  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - a listing missed costs restores, never the request
+                log.warning("blockkv: listing the bucket at the first request failed (%r)", e)
         found = super().fetch_nearest_cache(model, tokens)  # a disk hit is also inserted into the RAM tier
         self._ram_changed()
         return found
@@ -169,7 +184,10 @@ def residency_handler(base: type, journal: Journal) -> type:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.end_headers()
+                self.wfile.write(data)
+            except ConnectionError:  # the reader left (a router that stopped during a long poll)
+                self.close_connection = True
 
     return ResidencyHandler

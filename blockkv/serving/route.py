@@ -20,19 +20,22 @@ is a node's.
 from __future__ import annotations
 
 import argparse
+import codecs
 import http.client
 import itertools
 import json
 import logging
+import re
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import FrameType
 from typing import Any
 
+from blockkv.serving.bounded_server import BoundedHTTPServer
 from blockkv.serving.digests import SALT_ENV, fleet_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
 from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
@@ -48,9 +51,18 @@ from blockkv.serving.scoring import (
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413)
+# A longer request is routed by load alone: tokenizing costs the router ~120 bytes of memory and
+# ~1.5 µs per prompt byte (a 1 MiB body is ~150k tokens), and a 128k-token prompt is ~0.5 MiB of text.
+MAX_TOKENIZED_BYTES = 1 << 20
+MAX_PROMPT_TOKENS = 1 << 18  # and so is a prompt of more tokens: its digests are at most 8,192
 MAX_ANSWER_BYTES = 1 << 30  # a node's answer is cut off past this
 CONNECT_TIMEOUT_S = 3.0
+CLIENT_TIMEOUT_S = 60.0  # longest wait for a client's next byte (a request half sent, an answer not read)
+MAX_CONNECTIONS = 256
+DRAIN_S = 120.0  # on SIGTERM or Ctrl-C: longest wait for the answers being relayed
 NODE_HEADER = "X-Blockkv-Node"
+_DONE = b"data: [DONE]"
+_PATH = re.compile(r"[\x21-\x7e]+")  # what a node is sent: printable ASCII, no space (RFC 3986's characters)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
                "proxy-authorization"}
 
@@ -85,13 +97,14 @@ class Router:
 
     def prompt(self, path: str, body: bytes) -> list[int] | None:
         """The request's prompt tokens, or None (routed by load alone)."""
-        if self.tokenizer is None or path not in (*CHAT_PATHS, *TEXT_PATHS):
+        if self.tokenizer is None or path not in (*CHAT_PATHS, *TEXT_PATHS) or len(body) > MAX_TOKENIZED_BYTES:
             return None
         try:
-            return self.tokenizer.tokens(path, json.loads(body))
+            tokens = self.tokenizer.tokens(path, json.loads(body))
         except Exception as e:  # noqa: BLE001 - the node will answer whatever this was; only the choice suffers
             log.debug("blockkv route: request not tokenized (%r); routed by load", e)
             return None
+        return tokens if len(tokens) <= MAX_PROMPT_TOKENS else None
 
     def rank(self, tokens: list[int] | None) -> list[tuple[Node, Start, list[str]]]:
         """Usable nodes, best first (scoring.order), each with its start and the prompt's digests in its block size."""
@@ -113,13 +126,21 @@ class Router:
         held = {n.url: n.matched_blocks(digests(n.block_size), now) for n in self.nodes}
         bucket = {size: max((held[n.url][1] for n in self.nodes if n.remote and n.block_size == size), default=0)
                   for size in {n.block_size for n in self.nodes}}
+        starts = {}
+        for node in usable:
+            if node.block_size:
+                ram, disk = held[node.url]
+                size = node.block_size
+                starts[node.url] = start_cost(length, Matches(capped(ram, size), capped(disk, size),
+                                                              capped(bucket[size], size)))
+        # a node whose residency is unknown (just restarted, not publishing yet, another salt) may hold
+        # anything: it is taken to start as well as the best known node, so its queue decides its share
+        best = min(starts.values(), key=lambda s: s.cost, default=start_cost(length, Matches()))
         options = []
         for node in usable:
-            ram, disk = held[node.url]
-            size = node.block_size
-            start = start_cost(length, Matches(capped(ram, size), capped(disk, size), capped(bucket[size], size)))
+            start = starts.get(node.url) or Start(best.cost, "unknown", 0)
             work, in_flight = node.queue()
-            options.append(Option(start, queue_cost(work, in_flight), in_flight, node.routed))
+            options.append(Option(start, queue_cost(work, in_flight, node.active_cost()), in_flight, node.routed))
         return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
 
     def candidates(self, tokens: list[int] | None, request_id: int) -> Iterator[tuple[Node, Start]]:
@@ -144,11 +165,22 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s - %s", self.address_string(), format % args)
 
+    def parse_request(self) -> bool:
+        """http.server's checks, then the path's: a path no node could be sent is the client's error (400)."""
+        if not super().parse_request():
+            return False
+        if not _PATH.fullmatch(self.path):
+            self._reply(400, {"error": "the request path is not printable ASCII"})
+            return False
+        return True
+
     def do_GET(self) -> None:
         if self.path.startswith("/v1/models"):
             self._relay("GET", None, None)
         elif self.path == "/health":
-            self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0}
+            self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0,
+                                                                "in_flight": n.queue()[1],
+                                                                "active_cost": round(n.active_cost(), 1)}
                                                         for n in self.router.nodes}})
         else:
             self._reply(404, {"error": "Not Found"})
@@ -165,7 +197,18 @@ class Handler(BaseHTTPRequestHandler):
         if not 0 <= length <= MAX_BODY_BYTES:
             self._reply(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"})
             return
-        body = self.rfile.read(length)
+        try:
+            body = self.rfile.read(length)
+        except OSError as e:  # the client stalled (the timeout) or left: nothing to answer
+            log.debug("blockkv route: request body not received (%r)", e)
+            self.close_connection = True
+            return
+        if len(body) < length:
+            self.close_connection = True
+            return
+        if not _is_utf8(body):
+            self._reply(400, {"error": "the request body is not UTF-8"})
+            return
         self._relay("POST", body, self.router.prompt(self.path, body))
 
     def _relay(self, method: str, body: bytes | None, tokens: list[int] | None) -> None:
@@ -179,6 +222,11 @@ class Handler(BaseHTTPRequestHandler):
                 node.abandon(request_id)
                 node.failed(e)
                 continue
+            except Exception as e:  # noqa: BLE001 - not the node's fault, and nothing was relayed yet
+                node.abandon(request_id)
+                log.warning("blockkv route: %s %s not sent to %s (%r)", method, self.path, node.url, e)
+                self._reply(500, {"error": "the router could not send the request"})
+                return
             node.answered()
             log.debug("blockkv route: %s -> %s (%s, %d tokens reused)", self.path, node.url, start.tier, start.reused)
             try:
@@ -211,7 +259,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.flush()
-        sent = 0
+        stream = response.status == 200 and response.getheader("Content-Type", "").startswith("text/event-stream")
+        sent, tail, why = 0, b"", "the node closed it"
         try:
             while sent < MAX_ANSWER_BYTES:
                 chunk = response.read1(64 << 10)
@@ -222,9 +271,29 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(chunk)
                 self.wfile.flush()
                 sent += len(chunk)
+                tail = (tail + chunk)[-64:]
+            else:
+                why = f"over {MAX_ANSWER_BYTES} bytes"
         except (OSError, http.client.HTTPException) as e:  # the node died, or the client left: cut short
             log.warning("blockkv route: relaying the answer of %s ended early (%s)", node.url, e)
+            why = repr(e)
         self.close_connection = True
+        if stream and _DONE not in tail:
+            self._cut(node, tail, why)
+
+    def _cut(self, node: Node, tail: bytes, why: str) -> None:
+        """End a stream its node did not finish with an error event, so that the
+        client (the ``openai`` client raises ``APIError``) never takes a partial
+        answer for a whole one."""
+        log.warning("blockkv route: the answer streamed by %s ended without [DONE] (%s); the client is told", node.url,
+                    why)
+        event = json.dumps({"error": {"message": f"blockkv route: the answer of {node.url} was cut short ({why})",
+                                      "type": "server_error", "code": "stream_cut"}})
+        try:
+            self.wfile.write((b"" if tail.endswith(b"\n\n") else b"\n\n") + f"data: {event}\n\n".encode())
+            self.wfile.flush()
+        except OSError:
+            pass  # the client left
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -235,12 +304,25 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def serve(router: Router, host: str, port: int) -> ThreadingHTTPServer:
+def _is_utf8(data: bytes) -> bool:
+    """Whether ``data`` is UTF-8, checked a MiB at a time (decoded whole, a large body would be held 4 times over)."""
+    decoder, view = codecs.getincrementaldecoder("utf-8")(), memoryview(data)
+    try:
+        for i in range(0, len(view), 1 << 20):
+            decoder.decode(view[i : i + (1 << 20)])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def serve(router: Router, host: str, port: int, client_timeout: float = CLIENT_TIMEOUT_S,
+          max_connections: int = MAX_CONNECTIONS) -> BoundedHTTPServer:
     """An HTTP server for ``router`` on ``host:port`` (not yet serving)."""
-    handler = type("RouteHandler", (Handler,), {"router": router})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    if not client_timeout > 0:
+        raise ValueError(f"--client-timeout must be positive, got {client_timeout}")
+    handler = type("RouteHandler", (Handler,), {"router": router, "timeout": client_timeout})
+    return BoundedHTTPServer((host, port), handler, max_connections)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -256,6 +338,12 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"the nodes' --fleet-salt (default: ${SALT_ENV}, else none)")
     p.add_argument("--node-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="longest wait for a node's next byte, prefill included (default: %(default)s)")
+    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, metavar="SECONDS",
+                   help="longest wait for a client's next byte; an idle connection is closed (default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                   help="connections served at once, a thread each; more are answered 503 (default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_S, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, longest wait for the answers being relayed (default: %(default)s)")
     p.add_argument("--chat-template", default="", help="the nodes' --chat-template, if they use one")
     p.add_argument("--chat-template-args", type=json.loads, default={}, metavar="JSON",
                    help="the nodes' --chat-template-args, if they use them")
@@ -282,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                                     use_default_chat_template=args.use_default_chat_template,
                                     trust_remote_code=args.trust_remote_code)
         router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout)
-        server = serve(router, args.host, args.port)
+        server = serve(router, args.host, args.port, args.client_timeout, args.max_connections)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"blockkv route: error: {e}\n")
     if threading.current_thread() is threading.main_thread():
@@ -294,8 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        router.stop()
-        server.server_close()
+        # stop accepting, let the answers being relayed finish (a second signal ends the wait), then go
+        log.info("blockkv route: stopping; relaying the answers in flight (up to %g s)", args.drain_timeout)
+        try:
+            if left := server.drain(args.drain_timeout):
+                log.warning("blockkv route: %d answers still being relayed after %g s are cut", left,
+                            args.drain_timeout)
+        finally:
+            router.stop()
     return 0
 
 

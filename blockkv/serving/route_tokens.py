@@ -14,12 +14,14 @@ alone, and the node answers it as it would anyway.
 
 from __future__ import annotations
 
-import threading
+import copy
+import queue
 from types import SimpleNamespace
 from typing import Any
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 TEXT_PATHS = ("/v1/completions",)
+TOKENIZERS = 4  # requests tokenized at once
 
 
 class PromptTokenizer:
@@ -38,7 +40,11 @@ class PromptTokenizer:
             self.tokenizer.chat_template = self.tokenizer.default_chat_template
         self._provider = SimpleNamespace(processor=None,
                                          cli_args=SimpleNamespace(chat_template_args=dict(chat_template_args or {})))
-        self._lock = threading.Lock()  # a fast tokenizer used from several threads at once can raise
+        # a fast tokenizer used from several threads at once can raise: each thread takes one of its own
+        # from a pool, so a long prompt being tokenized does not hold up a short one
+        self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(TOKENIZERS):
+            self._free.put(copy.deepcopy(self.tokenizer))
 
     def tokens(self, path: str, body: Any) -> list[int]:
         """The prompt tokens of a request to ``path`` with JSON ``body`` (raises on
@@ -54,7 +60,10 @@ class PromptTokenizer:
         else:
             raise ValueError(f"no prompt in a request to {path}")
         args = SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
-        with self._lock:
-            prompt = ResponseGenerator._tokenize(SimpleNamespace(model_provider=self._provider), self.tokenizer,
+        tokenizer = self._free.get()
+        try:
+            prompt = ResponseGenerator._tokenize(SimpleNamespace(model_provider=self._provider), tokenizer,
                                                  request, args)[0]
+        finally:
+            self._free.put(tokenizer)
         return [int(t) for t in prompt]

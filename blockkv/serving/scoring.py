@@ -9,7 +9,9 @@ token, plus the work already queued on it:
 - a longer prefix in the bucket (any node can restore what a node on it
   stored) costs ``BUCKET_COST`` per token;
 - each request in flight on the node adds its own unfinished start cost (its
-  prefill, until its first token streams back) plus ``ACTIVE_COST``.
+  prefill, until its first token streams back) plus the node's active cost:
+  measured from the times to first token it streams (``Pace``), ``ACTIVE_COST``
+  until it has been.
 
 The cheapest option per node is taken; the cheapest node wins, ties going to
 the node with fewer requests in flight, then fewer routed so far. This is
@@ -52,7 +54,7 @@ class Start:
     """The cheapest way a node starts a prompt: its cost and the tier it reads."""
 
     cost: float
-    tier: str  # "ram", "disk", "bucket" or "cold"
+    tier: str  # "ram", "disk", "bucket", "cold", or "unknown" (the node's residency is)
     reused: int  # prompt tokens not prefilled
 
 
@@ -67,9 +69,47 @@ def start_cost(length: int, m: Matches) -> Start:
     return best
 
 
-def queue_cost(unstarted_work: float, in_flight: int) -> float:
-    """What the requests in flight on a node add: their unfinished start cost plus ``ACTIVE_COST`` each."""
-    return unstarted_work + ACTIVE_COST * in_flight
+def queue_cost(unstarted_work: float, in_flight: int, active_cost: float = ACTIVE_COST) -> float:
+    """What the requests in flight on a node add: their unfinished start cost plus ``active_cost`` each."""
+    return unstarted_work + active_cost * in_flight
+
+
+class Pace:
+    """What a request in flight on one node costs a new one there, measured from
+    the answers it streams instead of assumed (``ACTIVE_COST``): its time to
+    first token when it found the node idle gives the seconds per unit of start
+    cost, and how much later the first token came when others were in flight
+    gives the delay each of them adds. Their ratio is the node's active cost in
+    start-cost units: on a node that shares its cores, or batches slowly, it is
+    high and a prompt hot there spills to another node sooner. Not thread-safe
+    (the node's lock guards it)."""
+
+    SMOOTHING = 0.2  # weight of the newest observation
+
+    def __init__(self) -> None:
+        self.seconds_per_unit: float | None = None
+        self.delay_per_active_s: float | None = None
+
+    def observe(self, work: float, others: int, ahead: float, ttft_s: float) -> None:
+        """A request of start cost ``work``, routed while ``others`` were in flight
+        with ``ahead`` of start cost not yet done, streamed its first token
+        ``ttft_s`` seconds later."""
+        if ttft_s < 0:
+            return
+        if not others:
+            self.seconds_per_unit = self._mean(self.seconds_per_unit, ttft_s / max(work, 1.0))
+        elif self.seconds_per_unit is not None:  # the prefills ahead are in queue_cost already: not counted twice
+            extra = max(0.0, ttft_s - (work + ahead) * self.seconds_per_unit)
+            self.delay_per_active_s = self._mean(self.delay_per_active_s, extra / others)
+
+    def active_cost(self) -> float:
+        """The start cost a request in flight here adds to a new one (``ACTIVE_COST`` until measured)."""
+        if not self.seconds_per_unit or self.delay_per_active_s is None:
+            return ACTIVE_COST
+        return min(max(self.delay_per_active_s / self.seconds_per_unit, 1.0), 1e6)
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ipaddress
 import logging
+import os
 import signal
 import sys
 import threading
@@ -106,6 +108,29 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _may_publish_residency(mlx_args: list[str], salt: str | None) -> bool:
+    """Whether to answer ``GET /blockkv/residency`` and ``/blockkv/events``: not on an
+    address other hosts reach unless the fleet has a salt, because without one the
+    digests are of public tokens: anyone reaching the port would learn, for a prompt
+    they guess, whether this node holds it, without sending it."""
+    host = argparse.ArgumentParser(add_help=False)
+    host.add_argument("--host", default="127.0.0.1")
+    address = host.parse_known_args(mlx_args)[0].host
+    if (salt if salt is not None else os.environ.get(SALT_ENV, "")) or _is_loopback(address):
+        return True
+    log.warning("blockkv serve: --host %s is reachable from other hosts and no --fleet-salt (or $%s) is set, "
+                "so what this node holds is not published for blockkv route: set the same secret salt on every "
+                "node and the router to publish it", address, SALT_ENV)
+    return False
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``mlx_lm.server.main`` with the persistent cache; returns its exit status."""
     import mlx_lm.server as server
@@ -130,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if unreachable:
         log.warning("blockkv: %s; serving from the local cache until it answers", unreachable)
 
+    publish = _may_publish_residency(rest, args.fleet_salt)
     caches: list[ResidentPromptCache] = []
     metrics = ServeMetrics(lambda: list(caches))
     original_run: Callable[..., Any] = server.run
@@ -166,8 +192,13 @@ def main(argv: list[str] | None = None) -> int:
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
         http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
-        handler = residency_handler(server.APIHandler, journal)
-        setattr(server, "_run_http_server", functools.partial(http_server, handler_class=handler))
+        handler = residency_handler(server.APIHandler, journal) if publish else server.APIHandler
+        def run_http_server(*a: Any, **k: Any) -> Any:
+            for cache in caches:  # before /health answers: the first request does not pay the open, and
+                cache.open_published()  # a restarted node publishes its disk before the router asks
+            return http_server(*a, handler_class=handler, **k)
+
+        setattr(server, "_run_http_server", run_http_server)
         try:
             return original_run(host, port, model_provider, *more, **kw)
         finally:

@@ -25,14 +25,17 @@ def free_port() -> int:
 
 
 class Process:
-    """``python -m blockkv ARGS --host 127.0.0.1 --port <free port>``, output in ``log``."""
+    """``python -m blockkv ARGS --host HOST --port <port, else a free one>``, output in ``log``;
+    reached on 127.0.0.1 (``host`` is where it listens: 127.0.0.1 unless a test needs another)."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None, port: int | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.args, self.env, self.host = args, env, host
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "blockkv", *args, "--host", "127.0.0.1",
+            self.proc = subprocess.Popen([sys.executable, "-m", "blockkv", *args, "--host", host,
                                           "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(env or {})})
 
@@ -54,6 +57,10 @@ class Process:
                     self.proc.kill()
                     raise RuntimeError(f"{self.url} did not come up:\n{self.log.read_text()}") from None
                 time.sleep(0.2)
+
+    def restarted(self, log: Path) -> Process:
+        """The same command on the same port (this process has exited), output in ``log``."""
+        return Process(self.args, log, self.env, self.port, self.host)
 
     def stop(self, bound: float = 60.0) -> int | None:
         """Ctrl-C (a node flushes its spills), then kill after ``bound`` seconds; the exit status."""
