@@ -24,12 +24,12 @@ from blockkv.arguments import open_only as _open_only
 from blockkv.errors import CorruptBlockError, CorruptError, LockTimeout
 from blockkv.format.blocks import CODEC_ID, DEFAULT_BLOCK_TOKENS, KEYED_CODEC_ID, Snapshot
 from blockkv.format.header import Header, Identity
+from blockkv.format.layout import fingerprint_dirname
 from blockkv.fs import FileLayer
 from blockkv.local import writers
 from blockkv.local.catalog import Catalog
-from blockkv.local.check import CheckReport
 from blockkv.local.commit import Commits
-from blockkv.local.directory import Directory, fingerprint_dirname, read_identity
+from blockkv.local.directory import Directory, read_identity
 from blockkv.local.directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
 from blockkv.local.executors import Executors
 from blockkv.local.index import Index
@@ -39,10 +39,10 @@ from blockkv.local.recovery import Recovery
 from blockkv.local.restore import EntryRead
 from blockkv.local.retention import Retention
 from blockkv.local.writers import IntentFile
-from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
+from blockkv.records import CHECKPOINT_NS, CheckReport, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
 
 if TYPE_CHECKING:
-    from blockkv.remote.bucket import Bucket
+    from blockkv.bucket.bucket import Bucket
     from blockkv.remote.tier import RemoteTier
 
 log = logging.getLogger("blockkv")

@@ -1,5 +1,5 @@
 """A node of tests/test_bucket.py: entries built from real mlx-lm KVCache
-objects, uploaded and read through blockkv.remote.bucket. Imported by the tests, and
+objects, uploaded and read through blockkv.bucket.bucket. Imported by the tests, and
 run as its own process where concurrency matters:
 
     python tests/bucket_node.py fetch   ENDPOINT BUCKET OUT.npz
@@ -19,15 +19,15 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from blockkv.bucket.bucket import Bucket
+from blockkv.bucket.objects import BucketError
+from blockkv.bucket.session import StoreSession, StoreTooSlow
 from blockkv.format.blocks import CODEC_ID, Block, EntryLayout, split_entry
 from blockkv.format.descriptor import blocks_for_prefix, parse_descriptor
 from blockkv.format.frame import decode_block, encode_block
 from blockkv.format.header import Header, Identity, encode_header
+from blockkv.format.layout import fingerprint_dirname, ns_dirname
 from blockkv.format.rebuild import rebuild
-from blockkv.local.directory import fingerprint_dirname, ns_dirname
-from blockkv.remote.bucket import Bucket
-from blockkv.remote.objects import BucketError
-from blockkv.remote.session import StoreSession, StoreTooSlow
 
 CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 IDENTITY = Identity("tiny", "fp-test", "tok", CODEC_ID)

@@ -21,7 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from blockkv import BlockStore
-from blockkv.remote.objects import BucketError, header_name
+from blockkv.bucket.objects import BucketError
+from blockkv.format.layout import header_name
 from blockkv.testing.models import prefill, random_tokens, tiny_model  # noqa: F401 - for the tests too
 
 IDENT = dict(model_id="tiny-llama", config_fingerprint="tiny-llama@remote", tokenizer_hash="tok1")

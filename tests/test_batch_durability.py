@@ -10,8 +10,8 @@ import errno
 import os
 from pathlib import Path
 
+from blockkv.format.layout import is_block_name
 from blockkv.fs import FileLayer
-from blockkv.pool.protocol import is_block_name
 from blockkv.store import BlockStore
 from blockkv.testing.faults import FaultyFileLayer
 from blockkv.testing.stateful import live_bits

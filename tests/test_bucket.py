@@ -1,4 +1,4 @@
-"""blockkv.remote.bucket against a real S3 server process (moto's, on 127.0.0.1).
+"""blockkv.bucket.bucket against a real S3 server process (moto's, on 127.0.0.1).
 
 Nodes are separate processes where concurrency matters (tests/bucket_node.py).
 Blocks come from blocks.split_entry of real mlx-lm KVCache objects; every
@@ -25,14 +25,14 @@ import pytest
 from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
+from blockkv.bucket.bucket import Bucket
+from blockkv.bucket.objects import BucketError
+from blockkv.bucket.session import StoreTooSlow
 from blockkv.errors import BlockMissingError, CorruptBlockError, CorruptHeaderError
 from blockkv.format.blocks import Block
 from blockkv.format.frame import encode_block
 from blockkv.format.header import Identity
-from blockkv.local.directory import ns_dirname
-from blockkv.remote.bucket import Bucket
-from blockkv.remote.objects import BucketError
-from blockkv.remote.session import StoreTooSlow
+from blockkv.format.layout import ns_dirname
 from blockkv.testing.moto_clock import ServerClock
 
 NODE = str(Path(__file__).with_name("bucket_node.py"))

@@ -12,9 +12,8 @@ import pytest
 import remote_node as node
 from test_bucket import endpoint, make_bucket, server, server_clock  # noqa: F401 - the server fixtures
 
-from blockkv.local.directory import fingerprint_dirname
-from blockkv.remote.bucket import Bucket
-from blockkv.remote.objects import header_name
+from blockkv.bucket.bucket import Bucket
+from blockkv.format.layout import fingerprint_dirname, header_name
 from blockkv.testing.moto_clock import ServerClock
 
 FP_DIR = fingerprint_dirname(node.IDENT["config_fingerprint"])

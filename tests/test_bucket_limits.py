@@ -19,10 +19,9 @@ import pytest
 import remote_node as node
 from test_bucket import endpoint, make_bucket, raw_store, server  # noqa: F401 - the server fixtures
 
+from blockkv.bucket.manifest import MANIFEST_MIN
 from blockkv.format.header import MAX_HEADER_BYTES
-from blockkv.local.directory import fingerprint_dirname
-from blockkv.remote.manifest import MANIFEST_MIN
-from blockkv.remote.objects import header_name
+from blockkv.format.layout import fingerprint_dirname, header_name
 
 NODE = str(Path(__file__).with_name("remote_node.py"))
 FP_DIR = fingerprint_dirname(node.IDENT["config_fingerprint"])
@@ -81,7 +80,8 @@ def test_the_limit_is_exact(endpoint: str, size: int) -> None:  # noqa: F811
     """A ranged read of ``limit + 1`` bytes: an object of exactly the limit reads,
     one byte more is refused (an empty object reads as empty)."""
     from blockkv.errors import OversizedError
-    from blockkv.remote.objects import META_LAYOUT, BucketPool
+    from blockkv.bucket.objects import BucketPool
+    from blockkv.format.layout import META_LAYOUT
 
     bucket = make_bucket(endpoint)
     pool = BucketPool(f"s3://{bucket}/fleet/x", META_LAYOUT, {"endpoint_url": endpoint, **node.CREDENTIALS})

@@ -15,8 +15,8 @@ import obstore
 from test_bucket import endpoint, make_bucket, raw_store, server, server_clock  # noqa: F401 - moto's server fixtures
 from test_cli import parsed, run_all
 
-from blockkv.local.directory import ns_dirname
-from blockkv.remote.bucket import Bucket
+from blockkv.bucket.bucket import Bucket
+from blockkv.format.layout import ns_dirname
 from blockkv.testing.moto_clock import ServerClock
 
 GRACE = 9.0  # the shortest a 1 s request timeout allows: the test waits it out once

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from blockkv.pool.protocol import is_block_name
+from blockkv.format.layout import is_block_name
 from blockkv.store import BlockStore
 from blockkv.testing.stateful import live_bits
 from blockkv.testing.strategies import make_caches

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from blockkv.local.directory import fingerprint_dirname
+from blockkv.format.layout import fingerprint_dirname
 from blockkv.serving.identity import FingerprintWords, KVQuant, describe_fingerprint, identity_from_key, model_identity
 from blockkv.testing.model_dir import build_model_dir
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from blockkv.format.layout import BLOCK_LAYOUT, Layout
 from blockkv.fs import FileLayer
 from blockkv.pool.local import LocalPool
 from blockkv.pool.memory import MemoryPool
-from blockkv.pool.protocol import BLOCK_LAYOUT, Layout
 from blockkv.testing.faults import FaultyFileLayer
 from blockkv.testing.pool_tests import PoolTests, name_for, payload
 

@@ -26,9 +26,8 @@ from moto.server import ThreadedMotoServer
 from test_bucket import endpoint, keys, make_bucket, raw_store, server  # noqa: F401 - the server fixtures
 
 from blockkv import BlockStore, GenerationCheckpoint
-from blockkv.local.directory import fingerprint_dirname
-from blockkv.remote.manifest import MANIFEST_MIN, manifest_records, manifest_stream
-from blockkv.remote.objects import header_name
+from blockkv.bucket.manifest import MANIFEST_MIN, manifest_records, manifest_stream
+from blockkv.format.layout import fingerprint_dirname, header_name
 
 NODE = str(Path(__file__).with_name("remote_node.py"))
 FP_DIR = fingerprint_dirname(node.IDENT["config_fingerprint"])

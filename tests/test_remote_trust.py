@@ -23,13 +23,12 @@ from test_bucket import endpoint, keys, make_bucket, raw_store, server, server_c
 from test_cli import parsed, run_all
 
 from blockkv import BlockStore
+from blockkv.bucket.gc import Window, gc_runs_since
 from blockkv.errors import CorruptBlockError, OversizedError
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import decode_block, max_frame_bytes
 from blockkv.format.header import decode_header, encode_header
-from blockkv.local.directory import fingerprint_dirname
-from blockkv.remote.gc import Window, gc_runs_since
-from blockkv.remote.objects import header_name
+from blockkv.format.layout import fingerprint_dirname, header_name
 from blockkv.serving.identity import StoreIdentity
 from blockkv.serving.prompt_cache import PersistentPromptCache
 from blockkv.testing.moto_clock import ServerClock

@@ -25,8 +25,8 @@ import openai
 import pytest
 from test_bucket import endpoint, make_bucket, server  # noqa: F401 - moto's server fixtures
 
-from blockkv.remote.bucket import Bucket
-from blockkv.remote.view import list_bucket_fingerprints
+from blockkv.bucket.bucket import Bucket
+from blockkv.bucket.view import list_bucket_fingerprints
 from blockkv.serving.digests import fleet_key, prefix_digests
 from blockkv.serving.route import NODE_HEADER
 from blockkv.serving.route_tokens import PromptTokenizer

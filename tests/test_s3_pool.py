@@ -25,8 +25,8 @@ from obstore.store import S3Store
 from blockkv.errors import BlockMissingError, CorruptBlockError
 from blockkv.format.blocks import split_entry
 from blockkv.format.frame import decode_block, encode_block
+from blockkv.format.layout import BLOCK_LAYOUT, Layout
 from blockkv.format.rebuild import rebuild
-from blockkv.pool.protocol import BLOCK_LAYOUT, Layout
 from blockkv.pool.s3 import S3Pool, parse_url
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 from blockkv.testing.pool_tests import PoolTests, name_for, payload

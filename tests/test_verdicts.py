@@ -34,9 +34,8 @@ from test_bucket import endpoint, make_bucket, raw_store, server  # noqa: F401 -
 
 from blockkv import BlockStore, GenerationCheckpoint
 from blockkv.format.header import decode_header, encode_header
+from blockkv.format.layout import fingerprint_dirname, header_name, ns_dirname
 from blockkv.fs import FileLayer
-from blockkv.local.directory import fingerprint_dirname, ns_dirname
-from blockkv.remote.objects import header_name
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 IDENT = dict(model_id="m", config_fingerprint="fp-verdicts", tokenizer_hash="t", max_bytes=1 << 30)

@@ -11,7 +11,7 @@ Safety rules, because this tool deletes on other people's disks:
   lock, even on a damaged directory; ``evict --dry-run`` opens no store and
   changes nothing either.
 * with ``--remote s3://bucket/prefix`` the same commands work on the bucket a
-  fleet shares (``remote/view.py``): ``ls``, ``stats``, ``check`` only list and
+  fleet shares (``bucket/view.py``): ``ls``, ``stats``, ``check`` only list and
   GET; ``gc`` is the bucket's mark-and-sweep run and ``evict`` its fleet-wide
   LRU, which every node's stores are safe beside (docs/scale-out.md).
 

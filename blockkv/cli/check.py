@@ -34,9 +34,10 @@ from blockkv.cli.stores import default_gc_grace, open_store
 from blockkv.errors import BlockKVError
 from blockkv.fs import FileLayer
 from blockkv.human import format_size
-from blockkv.local.check import CheckReport, check_directory
+from blockkv.local.check import check_directory
 from blockkv.local.directory import Directory, FingerprintDir, read_identity
 from blockkv.local.index import read_only_block_rows
+from blockkv.records import CheckReport
 
 
 @contextmanager
@@ -164,9 +165,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def check_remote(args: argparse.Namespace, results: list[tuple[Any, CheckReport, list[dict[str, Any]]]]) -> list[str]:
     """``check --remote``: each chosen fingerprint directory in the bucket,
-    verified (``remote.check.check_bucket``; without ``--repair`` no write)
+    verified (``bucket.check.check_bucket``; without ``--repair`` no write)
     into ``results``; returns the directories whose IDENTITY does not read."""
-    from blockkv.remote.check import check_bucket
+    from blockkv.bucket.check import check_bucket
 
     unreadable: list[str] = []
     for fp in remote_fingerprints(args, mutating="check --repair" if args.repair else None, unreadable=unreadable):

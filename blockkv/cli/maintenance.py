@@ -174,7 +174,7 @@ def evict_remote(args: argparse.Namespace) -> int:
     """``evict --remote``: fleet-wide LRU (``Bucket.evict_to``) until each chosen
     fingerprint directory's headers and referenced blocks fit in ``--to``; last
     use is every node's (``used/`` marks). The blocks go with a later ``gc --remote``."""
-    from blockkv.remote.view import read_bucket
+    from blockkv.bucket.view import read_bucket
 
     out: list[dict[str, Any]] = []
     for fp in remote_fingerprints(args, mutating="evict"):

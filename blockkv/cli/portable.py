@@ -203,7 +203,8 @@ def _store_for_export(args: argparse.Namespace) -> Iterator[tuple[Any, dict[str,
 
 
 def _fp_of(store: Any) -> dict[str, Any]:
-    from blockkv.local.directory import fingerprint_dirname, list_fingerprints
+    from blockkv.format.layout import fingerprint_dirname
+    from blockkv.local.directory import list_fingerprints
 
     name = fingerprint_dirname(store.identity.config_fingerprint)
     (fp,) = [fp for fp in list_fingerprints(store.root) if fp.path.name == name]

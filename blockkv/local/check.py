@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from blockkv.errors import BlockMissingError, CorruptError, NewerFormatError
 from blockkv.format.blocks import block_key
@@ -24,38 +23,9 @@ from blockkv.local import writers
 from blockkv.local.directory import Directory
 from blockkv.local.index import BlockRow, read_only_block_rows
 from blockkv.local.locks import DirLock
-from blockkv.records import EntryRecord
+from blockkv.records import CheckReport, EntryRecord
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass
-class CheckReport:
-    """What ``check`` found; ``actions`` is what a repair did about it."""
-
-    entries: int = 0
-    blocks: int = 0
-    dangling: list[str] = field(default_factory=list)  # entry ids with a block missing or corrupt
-    orphan_blocks: list[str] = field(default_factory=list)  # block files nothing references
-    refcount_mismatches: list[tuple[str, int, int]] = field(default_factory=list)  # (name, index, truth)
-    corrupt_headers: list[str] = field(default_factory=list)  # paths relative to the fingerprint dir
-    corrupt_blocks: list[str] = field(default_factory=list)
-    foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
-    newer_headers: list[str] = field(default_factory=list)  # a newer blockkv's format: kept, never served
-    unreadable: list[str] = field(default_factory=list)  # headers, blocks and live intent files not read
-    stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
-    in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
-    index_missing: bool = False
-    actions: list[str] = field(default_factory=list)
-
-    @property
-    def clean(self) -> bool:
-        return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
-                    or self.corrupt_headers or self.corrupt_blocks or self.stale_tmp or self.index_missing
-                    or self.unreadable or self.newer_headers)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "clean": self.clean}
 
 
 Keys = dict[str, "list[bytes | None]"]  # block name -> every key a referencing header names it with

@@ -25,13 +25,13 @@ from blockkv.arguments import check_size
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from blockkv.format.blocks import block_key
 from blockkv.local.catalog import Catalog
-from blockkv.local.check import CheckReport, inspect, verify_blocks
+from blockkv.local.check import inspect, verify_blocks
 from blockkv.local.check import repair as repair_directory
 from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory
 from blockkv.local.index_keeper import IndexKeeper
 from blockkv.local.verdicts import Finding, judge_now, keys_naming
-from blockkv.records import Entry
+from blockkv.records import CheckReport, Entry
 
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 

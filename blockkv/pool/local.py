@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from blockkv.errors import BlockMissingError
+from blockkv.format.layout import BLOCK_LAYOUT, Layout, is_block_name
 from blockkv.fs import Buffer, FileLayer, refuse_linked, tmp_name
-from blockkv.pool.protocol import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, Staged, check_range, is_block_name
+from blockkv.pool.protocol import BlockFile, PoolCapabilities, Staged, check_range
 
 
 class LocalPool:

@@ -14,8 +14,9 @@ from collections.abc import Iterator, Sequence
 import blake3
 
 from blockkv.errors import BlockMissingError
+from blockkv.format.layout import BLOCK_LAYOUT, Layout
 from blockkv.fs import Buffer
-from blockkv.pool.protocol import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, check_range
+from blockkv.pool.protocol import BlockFile, PoolCapabilities, check_range
 
 
 class MemoryPool:

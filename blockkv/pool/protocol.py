@@ -14,19 +14,13 @@ docs/design.md ("Pool protocol") states the semantics.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from blockkv.format.layout import Layout
 from blockkv.fs import Buffer
-
-_NAME = re.compile(r"[0-9a-f]{64}")
-
-
-def is_block_name(name: str) -> bool:
-    return _NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -35,42 +29,6 @@ class BlockFile:
     size: int
     mtime: float
     etag: str | None = None  # where the backend has one (an object store's ETag)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a pool's names map to relative locations, ``<shard>/<leaf>``.
-
-    Blocks shard by their first two hex digits (``ab/ab12…``); headers already
-    carry their namespace directory (``<ns dir>/<uuid>.bkv``). The same
-    location is a path under a local directory and a key under a bucket prefix,
-    so every backend lays a pool out alike."""
-
-    pattern: re.Pattern[str]
-    sharded: bool
-
-    def check(self, name: str) -> str:
-        if not isinstance(name, str) or self.pattern.fullmatch(name) is None:
-            raise ValueError(f"{name!r} is not a name of this pool ({self.pattern.pattern})")
-        return name
-
-    def location(self, name: str) -> str:
-        return f"{name[:2]}/{name}" if self.sharded else name
-
-    def location_prefix(self, prefix: str) -> str:
-        """The location prefix under which every name starting with ``prefix`` lies."""
-        return f"{prefix[:2]}/{prefix}" if self.sharded and len(prefix) >= 2 else prefix
-
-    def name_of(self, location: str) -> str | None:
-        """The name stored at ``location``, or None for anything not of our shape."""
-        shard, _, leaf = location.partition("/")
-        name = leaf if self.sharded else location
-        if self.sharded and leaf[:2] != shard:
-            return None
-        return name if self.pattern.fullmatch(name) else None
-
-
-BLOCK_LAYOUT = Layout(_NAME, sharded=True)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,9 @@ from datetime import timedelta
 from urllib.parse import urlparse
 
 from blockkv.errors import BlockKVError, BlockMissingError, OversizedError
+from blockkv.format.layout import BLOCK_LAYOUT, Layout
 from blockkv.fs import Buffer
-from blockkv.pool.protocol import (
-    BLOCK_LAYOUT,
-    BlockFile,
-    Layout,
-    PoolCapabilities,
-    check_range,
-)
+from blockkv.pool.protocol import BlockFile, PoolCapabilities, check_range
 
 try:
     import obstore

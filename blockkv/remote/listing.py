@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 
-from blockkv.remote.objects import ObjectInfo
+from blockkv.bucket.objects import ObjectInfo
 
 
 class Listing:

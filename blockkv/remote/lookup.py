@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from blockkv.bucket.bucket_dir import HeaderCopy
 from blockkv.errors import (
     BlockMissingError,
     CorruptError,
@@ -27,11 +28,10 @@ from blockkv.errors import (
     NewerFormatError,
 )
 from blockkv.format.header import Header
+from blockkv.format.layout import header_name
 from blockkv.local.prefix_index import common_prefix_length
 from blockkv.records import Entry, Match
-from blockkv.remote.bucket_dir import HeaderCopy
 from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
-from blockkv.remote.objects import header_name
 
 READ_LIMIT = 4  # headers one lookup reads, at most
 SCAN_LIMIT = 64  # candidates one lookup looks at, at most

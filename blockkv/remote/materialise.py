@@ -25,6 +25,7 @@ from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 from typing import Any
 
+from blockkv.bucket.verify import verified_frame
 from blockkv.errors import BlockMissingError, CorruptError
 from blockkv.format.descriptor import blocks_for_prefix, prefix_descriptor
 from blockkv.format.frame import decode_block
@@ -32,7 +33,6 @@ from blockkv.format.header import Header, encode_header
 from blockkv.format.rebuild import ParsedEntry, Target, rebuild
 from blockkv.local.restore import evaluate
 from blockkv.pool.local import LocalPool
-from blockkv.remote.verify import verified_frame
 
 Fetch = Callable[[str, int], "bytes | memoryview"]  # (block, raw bytes its header declares) -> verified frame
 Submit = Callable[..., Future]

@@ -36,6 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from blockkv.bucket import heal
+from blockkv.bucket.bucket import Bucket
+from blockkv.bucket.bucket_dir import HeaderCopy
+from blockkv.bucket.fetch import fetch_block
+from blockkv.bucket.objects import BucketError, BucketMissingError
+from blockkv.bucket.verify import verified_frame
 from blockkv.errors import (
     BlockKVError,
     BlockMissingError,
@@ -46,24 +52,19 @@ from blockkv.errors import (
 from blockkv.format.blocks import DEFAULT_BLOCK_TOKENS, block_key
 from blockkv.format.descriptor import blocks_for_prefix, with_xxh3
 from blockkv.format.header import Header, Identity, decode_header
+from blockkv.format.layout import entry_id_of, fingerprint_dirname, header_name
 from blockkv.format.rebuild import ParsedEntry
-from blockkv.local.directory import Directory, fingerprint_dirname
+from blockkv.local.directory import Directory
 from blockkv.records import Entry, Match
-from blockkv.remote import heal
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.bucket import Bucket
-from blockkv.remote.bucket_dir import HeaderCopy
 from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
-from blockkv.remote.fetch import fetch_block
 from blockkv.remote.files import HeaderCache
 from blockkv.remote.learn import Learner
 from blockkv.remote.listing import Listing
 from blockkv.remote.lookup import Lookup, RecentHeaders
 from blockkv.remote.materialise import Adoption, RemoteRead
-from blockkv.remote.objects import BucketError, BucketMissingError, entry_id_of, header_name
 from blockkv.remote.options import split_options
 from blockkv.remote.uploads import Uploader
-from blockkv.remote.verify import verified_frame
 
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 

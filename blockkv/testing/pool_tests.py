@@ -25,8 +25,8 @@ import blake3
 import pytest
 
 from blockkv.errors import BlockMissingError
-from blockkv.local.directory import HEADER_LAYOUT
-from blockkv.pool.protocol import BLOCK_LAYOUT, BlobPool, Layout
+from blockkv.format.layout import BLOCK_LAYOUT, HEADER_LAYOUT, Layout
+from blockkv.pool.protocol import BlobPool
 
 
 def name_for(layout: Layout, data: bytes, ns: str = "0123456789abcdef") -> str:

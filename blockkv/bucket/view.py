@@ -17,16 +17,15 @@ from dataclasses import dataclass
 
 import obstore
 
+from blockkv.bucket.bucket_dir import BucketDir, HeaderCopy
+from blockkv.bucket.fleet_key import FleetKey
+from blockkv.bucket.objects import MAX_IDENTITY_BYTES, ObjectInfo, outage
 from blockkv.errors import BlockMissingError, CorruptError, OversizedError
 from blockkv.format.blocks import CODEC_ID
 from blockkv.format.header import Identity
-from blockkv.local.directory import entry_record, fingerprint_dirname
-from blockkv.pool.protocol import Layout
+from blockkv.format.layout import Layout, entry_id_of, entry_record, fingerprint_dirname
 from blockkv.pool.s3 import S3Pool
 from blockkv.records import Entry, EntryRecord
-from blockkv.remote.bucket_dir import BucketDir, HeaderCopy
-from blockkv.remote.fleet_key import FleetKey
-from blockkv.remote.objects import MAX_IDENTITY_BYTES, ObjectInfo, entry_id_of, outage
 
 _IDENTITY_LAYOUT = Layout(re.compile(r"[A-Za-z0-9._-]+/IDENTITY"), sharded=False)
 

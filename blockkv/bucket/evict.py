@@ -4,9 +4,9 @@ blocks the rest reference fit; their blocks are freed by a later GC run."""
 
 from __future__ import annotations
 
-from blockkv.remote.bucket_dir import BucketDir
-from blockkv.remote.gc import Collector
-from blockkv.remote.objects import outage
+from blockkv.bucket.bucket_dir import BucketDir
+from blockkv.bucket.gc import Collector
+from blockkv.bucket.objects import outage
 
 
 def evict_plan(bucket: BucketDir, collector: Collector, target_bytes: int) -> list[str]:

@@ -21,6 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+from blockkv.bucket.clock import CLOCK_SLACK, Reading, read_clock
+from blockkv.bucket.fleet_key import FleetKey
+from blockkv.bucket.objects import BucketError, BucketPool, ObjectInfo, outage
+from blockkv.bucket.verify import convicts, frame_limit
 from blockkv.errors import (
     BlockMissingError,
     CorruptBlockError,
@@ -32,20 +36,7 @@ from blockkv.errors import (
 from blockkv.format.descriptor import ParsedDescriptor
 from blockkv.format.frame import Judgement, judge_block
 from blockkv.format.header import MAX_HEADER_BYTES, Header
-from blockkv.local.directory import HEADER_LAYOUT, parsed_header
-from blockkv.pool.protocol import BLOCK_LAYOUT
-from blockkv.remote.clock import CLOCK_SLACK, Reading, read_clock
-from blockkv.remote.fleet_key import FleetKey
-from blockkv.remote.objects import (
-    META_LAYOUT,
-    BucketError,
-    BucketPool,
-    ObjectInfo,
-    entry_id_of,
-    header_name,
-    outage,
-)
-from blockkv.remote.verify import convicts, frame_limit
+from blockkv.format.layout import BLOCK_LAYOUT, HEADER_LAYOUT, META_LAYOUT, entry_id_of, header_name, parsed_header
 
 _LARGE_HEADER = 1 << 20  # headers above this are fetched one at a time: bounds what planted ones cost
 

@@ -21,16 +21,16 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 
+from blockkv.bucket import evict
+from blockkv.bucket.bucket_dir import BucketDir, FetchedHeaders, HeaderCopy
+from blockkv.bucket.fetch import Local, fetch_block, submit_fetches
+from blockkv.bucket.fleet_key import FleetKey
+from blockkv.bucket.gc import Collector, GcPlan, GcReport
+from blockkv.bucket.objects import MAX_IDENTITY_BYTES, BucketError, outage
+from blockkv.bucket.session import StoreSession
 from blockkv.errors import BlockMissingError, OversizedError
 from blockkv.format.header import Identity
-from blockkv.local.directory import HEADER_LAYOUT
-from blockkv.remote import evict
-from blockkv.remote.bucket_dir import BucketDir, FetchedHeaders, HeaderCopy
-from blockkv.remote.fetch import Local, fetch_block, submit_fetches
-from blockkv.remote.fleet_key import FleetKey
-from blockkv.remote.gc import Collector, GcPlan, GcReport
-from blockkv.remote.objects import MAX_IDENTITY_BYTES, BucketError, outage
-from blockkv.remote.session import StoreSession
+from blockkv.format.layout import HEADER_LAYOUT
 
 __all__ = ["Bucket", "FetchedHeaders", "HeaderCopy"]
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from blockkv.bucket.bucket_dir import BucketDir
+from blockkv.bucket.gc import Window
+from blockkv.bucket.objects import BucketError, outage
 from blockkv.errors import BlockMissingError
-from blockkv.remote.bucket_dir import BucketDir
-from blockkv.remote.gc import Window
-from blockkv.remote.objects import BucketError, outage
 
 MAX_WANTED = 256  # marks a node answers per sync: planted ones cost a local lookup each, no more
 

@@ -16,10 +16,10 @@ import uuid
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
+from blockkv.bucket.bucket_dir import BucketDir
+from blockkv.bucket.clock import CLOCK_SLACK, Reading, no_backward_step, read_clock
+from blockkv.bucket.objects import MAX_MARKER_BYTES, BucketError, outage
 from blockkv.format.descriptor import blocks_for_prefix
-from blockkv.remote.bucket_dir import BucketDir
-from blockkv.remote.clock import CLOCK_SLACK, Reading, no_backward_step, read_clock
-from blockkv.remote.objects import MAX_MARKER_BYTES, BucketError, outage
 
 _BATCH = 100
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 
+from blockkv.bucket import heal
+from blockkv.bucket.bucket_dir import BucketDir, ProvenBad
+from blockkv.bucket.objects import BucketError
 from blockkv.errors import CorruptBlockError
-from blockkv.remote import heal
-from blockkv.remote.bucket_dir import BucketDir, ProvenBad
-from blockkv.remote.objects import BucketError
 
 Local = Callable[[str], "bytes | None"]  # a verified local copy of a block, or None
 

@@ -13,17 +13,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from blockkv.bucket.bucket_dir import BucketDir
+from blockkv.bucket.clock import CLOCK_SLACK, Reading, no_forward_step, read_clock
+from blockkv.bucket.fetch import fetch_block
+from blockkv.bucket.gc import wait_for_gc_runs
+from blockkv.bucket.objects import BucketError, ObjectInfo, outage
+from blockkv.bucket.verify import verified_frame
 from blockkv.errors import BlockMissingError, CorruptBlockError
 from blockkv.format.blocks import BlockRef
 from blockkv.format.header import decode_header
-from blockkv.local.directory import HEADER_LAYOUT
-from blockkv.pool.protocol import BLOCK_LAYOUT
-from blockkv.remote.bucket_dir import BucketDir
-from blockkv.remote.clock import CLOCK_SLACK, Reading, no_forward_step, read_clock
-from blockkv.remote.fetch import fetch_block
-from blockkv.remote.gc import wait_for_gc_runs
-from blockkv.remote.objects import BucketError, ObjectInfo, outage
-from blockkv.remote.verify import verified_frame
+from blockkv.format.layout import BLOCK_LAYOUT, HEADER_LAYOUT
 
 Load = Callable[[], bytes]  # the local copy of a block's frame (verified before it is sent)
 

@@ -22,8 +22,8 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+from blockkv.bucket.objects import BucketPool, ObjectInfo
 from blockkv.errors import BlockMissingError
-from blockkv.remote.objects import BucketPool, ObjectInfo
 
 MANIFEST_MIN = 32  # this many headers to fetch one by one: read the MANIFEST first, and write one after
 _MAGIC = b"BKVMANIFEST2\n"  # version 1 records held no ETag: its objects are not read

@@ -21,18 +21,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from blockkv.bucket import heal
+from blockkv.bucket.bucket_dir import BucketDir
+from blockkv.bucket.clock import CLOCK_SLACK
+from blockkv.bucket.objects import BucketError, outage
+from blockkv.bucket.verify import convicts, frame_limit
+from blockkv.bucket.view import Listed, list_directory
 from blockkv.errors import BlockMissingError, OversizedError
 from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import judge_block
 from blockkv.format.header import Identity
-from blockkv.local.check import CheckReport
-from blockkv.remote import heal
-from blockkv.remote.bucket_dir import BucketDir
-from blockkv.remote.clock import CLOCK_SLACK
-from blockkv.remote.objects import BucketError, outage
-from blockkv.remote.verify import convicts, frame_limit
-from blockkv.remote.view import Listed, list_directory
+from blockkv.records import CheckReport
 
 
 @dataclass

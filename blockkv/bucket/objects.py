@@ -1,6 +1,6 @@
 """A fingerprint directory's objects in a bucket, as the protocol sees them:
-their names, pools whose listings carry size and server time, and what
-counts as an outage.
+pools whose listings carry size and server time, and what counts as an
+outage (the objects' names are ``format/layout.py``'s).
 
 Every bucket request has a bounded timeout; any failure that is not a
 definite answer (missing, corrupt, bad argument) is raised as
@@ -10,7 +10,6 @@ definite answer (missing, corrupt, bad argument) is raised as
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,34 +17,14 @@ from dataclasses import dataclass
 try:
     import obstore
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("blockkv.remote needs obstore: pip install 'blockkv[s3]'") from exc
+    raise ImportError("blockkv.bucket needs obstore: pip install 'blockkv[s3]'") from exc
 
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptError, OversizedError
-from blockkv.format.header import SUFFIX
 from blockkv.fs import Buffer
-from blockkv.local.directory import HEADER_LAYOUT, ns_dirname
-from blockkv.pool.protocol import Layout
 from blockkv.pool.s3 import NoSuchBucketError, S3Pool, put_body
 
-_HEX32 = r"[0-9a-f]{32}"
-# the fingerprint directory's own objects: IDENTITY, MANIFEST (headers packed in one
-# object: an accelerator for a node's open, manifest.py), a node's clock probe, GC
-# run markers, per-entry last-use marks (``used/<header name>``) and requests for a
-# good copy of a block proven damaged (``wanted/<block name>``, heal.py)
-META_LAYOUT = Layout(re.compile(rf"IDENTITY|MANIFEST|clock/{_HEX32}|gc/{_HEX32}(\.done)?"
-                                rf"|used/{HEADER_LAYOUT.pattern.pattern}|wanted/[0-9a-f]{{64}}"), sharded=False)
 MAX_IDENTITY_BYTES = 64 << 10  # an IDENTITY is a few hundred bytes of JSON
 MAX_MARKER_BYTES = 64  # a protocol mark is empty, or holds its 64-hex seal
-
-
-def header_name(ns: str, entry_id: str) -> str:
-    """An entry's name in the bucket's header pool: the local path under ``entries/``."""
-    return f"{ns_dirname(ns)}/{entry_id}{SUFFIX}"
-
-
-def entry_id_of(name: str) -> str:
-    """The entry id a header name carries (``header_name``'s inverse for the id)."""
-    return name.rpartition("/")[2].removesuffix(SUFFIX)
 
 
 class BucketError(BlockKVError):
