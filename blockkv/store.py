@@ -30,7 +30,6 @@ from blockkv.local import writers
 from blockkv.local.catalog import Catalog
 from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory, read_identity
-from blockkv.local.directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
 from blockkv.local.executors import Executors
 from blockkv.local.index import Index
 from blockkv.local.index_keeper import IndexKeeper

@@ -15,7 +15,7 @@ import pytest
 from blockkv import BlockStore
 from blockkv.serving.digests import (
     BLOCK_SIZE,
-    fleet_key,
+    digest_key,
     is_digest,
     prefix_digests,
     salt_check,
@@ -25,7 +25,7 @@ from blockkv.serving.publish import DiskWatcher, ResidentPromptCache
 from blockkv.serving.residency import Journal
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
-KEY = fleet_key("test fleet")
+KEY = digest_key("test fleet")
 IDENTITY = StoreIdentity("tiny", "fp-residency", "tok")
 MODEL_KEY = ("tiny", None, None)
 
@@ -48,18 +48,18 @@ def test_digests_are_chained_salted_and_cover_whole_blocks_only() -> None:
     changed = list(tokens)
     changed[BLOCK_SIZE + 2] += 1  # one token of block 2: its digest and every later one differ
     assert [a == b for a, b in zip(prefix_digests(changed, KEY), d)] == [True, False, False, False, False]
-    other = prefix_digests(tokens, fleet_key("another fleet"))
+    other = prefix_digests(tokens, digest_key("another fleet"))
     assert not set(other) & set(d)  # another salt: nothing comparable
-    assert prefix_digests(tokens, fleet_key("")) != d
-    assert salt_check(KEY) == salt_check(fleet_key("test fleet")) != salt_check(fleet_key("another fleet"))
+    assert prefix_digests(tokens, digest_key("")) != d
+    assert salt_check(KEY) == salt_check(digest_key("test fleet")) != salt_check(digest_key("another fleet"))
     assert prefix_digests(tokens[: BLOCK_SIZE - 1], KEY) == []
 
 
 def test_the_salt_comes_from_the_environment_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BLOCKKV_FLEET_SALT", "test fleet")
-    assert fleet_key(None) == KEY
+    assert digest_key(None) == KEY
     with pytest.raises(TypeError):
-        fleet_key(b"bytes")  # type: ignore[arg-type]
+        digest_key(b"bytes")  # type: ignore[arg-type]
 
 
 def test_events_name_only_digests_that_appear_or_disappear() -> None:

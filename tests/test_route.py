@@ -20,7 +20,7 @@ from typing import Any
 import mlx_lm
 import pytest
 
-from blockkv.serving.digests import fleet_key, prefix_digests, salt_check
+from blockkv.serving.digests import digest_key, prefix_digests, salt_check
 from blockkv.serving.fleet import Follower, Node, read_json
 from blockkv.serving.route import NODE_HEADER, Router, serve
 from blockkv.serving.route_tokens import PromptTokenizer
@@ -38,7 +38,7 @@ from blockkv.testing.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import random_tokens
 
 SALT = "route test"
-KEY = fleet_key(SALT)
+KEY = digest_key(SALT)
 BOUND_S = 30.0  # safety bound for waits on threads (not a timing assertion)
 
 
@@ -243,7 +243,7 @@ def test_reads_from_a_node_are_bounded_and_another_salt_is_ignored(fakes: list[F
     with pytest.raises(ValueError, match="over"):
         read_json(node, "/blockkv/residency", len(big) - 1, 5.0)
     assert node.load_snapshot(json.loads(big), KEY) and node.held["RAM"] == {"0" * 16}
-    assert not node.load_snapshot(json.loads(big), fleet_key("another salt"))
+    assert not node.load_snapshot(json.loads(big), digest_key("another salt"))
     assert node.held["RAM"] == set() and node.epoch is None
 
 

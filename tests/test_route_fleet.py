@@ -26,11 +26,11 @@ import pytest
 from test_bucket import endpoint, make_bucket, server  # noqa: F401 - moto's server fixtures
 
 from blockkv.bucket.bucket import Bucket
-from blockkv.bucket.view import list_bucket_fingerprints
-from blockkv.serving.digests import fleet_key, prefix_digests
+from blockkv.bucket.bucket_reader import list_bucket_fingerprints
+from blockkv.serving.digests import digest_key, prefix_digests
 from blockkv.serving.route import NODE_HEADER
 from blockkv.serving.route_tokens import PromptTokenizer
-from blockkv.testing.fleet import Process
+from blockkv.testing.fleet_processes import Process
 from blockkv.testing.model_dir import build_model_dir, sample_text
 
 SALT = "fleet test"
@@ -48,7 +48,7 @@ class Fleet:
     router: Process
     tokenizer: PromptTokenizer
     logs: Path
-    key: bytes = field(default_factory=lambda: fleet_key(SALT))
+    key: bytes = field(default_factory=lambda: digest_key(SALT))
 
     def start_router(self) -> None:
         args = ["route", "--model", str(self.model), "--fleet-salt", SALT, "--log-level", "DEBUG"]

@@ -17,7 +17,7 @@ from test_bucket import endpoint, make_bucket, server  # noqa: F401 - moto's ser
 from test_serve import MAX_TOKENS, Server, _cached, _spills, _token_ids
 
 from blockkv.bucket.bucket import Bucket
-from blockkv.bucket.view import list_bucket_fingerprints
+from blockkv.bucket.bucket_reader import list_bucket_fingerprints
 from blockkv.mlx_lm import PersistentPromptCache
 from blockkv.serving.demo import Agent
 from blockkv.testing.model_dir import build_model_dir, sample_text

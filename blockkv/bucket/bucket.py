@@ -6,7 +6,7 @@ then the header as the commit point), header listings by which a node learns
 what others wrote, verified and bounded fetches, last-use marks, and the
 fleet-wide LRU eviction (evict.py) and mark-and-sweep GC (gc.py) that need no
 coordinator. Every object is read with a limit known before the read, and a
-copy is convicted only by proof about that copy (verify.py, fetch.py,
+copy is convicted only by proof about that copy (bucket_verdicts.py, fetch.py,
 heal.py). Every time compared is the server's (``Last-Modified``), checked
 against the local monotonic clock for steps (clock.py). Requests and their
 failures: objects.py; the directory itself (pools, settings, clock, bounded

@@ -1,7 +1,7 @@
 """One fingerprint directory in an S3-compatible bucket, as every worker of the
 bucket protocol sees it: its three pools (blocks, headers, the directory's
 own objects), its settings, the server's clock, its headers listed and read
-(bounded, verified), and its blocks read and judged (bounded; verify.py).
+(bounded, verified), and its blocks read and judged (bounded; bucket_verdicts.py).
 
 It decides nothing about a copy it judges bad: ``read_block`` raises
 ``ProvenBad`` and the caller (fetch.py) heals. GC (gc.py), healing (heal.py),
@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+from blockkv.bucket.bucket_verdicts import convicts, frame_limit
 from blockkv.bucket.clock import CLOCK_SLACK, Reading, read_clock
 from blockkv.bucket.fleet_key import FleetKey
 from blockkv.bucket.objects import BucketError, BucketPool, ObjectInfo, outage
-from blockkv.bucket.verify import convicts, frame_limit
 from blockkv.errors import (
     BlockMissingError,
     CorruptBlockError,
@@ -59,7 +59,7 @@ class FetchedHeaders:
 
 
 class ProvenBad(CorruptBlockError):
-    """A bucket copy of a block proven bad (verify.py): the copy with ``etag``
+    """A bucket copy of a block proven bad (bucket_verdicts.py): the copy with ``etag``
     is what is wrong, and only it may be replaced or deleted (fetch.py)."""
 
     def __init__(self, name: str, etag: str, why: str) -> None:
@@ -222,7 +222,7 @@ class BucketDir:
         node knows name it with, tried if that fails). A copy that is another
         key's block, or of another size than the header says, convicts the
         header: CorruptHeaderError, the block stays. A copy proven bad
-        (verify.py; ``vouched``: the header is sealed, so its key is known for
+        (bucket_verdicts.py; ``vouched``: the header is sealed, so its key is known for
         sure) is ``ProvenBad``; without proof, CorruptHeaderError."""
         try:
             with outage(f"fetch of block {name}"):

@@ -3,7 +3,7 @@ present and fresh, then the header (the commit point). The writer's half of
 the fleet's GC (docs/scale-out.md, "Write order").
 
 Every body sent is the local copy verified against its name in the same pass
-(verify.py); a local copy that is not its block is never sent: a fresh
+(bucket_verdicts.py); a local copy that is not its block is never sent: a fresh
 bucket copy needs no body, an old one is refreshed with the bucket's own
 bytes once they verify (and the local copy is healed from them).
 """
@@ -14,11 +14,11 @@ import threading
 from collections.abc import Callable
 
 from blockkv.bucket.bucket_dir import BucketDir
+from blockkv.bucket.bucket_verdicts import verified_frame
 from blockkv.bucket.clock import CLOCK_SLACK, Reading, no_forward_step, read_clock
 from blockkv.bucket.fetch import fetch_block
 from blockkv.bucket.gc import wait_for_gc_runs
 from blockkv.bucket.objects import BucketError, ObjectInfo, outage
-from blockkv.bucket.verify import verified_frame
 from blockkv.errors import BlockMissingError, CorruptBlockError
 from blockkv.format.blocks import BlockRef
 from blockkv.format.header import decode_header

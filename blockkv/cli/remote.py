@@ -46,7 +46,7 @@ def remote_fingerprints(
             "-f/--fingerprint or pass --all"
         )
     try:
-        from blockkv.bucket.view import list_bucket_fingerprints
+        from blockkv.bucket.bucket_reader import list_bucket_fingerprints
     except ImportError as exc:
         raise UsageError(f"--remote needs the s3 extra: {exc}") from None
     opts = remote_options(args)

@@ -14,7 +14,7 @@ to other models and is never read, counted or deleted)::
 
 Mechanism only (python-diskcache's ``Disk``): listing, reading and verifying
 headers, under the names ``format/layout.py`` gives them. The store owns policy (what to keep, when to delete);
-``check.inspect`` uses this class alone, so a tool can report on a directory
+``directory_check.inspect_directory`` uses this class alone, so a tool can report on a directory
 without opening it as a store and changing anything.
 """
 
@@ -130,7 +130,7 @@ def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
 
 
 @dataclass
-class Listing:
+class DirectoryListing:
     """What one directory listing found. Paths stay strings: at 10k entries,
     Path objects cost a tenth of an open."""
 
@@ -215,10 +215,10 @@ class Directory:
     def rel(self, path: Path) -> str:
         return str(path.relative_to(self.path))
 
-    def listing(self) -> Listing:
+    def listing(self) -> DirectoryListing:
         """One pass over ``entries/`` and ``blobs/``: our headers, our blocks and
         our write orphans, by name alone (no stat). Nothing else is touched."""
-        out = Listing({}, set(), [])
+        out = DirectoryListing({}, set(), [])
         for shard, f in self.fs.shard_files(self.entries_dir):
             stem = f.name[: -len(SUFFIX)]
             if f.name.endswith(SUFFIX) and ENTRY_ID.fullmatch(stem) and NS_DIR.fullmatch(shard):

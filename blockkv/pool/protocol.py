@@ -40,17 +40,6 @@ class Staged:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class PoolCapabilities:
-    """What a backend can promise; the store picks its write order and sweeps by them."""
-
-    durable_rename: bool  # a put is published by a local atomic rename/link, durable once it returns
-    consistent_listing: bool  # a listing shows every finished put and no finished delete
-    cheap_stat: bool  # exists/stat are a local syscall, not a network round trip
-    range_reads: bool  # get(start, end) transfers only the range
-    mtime: bool  # stat reports when the name was last written (sweeps go by age)
-
-
 @runtime_checkable
 class BlobPool(Protocol):
     """Immutable named blobs: what a local directory and an object store both do.
@@ -62,7 +51,6 @@ class BlobPool(Protocol):
     (ValueError); the rest take names the caller listed or indexed."""
 
     layout: Layout
-    capabilities: PoolCapabilities
 
     def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
         """Create ``name`` from ``parts`` (concatenated) unless it exists.

@@ -3,7 +3,7 @@ the fleet wrote"): every header a listing shows and the node does not know
 is taken from a proven copy — its cached copy of the listed ETag, a MANIFEST
 record proven to be the listed object (a seal, or an MD5 ETag), else a GET —
 verified, kept in the header cache, and recorded in the remote catalog
-(catalog.py: a small record and a digest per block, never the tokens).
+(remote_catalog.py: a small record and a digest per block, never the tokens).
 
 Headers are handled ``BATCH`` at a time and each is dropped once recorded,
 so what learning holds in memory is a batch, not the fleet: a MANIFEST is
@@ -26,9 +26,9 @@ from blockkv.format.header import Identity
 from blockkv.format.layout import entry_id_of, entry_record, header_name
 from blockkv.local.directory import Directory
 from blockkv.records import CHECKPOINT_NS
-from blockkv.remote.catalog import RemoteCatalog
 from blockkv.remote.files import HeaderCache
 from blockkv.remote.listing import Listing
+from blockkv.remote.remote_catalog import RemoteCatalog
 
 BATCH = 64  # headers handled at a time
 

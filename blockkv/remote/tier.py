@@ -6,12 +6,12 @@ in ``entries/`` has all its blocks in the local pool, so recovery, check and
 gc never ask the network. What the bucket adds lives here and below:
 
 - the **remote catalog** of entries other nodes committed that this node has
-  not made local (catalog.py: a small record and a digest per block, no
+  not made local (remote_catalog.py: a small record and a digest per block, no
   tokens), learned by listing headers at open, on a timer and on a miss
   (learn.py: only from a copy proven to be the object its name lists, and
   with a fleet key only if sealed), so that ``find`` stays a lookup on this
   node, settled by the candidates' headers (lookup.py);
-- **restoring** one (materialise.py): only the blocks the prefix needs,
+- **restoring** one (remote_restore.py): only the blocks the prefix needs,
   fetched concurrently and verified, the caches rebuilt from them, and what
   was fetched kept locally by the write order of a store (``BlockStore._adopt``)
   in the background: the whole entry, or a prefix entry of the node's own;
@@ -39,9 +39,9 @@ import numpy as np
 from blockkv.bucket import heal
 from blockkv.bucket.bucket import Bucket
 from blockkv.bucket.bucket_dir import HeaderCopy
+from blockkv.bucket.bucket_verdicts import verified_frame
 from blockkv.bucket.fetch import fetch_block
 from blockkv.bucket.objects import BucketError, BucketMissingError
-from blockkv.bucket.verify import verified_frame
 from blockkv.errors import (
     BlockKVError,
     BlockMissingError,
@@ -57,13 +57,13 @@ from blockkv.format.rebuild import ParsedEntry
 from blockkv.local.directory import Directory
 from blockkv.records import Entry, Match
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
 from blockkv.remote.files import HeaderCache
 from blockkv.remote.learn import Learner
 from blockkv.remote.listing import Listing
 from blockkv.remote.lookup import Lookup, RecentHeaders
-from blockkv.remote.materialise import Adoption, RemoteRead
 from blockkv.remote.options import split_options
+from blockkv.remote.remote_catalog import RemoteCatalog, RemoteEntry
+from blockkv.remote.remote_restore import Adoption, RemoteRead
 from blockkv.remote.uploads import Uploader
 
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
@@ -272,7 +272,7 @@ class RemoteTier:
     # -- restore -----------------------------------------------------------------------------
     def restore(self, entry: Entry, cut: int | None) -> tuple[Header, list[Any], dict[str, Any], int] | None:
         """A remote-only entry's caches (cut to ``cut`` tokens when given), from
-        the blocks the cut needs (materialise.py): (header, caches,
+        the blocks the cut needs (remote_restore.py): (header, caches,
         attachments, block bytes read), or None (a miss). What it fetched is
         kept locally in the background (``settle`` waits for that). A header or
         block missing or damaged also forgets the entry; an outage keeps it."""

@@ -23,9 +23,9 @@ from blockkv.format.layout import header_name
 from blockkv.local.directory import Directory
 from blockkv.records import Entry
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.catalog import RemoteCatalog
 from blockkv.remote.files import Backlog, HeaderCache
 from blockkv.remote.listing import Listing
+from blockkv.remote.remote_catalog import RemoteCatalog
 
 _UPLOAD_THREADS = 8
 

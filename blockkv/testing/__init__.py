@@ -1,7 +1,11 @@
-"""Testing kit: an oracle of the store's rules, hypothesis strategies, a
-state machine users can subclass, a fault-injecting file layer, a recording
-one that produces power-loss crash states, and ``PoolTests``, the tests every
-``BlobPool`` backend must pass.
+"""Testing kit: an oracle of the store's rules (``reference``), hypothesis
+``strategies``, a state machine users can subclass (``stateful``), a
+fault-injecting file layer (``faults``), a recording one that produces
+power-loss crash states (``powerloss``), ``PoolTests``, the tests every
+``BlobPool`` backend must pass (``pool_tests``), tiny real models and model
+directories (``models``, ``model_dir``), moto's S3 server with a steppable
+clock (``moto_clock``), and serve nodes and routers as processes
+(``fleet_processes``).
 
 ``BlockStoreMachine`` imports the store and ``PoolTests`` imports pytest, so
 they are loaded on first use."""

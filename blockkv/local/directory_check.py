@@ -1,6 +1,6 @@
 """check and repair: compare what the files say with what the index says.
 
-The files are the truth. ``inspect`` reads every header and verifies every
+The files are the truth. ``inspect_directory`` reads every header and verifies every
 block hash without changing anything (restic ``check``, git ``fsck``), so a
 tool can report on a directory it has not opened as a store; ``repair``
 acts on the findings (the caller holds the directory lock and rebuilds the
@@ -36,12 +36,12 @@ Verified = tuple[dict[str, Verdict], list[str]]  # block -> verdict, and the blo
 
 def block_keys(directory: Directory) -> Keys:
     """Every key each block is named with by some readable header (None: not
-    keyed). Headers that do not read are left out here; ``inspect`` reports them."""
+    keyed). Headers that do not read are left out here; ``inspect_directory`` reports them."""
     keys: Keys = {}
     for p in directory.listing().headers.values():
         try:
             header = directory.read_header(Path(p))
-        except Exception:  # noqa: BLE001 - reported by inspect, which reads every header again
+        except Exception:  # noqa: BLE001 - reported by inspect_directory, which reads every header again
             continue
         _add_keys(keys, block_key(header.identity, header.ns), (r.name for r in blocks_for_prefix(header.descriptor, None)))
     return keys
@@ -77,7 +77,7 @@ def verify_blocks(directory: Directory, progress: Progress | None = None) -> Ver
     """Hash every block file: name → its verdict, and the blocks a transient
     error kept us from reading (never corrupt). The slow part of a check, so it
     runs without the directory lock (a block deleted meanwhile is left out; one
-    written meanwhile, or found corrupt here, is hashed again by ``inspect``)."""
+    written meanwhile, or found corrupt here, is hashed again by ``inspect_directory``)."""
     keys = block_keys(directory)
     names = sorted(directory.pool.names())
     out: dict[str, Verdict] = {}
@@ -97,7 +97,7 @@ def verify_blocks(directory: Directory, progress: Progress | None = None) -> Ver
 
 @dataclass
 class _Read:
-    """A header ``inspect`` read: where it is, what it records, the key it names its blocks with."""
+    """A header ``inspect_directory`` read: where it is, what it records, the key it names its blocks with."""
 
     rel: str
     record: EntryRecord
@@ -105,9 +105,9 @@ class _Read:
     own: bool
 
 
-def inspect(directory: Directory, rows: dict[str, BlockRow] | None,
-            progress: Progress | None = None, *, verified: Verified | None = None,
-            tmp_cutoff: float | None = None) -> CheckReport:
+def inspect_directory(directory: Directory, rows: dict[str, BlockRow] | None,
+                      progress: Progress | None = None, *, verified: Verified | None = None,
+                      tmp_cutoff: float | None = None) -> CheckReport:
     """Findings for ``directory`` against index rows ``rows`` (None: no usable index).
 
     Meant to run under the directory lock, so no store is between taking its
@@ -211,14 +211,14 @@ def check_directory(directory: Directory, *, lock_timeout: float | None = None,
     lock = DirLock(directory.path / "LOCK", create=False)
     try:
         with lock.held(lock_timeout, shared=True):
-            return inspect(directory, read_only_block_rows(directory.index_dir), verified=verified)
+            return inspect_directory(directory, read_only_block_rows(directory.index_dir), verified=verified)
     finally:
         lock.close()
 
 
 def repair(directory: Directory, report: CheckReport) -> None:
     """Act on the findings, in the same hold of the directory lock as
-    ``inspect``: unlink corrupt and dangling headers of ours, delete corrupt
+    ``inspect_directory``: unlink corrupt and dangling headers of ours, delete corrupt
     blocks (hashed again first: only proof deletes) and orphan blocks (no live
     writer had announced them), dead writers' temp files and intent files.
     Unreadable files are left alone."""

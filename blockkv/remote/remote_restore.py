@@ -25,7 +25,7 @@ from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 from typing import Any
 
-from blockkv.bucket.verify import verified_frame
+from blockkv.bucket.bucket_verdicts import verified_frame
 from blockkv.errors import BlockMissingError, CorruptError
 from blockkv.format.descriptor import blocks_for_prefix, prefix_descriptor
 from blockkv.format.frame import decode_block

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from blockkv.bucket import heal
 from blockkv.bucket.bucket_dir import BucketDir
+from blockkv.bucket.bucket_reader import Listed, list_directory
+from blockkv.bucket.bucket_verdicts import convicts, frame_limit
 from blockkv.bucket.clock import CLOCK_SLACK
 from blockkv.bucket.objects import BucketError, outage
-from blockkv.bucket.verify import convicts, frame_limit
-from blockkv.bucket.view import Listed, list_directory
 from blockkv.errors import BlockMissingError, OversizedError
 from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
