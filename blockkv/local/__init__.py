@@ -4,7 +4,8 @@
 with entry rows packed by ``index_records``, kept by ``index_keeper``), the
 in-memory ``catalog`` over a ``prefix_index``, the lock (``locks``) and writer
 intents (``writers``), a handle's threads (``executors``), the write and
-delete order (``commit``), reading an entry back (``restore``),
-``recovery``, ``retention`` (every decision to delete, with what a failed
-read proves: ``verdicts``), ``directory_check``, and for tools a read-only
-``reader`` and ``read_only`` store."""
+delete order (``commit``), reading an entry back (``restore``; as the
+store's first tier: ``disk_tier``), keeping what a restore fetched from the
+bucket (``adoptions``), ``recovery``, ``retention`` (every decision to
+delete, with what a failed read proves: ``verdicts``), ``directory_check``,
+and for tools a read-only ``reader`` and ``read_only`` store."""

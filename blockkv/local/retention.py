@@ -96,6 +96,11 @@ class Retention:
         except (lmdb.Error, OSError, CorruptError) as exc:
             self._warn("index-reopen", f"could not reopen the LMDB index ({exc}); serving the last known state")
 
+    def every_entry(self) -> list[Entry]:
+        """Every identity's entries, brought current: what the remote tier takes as local."""
+        self.refresh()
+        return self._catalog.every_identity()
+
     # -- the seed's rules -----------------------------------------------------------------
     def landed(self, entry_id: str) -> list[Entry]:
         """Under the lock, an entry just made visible: the seed's rules, then the

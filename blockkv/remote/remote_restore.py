@@ -6,13 +6,10 @@ arrives (fetch.py; a copy proven bad is healed, a lying header convicts only
 itself), the rest read from the local pool and verified. The caches are
 rebuilt straight from those frames: nothing is written and read back first.
 
-The node keeps what it fetched, by the local write order of a store
-(``Commits.adopt``), on a thread of its own once the caches are filled,
-while the restore returns: the verified frames are written from memory (no
-second pass over the bytes), then the header. Writing them while the rest
-were still in flight cost the restore a fifth of its time on two cores
-shared with the server (docs/scale-out.md, "Restore"). The header is the bucket's, byte for byte under its own id, when the
-restore needed every block; otherwise a header of its own for the prefix the
+The node keeps what it fetched (``adoption``: local/adoptions.py writes it
+by the local write order of a store once the restore returned, from the
+verified frames in memory). The header is the bucket's, byte for byte under
+its own id, when the restore needed every block; otherwise a header of its own for the prefix the
 fetched blocks cover (``prefix_header``), so the local invariant holds: a
 header in ``entries/`` has all its blocks in the local pool. The bucket's
 entry stays remote-only then, for a longer prefix later.
@@ -22,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, as_completed
-from dataclasses import dataclass
 from typing import Any
 
 from blockkv.bucket.bucket_verdicts import verified_frame
@@ -31,21 +27,12 @@ from blockkv.format.descriptor import blocks_for_prefix, prefix_descriptor
 from blockkv.format.frame import decode_block
 from blockkv.format.header import Header, encode_header
 from blockkv.format.rebuild import ParsedEntry, Target, rebuild
+from blockkv.local.adoptions import Adoption
 from blockkv.local.restore import evaluate
 from blockkv.pool.local import LocalPool
 
 Fetch = Callable[[str, int], "bytes | memoryview"]  # (block, raw bytes its header declares) -> verified frame
 Submit = Callable[..., Future]
-
-
-@dataclass(frozen=True)
-class Adoption:
-    """What a node keeps of a remote entry it restored: an entry to write locally."""
-
-    entry_id: str | None  # None: a new id, minted by the store that keeps it
-    header: Header
-    encoded: bytes
-    whole: bool  # the bucket's entry itself (else a prefix entry of this node's own)
 
 
 class RemoteRead:
@@ -130,11 +117,11 @@ class RemoteRead:
         own over the blocks it read (None if the entry cannot be cut there)."""
         header = self.parsed.header
         if {r.name for r in self.refs} == {r.name for r in blocks_for_prefix(self.parsed.descriptor, None)}:
-            return Adoption(entry_id, header, copy_data, True)
+            return Adoption(entry_id, header, copy_data, True, self.frame)
         if not self.fetched:
             return None
         prefix = prefix_header(header, max(r.stop for r in self.refs if r.start >= 0))
-        return None if prefix is None else Adoption(None, prefix, encode_header(prefix), False)
+        return None if prefix is None else Adoption(None, prefix, encode_header(prefix), False, self.frame)
 
 
 def prefix_header(header: Header, length: int) -> Header | None:
