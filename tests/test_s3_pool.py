@@ -1,9 +1,10 @@
 """S3Pool against a real S3 server process: moto's server on 127.0.0.1.
 
-The shipped PoolTests run against it, and what only a bucket has: the server
-itself refusing a second create with 412, keys laid out under the prefix,
-configuration from the AWS environment variables, bounded timeouts, and a
-byte flipped in the bucket caught by the caller's verification."""
+The shipped PoolTests and BucketTests run against it, and what only a bucket
+has: the server itself refusing a second create with 412, keys laid out under
+the prefix, configuration from the AWS environment variables, bounded
+timeouts, and a byte flipped in the bucket caught by the caller's
+verification."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ from botocore.exceptions import ClientError
 from moto.server import ThreadedMotoServer
 from obstore.store import S3Store
 
+from blockkv.bucket.objects import BucketPool
 from blockkv.errors import BlockMissingError, CorruptBlockError
 from blockkv.format.blocks import split_entry
 from blockkv.format.frame import decode_block, encode_block
-from blockkv.format.layout import BLOCK_LAYOUT, Layout
+from blockkv.format.layout import BLOCK_LAYOUT, META_LAYOUT, Layout
 from blockkv.format.rebuild import rebuild
 from blockkv.pool.s3 import S3Pool, parse_url
+from blockkv.testing.bucket_tests import BucketTests
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 from blockkv.testing.pool_tests import PoolTests, name_for, payload
 
@@ -76,6 +79,12 @@ class TestS3Pool(PoolTests):
     @pytest.fixture
     def pool(self, layout: Layout, bucket: str, options: dict[str, str]) -> S3Pool:
         return S3Pool(f"s3://{bucket}/fleet/fp", layout, options)
+
+
+class TestBucketProtocolOnMoto(BucketTests):
+    @pytest.fixture
+    def bucket_pool(self, bucket: str, options: dict[str, str]) -> BucketPool:
+        return BucketPool(f"s3://{bucket}/fleet/fp", META_LAYOUT, options)
 
 
 def test_the_server_itself_refuses_a_second_create(client: Any, bucket: str) -> None:
