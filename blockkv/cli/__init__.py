@@ -44,7 +44,7 @@ store ~0.1 s. So:
   at module level (``format/kinds.py`` decodes through mlx-lm only when a
   cache is rebuilt; ``import blockkv`` loads its public names on first use).
 
-``tests/test_cli.py`` checks in a subprocess that ``--help``, ``ls`` and
+``tests/cli/test_cli.py`` checks in a subprocess that ``--help``, ``ls`` and
 ``stats`` import neither mlx-lm nor transformers.
 """
 

@@ -24,7 +24,7 @@ Point it at a server before a fleet uses it: subclass and define a
             return BucketPool(f"s3://my-bucket/conformance/{uuid.uuid4().hex}", META_LAYOUT,
                               {"endpoint_url": "https://s3.example.com"})
 
-``tests/bucket/test_s3_pool.py`` runs it against moto's S3 server.
+``tests/pool/test_s3_pool.py`` runs it against moto's S3 server.
 """
 
 from __future__ import annotations

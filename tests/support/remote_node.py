@@ -1,10 +1,10 @@
-"""A node of tests/test_remote.py: a BlockStore with its own local root and a
+"""A node of tests/remote/test_remote.py: a BlockStore with its own local root and a
 ``remote=`` bucket, storing real mlx-lm caches of a tiny random-weight model.
 Imported by the tests, and run as its own process where concurrency matters:
 
-    python tests/remote_node.py store ROOT ENDPOINT BUCKET SECONDS OUT.json
-    python tests/remote_node.py gc    ROOT ENDPOINT BUCKET SECONDS OUT.json
-    python tests/remote_node.py open  ROOT ENDPOINT BUCKET 0       OUT.json   # open, restore, peak RSS
+    python tests/support/remote_node.py store ROOT ENDPOINT BUCKET SECONDS OUT.json
+    python tests/support/remote_node.py gc    ROOT ENDPOINT BUCKET SECONDS OUT.json
+    python tests/support/remote_node.py open  ROOT ENDPOINT BUCKET 0       OUT.json   # open, restore, peak RSS
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``blockkv ls/stats/check/gc/evict --remote`` as users run them (the installed
 console script, a subprocess) against a real S3 server process (moto's, on
 127.0.0.1) holding entries built from real mlx-lm KVCache objects in the
-bucket layout every node writes (tests/bucket_node.py)."""
+bucket layout every node writes (tests/support/bucket_node.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ``remote-headers/``, without a limit known before the read. Objects far
 larger than what they claim to be are planted in a real bucket (moto's
 server on 127.0.0.1) and a real file is planted in a node's header cache;
-a node opened as its own process (tests/remote_node.py ``open``) must cost
+a node opened as its own process (tests/support/remote_node.py ``open``) must cost
 about what it costs without them: its peak resident memory is compared with
 that of the same node opened on the bucket before the plants."""
 
@@ -23,7 +23,7 @@ from blockkv.bucket.manifest import MANIFEST_MIN
 from blockkv.format.header import MAX_HEADER_BYTES
 from blockkv.format.layout import fingerprint_dirname, header_name
 
-NODE = str(Path(__file__).with_name("remote_node.py"))
+NODE = str(Path(__file__).parents[1] / "support" / "remote_node.py")
 FP_DIR = fingerprint_dirname(node.IDENT["config_fingerprint"])
 PLANTED = 48 << 20  # a MANIFEST, a block, an IDENTITY: far above their limits
 HUGE_HEADER = MAX_HEADER_BYTES + (16 << 20)  # above the format's cap for a header

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-NODE = Path(__file__).with_name("version_node.py")
+NODE = Path(__file__).parents[1] / "support" / "version_node.py"
 
 
 def run(python: str, mode: str, root: Path) -> str:

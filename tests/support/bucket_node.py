@@ -1,10 +1,10 @@
-"""A node of tests/test_bucket.py: entries built from real mlx-lm KVCache
+"""A node of tests/bucket/test_bucket.py: entries built from real mlx-lm KVCache
 objects, uploaded and read through blockkv.bucket.bucket. Imported by the tests, and
 run as its own process where concurrency matters:
 
-    python tests/bucket_node.py fetch   ENDPOINT BUCKET OUT.npz
-    python tests/bucket_node.py store   ENDPOINT BUCKET SECONDS OUT.json
-    python tests/bucket_node.py gc      ENDPOINT BUCKET SECONDS OUT.json
+    python tests/support/bucket_node.py fetch   ENDPOINT BUCKET OUT.npz
+    python tests/support/bucket_node.py store   ENDPOINT BUCKET SECONDS OUT.json
+    python tests/support/bucket_node.py gc      ENDPOINT BUCKET SECONDS OUT.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """blockkv.bucket.bucket against a real S3 server process (moto's, on 127.0.0.1).
 
-Nodes are separate processes where concurrency matters (tests/bucket_node.py).
+Nodes are separate processes where concurrency matters (tests/support/bucket_node.py).
 Blocks come from blocks.split_entry of real mlx-lm KVCache objects; every
 comparison of tensors is of raw bits."""
 
@@ -35,7 +35,7 @@ from blockkv.format.header import Identity
 from blockkv.format.layout import ns_dirname
 from blockkv.testing.moto_clock import ServerClock
 
-NODE = str(Path(__file__).with_name("bucket_node.py"))
+NODE = str(Path(__file__).parents[1] / "support" / "bucket_node.py")
 
 
 @pytest.fixture(scope="module")

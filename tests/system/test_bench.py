@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
 
 
 def test_quick_bench_writes_its_report(tmp_path: Path) -> None:

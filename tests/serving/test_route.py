@@ -4,7 +4,7 @@ it does with nodes that misbehave (hostile answers, silence, refusal): a
 node's residency it cannot trust is ignored, a node that does not answer is
 skipped, and the client always gets some node's own answer.
 
-The fleet of real ``blockkv serve`` processes is tests/test_route_fleet.py."""
+The fleet of real ``blockkv serve`` processes is tests/system/test_route_fleet.py."""
 
 from __future__ import annotations
 

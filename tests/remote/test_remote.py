@@ -1,7 +1,7 @@
 """BlockStore(remote=...) against a real S3 server process (moto's, on 127.0.0.1).
 
 Each node is a BlockStore with its own local root; nodes are separate
-processes where concurrency matters (tests/remote_node.py). Caches are real
+processes where concurrency matters (tests/support/remote_node.py). Caches are real
 mlx-lm caches of a tiny random-weight model; every comparison of tensors is
 of raw bits."""
 
@@ -29,7 +29,7 @@ from blockkv import BlockStore, GenerationCheckpoint
 from blockkv.bucket.manifest import MANIFEST_MIN, manifest_records, manifest_stream
 from blockkv.format.layout import fingerprint_dirname, header_name
 
-NODE = str(Path(__file__).with_name("remote_node.py"))
+NODE = str(Path(__file__).parents[1] / "support" / "remote_node.py")
 FP_DIR = fingerprint_dirname(node.IDENT["config_fingerprint"])
 
 

@@ -22,7 +22,7 @@ import pytest
 from blockkv.local.index import SETTLED
 from blockkv.testing.powerloss import RecordingFileLayer
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "powerloss.py"
+_PATH = Path(__file__).resolve().parents[2] / "tools" / "powerloss.py"
 _spec = importlib.util.spec_from_file_location("powerloss_tool", _PATH)
 assert _spec and _spec.loader
 tool = importlib.util.module_from_spec(_spec)

@@ -1,4 +1,4 @@
-"""One side of the cross-version test (tests/cross_version.py), run by the
+"""One side of the cross-version test (tests/system/cross_version.py), run by the
 Python of one mlx-lm version: ``write ROOT`` stores an entry of every cache
 kind this mlx-lm fills, with the raw bits of its records beside the root;
 ``read ROOT`` restores each and compares the records bit for bit. Exit 0 when

@@ -3,7 +3,7 @@ of a bucket entry reads only the blocks its prefix needs, and a node holds
 the fleet's entries as digests, settling each match from the header.
 
 Blocks are 64 tokens; a conversation is the fleet's 200-token system prompt
-and a tail of its own (tests/remote_node.py). GETs are counted in moto's
+and a tail of its own (tests/support/remote_node.py). GETs are counted in moto's
 request log; tensors are compared as raw bits."""
 
 from __future__ import annotations
