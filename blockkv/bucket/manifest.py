@@ -158,8 +158,3 @@ def manifest_stream(pool: BucketPool, listed: Mapping[str, ObjectInfo], wanted: 
             yield from read_manifest(iter(lambda: f.read(1 << 20), b""), listed, wanted)
     except BlockMissingError:
         return
-
-
-def manifest_records(pool: BucketPool, listed: Mapping[str, ObjectInfo], wanted: Iterable[str]) -> dict[str, bytes]:
-    """Every record ``manifest_stream`` yields, at once."""
-    return dict(manifest_stream(pool, listed, wanted))

@@ -26,7 +26,7 @@ from moto.server import ThreadedMotoServer
 from test_bucket import endpoint, keys, make_bucket, raw_store, server  # noqa: F401 - the server fixtures
 
 from blockkv import BlockStore, GenerationCheckpoint
-from blockkv.bucket.manifest import MANIFEST_MIN, manifest_records, manifest_stream
+from blockkv.bucket.manifest import MANIFEST_MIN, manifest_stream
 from blockkv.format.layout import fingerprint_dirname, header_name
 
 NODE = str(Path(__file__).parents[1] / "support" / "remote_node.py")
@@ -433,7 +433,7 @@ def test_a_fresh_node_learns_the_fleet_from_the_manifest_and_verifies_every_head
         with node.open_node(tmp_path / "b", endpoint, bucket_name):  # fetches them one by one, then packs them
             pass
         listed = a.remote.list_headers()
-        packed = manifest_records(a.remote.meta, listed, listed)
+        packed = dict(manifest_stream(a.remote.meta, listed, listed))
         assert sorted(packed) == sorted([header_name("", a.entries()[0].id), *copies])
         (tmp_path / "full").write_bytes(b"")  # a spool that cannot be made: no MANIFEST, and no outage either
         assert list(manifest_stream(a.remote.meta, listed, listed, spool=tmp_path / "full")) == []
