@@ -25,15 +25,14 @@ from blockkv.errors import (
 
 if TYPE_CHECKING:
     from blockkv.format.codec import minimum_reusable_offset, register_codec, trimmable
-    from blockkv.local.check import CheckReport
     from blockkv.local.directory import list_fingerprints
     from blockkv.local.read_only import ReadOnlyStore
-    from blockkv.records import Entry, GenerationCheckpoint, Loaded, Match
+    from blockkv.records import CheckReport, Entry, GenerationCheckpoint, Loaded, Match
     from blockkv.store import BlockStore
 
 _LAZY = {
     "BlockStore": "blockkv.store",
-    "CheckReport": "blockkv.local.check",
+    "CheckReport": "blockkv.records",
     "Entry": "blockkv.records",
     "GenerationCheckpoint": "blockkv.records",
     "Loaded": "blockkv.records",

@@ -1,7 +1,12 @@
 """Exceptions. Each also subclasses the builtin it resembles, so callers that
-catch ``ValueError`` or ``FileNotFoundError`` keep working (zarr's habit)."""
+catch ``ValueError`` or ``FileNotFoundError`` keep working (zarr's habit).
+And ``Warnings``: what a failure that is not raised costs instead."""
 
 from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("blockkv")
 
 
 class BlockKVError(Exception):
@@ -49,3 +54,22 @@ class OversizedError(BlockKVError, ValueError):
 
 class LockTimeout(BlockKVError, TimeoutError):
     """The directory lock was not had within the timeout (a stopped or slow holder)."""
+
+
+class Warnings:
+    """One warning per kind of failure that is not raised: a full disk must not
+    flood the log. The bucket's failures (kinds ``remote*``) are counted in
+    ``stats["bucket_errors"]``."""
+
+    def __init__(self, stats: dict[str, float]) -> None:
+        self._stats = stats
+        self._warned: set[str] = set()
+
+    def __call__(self, kind: str, message: str, *, once: bool = True) -> None:
+        if kind.startswith("remote"):
+            self._stats["bucket_errors"] += 1
+        if once and kind in self._warned:
+            log.debug("blockkv: %s", message)
+            return
+        self._warned.add(kind)
+        log.warning("blockkv: %s", message)

@@ -78,7 +78,7 @@ class FileLayer:
     """Durable file primitives. Subclass and override a primitive to inject faults.
 
     ``platform`` chooses the barrier ``fsync`` uses: a layer on Linux that
-    sets it to ``"darwin"`` runs macOS's (tests/test_darwin_flush.py)."""
+    sets it to ``"darwin"`` runs macOS's (tests/local/test_darwin_flush.py)."""
 
     platform: str = sys.platform
 

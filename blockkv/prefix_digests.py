@@ -4,7 +4,7 @@ prefixes, and a digest is a fixed few bytes whatever the prefix's length.
 Digest *k* is a keyed blake3 of digest *k-1* and block *k*'s tokens (uint32
 little-endian), cut to ``DIGEST_BYTES``, as vLLM chains its block hashes. A
 node's catalog of the bucket's entries keeps one per block instead of the
-tokens (remote/catalog.py); a fleet's nodes publish them, salted, to say what
+tokens (remote/remote_catalog.py); a fleet's nodes publish them, salted, to say what
 they hold without publishing tokens (serving/). 8 bytes: a collision costs a
 wrong candidate, which the exact comparison of tokens that follows rejects.
 """

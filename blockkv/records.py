@@ -4,7 +4,7 @@ in-memory catalog hand around, with no storage behind them.
 ``EntryRecord`` is an entry as its header file states it (the index keeps a
 copy of it, directory.py reads it from a header); ``Entry`` is what callers
 of the store see; ``Match`` and ``Loaded`` are what ``find`` and ``restore``
-return.
+return; ``CheckReport`` is what a check of a directory or a bucket found.
 """
 
 from __future__ import annotations
@@ -121,3 +121,32 @@ class Loaded:
     tokens: tuple[int, ...]
     attachments: dict[str, Any]
     checkpoint: GenerationCheckpoint | None
+
+
+@dataclass
+class CheckReport:
+    """What ``check`` found; ``actions`` is what a repair did about it."""
+
+    entries: int = 0
+    blocks: int = 0
+    dangling: list[str] = field(default_factory=list)  # entry ids with a block missing or corrupt
+    orphan_blocks: list[str] = field(default_factory=list)  # block files nothing references
+    refcount_mismatches: list[tuple[str, int, int]] = field(default_factory=list)  # (name, index, truth)
+    corrupt_headers: list[str] = field(default_factory=list)  # paths relative to the fingerprint dir
+    corrupt_blocks: list[str] = field(default_factory=list)
+    foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
+    newer_headers: list[str] = field(default_factory=list)  # a newer blockkv's format: kept, never served
+    unreadable: list[str] = field(default_factory=list)  # headers, blocks and live intent files not read
+    stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
+    in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
+    index_missing: bool = False
+    actions: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
+                    or self.corrupt_headers or self.corrupt_blocks or self.stale_tmp or self.index_missing
+                    or self.unreadable or self.newer_headers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "clean": self.clean}

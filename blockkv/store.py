@@ -1,7 +1,7 @@
 """BlockStore: the SSD cold tier for MLX prompt/KV caches, as policy.
 
 The public facade and its decisions: what a lookup serves, when to recover,
-the remote tier's place, the stats. Every decision to delete is
+the remote tier's place (``tiers.py``), the stats. Every decision to delete is
 ``local/retention.py``'s; the mechanisms it drives are in ``local/`` (one job
 each) over ``format/`` and ``pool/``. Every mutation holds the directory lock,
 so a dedup hit and a gc delete never interleave.
@@ -9,7 +9,6 @@ so a dedup hit and a gc delete never interleave.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,31 +20,29 @@ import numpy as np
 
 from blockkv.arguments import check_ns, check_options, check_prefix_len, check_size, prepare_store, tokens_array
 from blockkv.arguments import open_only as _open_only
-from blockkv.errors import CorruptBlockError, CorruptError, LockTimeout
+from blockkv.errors import LockTimeout, Warnings
 from blockkv.format.blocks import CODEC_ID, DEFAULT_BLOCK_TOKENS, KEYED_CODEC_ID, Snapshot
-from blockkv.format.header import Header, Identity
+from blockkv.format.header import Identity
+from blockkv.format.layout import fingerprint_dirname
 from blockkv.fs import FileLayer
 from blockkv.local import writers
+from blockkv.local.adoptions import Adoptions
 from blockkv.local.catalog import Catalog
-from blockkv.local.check import CheckReport
+from blockkv.local.disk_tier import DiskTier
 from blockkv.local.commit import Commits
-from blockkv.local.directory import Directory, fingerprint_dirname, read_identity
-from blockkv.local.directory import ROOT_MARKER, FingerprintDir, list_fingerprints  # noqa: F401 - public names of blockkv.store
+from blockkv.local.directory import Directory, read_identity
 from blockkv.local.executors import Executors
 from blockkv.local.index import Index
 from blockkv.local.index_keeper import IndexKeeper
 from blockkv.local.locks import DirLock
 from blockkv.local.recovery import Recovery
-from blockkv.local.restore import EntryRead
 from blockkv.local.retention import Retention
 from blockkv.local.writers import IntentFile
-from blockkv.records import CHECKPOINT_NS, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
+from blockkv.records import CHECKPOINT_NS, CheckReport, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
+from blockkv.tiers import NoTier, Read, Tier
 
 if TYPE_CHECKING:
-    from blockkv.remote.bucket import Bucket
-    from blockkv.remote.tier import RemoteTier
-
-log = logging.getLogger("blockkv")
+    from blockkv.bucket.bucket import Bucket
 
 DEFAULT_GC_GRACE = 60.0  # seconds a block freed by eviction is kept for reuse (policy, not safety)
 
@@ -103,20 +100,20 @@ class BlockStore:
         self._clock = clock
         self._dir = Directory(self.directory, self.identity, self._fs)
         self._pool = self._dir.pool
-        self._warned: set[str] = set()
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated", "bytes_read",
              "verify_failures", "bucket_errors"), 0)
+        self._warn = Warnings(self.stats)
         self._executor = Executors()  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
-        self._remote: RemoteTier | None = None  # the bucket tier (remote.py); local invariants stay as they are
+        self._remote: Tier = NoTier()  # the bucket's tier with remote=; local invariants stay as they are
         if remote is not None or remote_options is not None:
             if remote is None:
                 raise ValueError("remote_options given without remote")
             from blockkv.remote.tier import RemoteTier  # needs obstore: pip install 'blockkv[s3]'
             self._remote = RemoteTier(remote, remote_options, self.identity, self._dir, self._warn,
-                                      self._every_entry, self._adopt, block_tokens)
+                                      lambda: self._retention.every_entry(), block_tokens)
         self._dir.create(self.root)
         lock = DirLock(self.directory / "LOCK")
         self._intents = IntentFile(self.directory / "writers")
@@ -129,17 +126,19 @@ class BlockStore:
         self._keeper = IndexKeeper(self._dir, lock, self._recovery, self._catalog, self._intents.directory,
                                    map_size=index_map_size, lock_timeout=self.lock_timeout, warn=self._warn)
         self._retention = Retention(self._dir, self._keeper, self._catalog, self._commits, self, clock, self._warn)
+        self._disk = DiskTier(self._dir, self.identity, verify, self._executor, self._retention, clock, self.stats)
+        self._adoptions = Adoptions(self._commits, lambda: self.max_bytes,
+                                    lambda landed: self._remote.remove_replaced(self._retention.landed(landed)))
         try:
             self.scan()
         except LockTimeout:
             self._warn("lock", "directory lock busy at open: serving the index as it is, recovering later")
             self._keeper.defer_recovery()
-        if self._remote is not None:
-            try:
-                self._remote.open()  # learns every header in the bucket; another model's IDENTITY raises
-            except BaseException:
-                self.close()
-                raise
+        try:
+            self._remote.open()  # learns every header in the bucket; another model's IDENTITY raises
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
@@ -163,11 +162,10 @@ class BlockStore:
         if os.getpid() != self._pid:  # a forked child's copy: the parent still owns the environment
             self._closed = True
             return
-        if self._remote is not None:
-            self._remote.settle()  # restores' adoptions write through the executor's threads
+        self._adoptions.settle()  # restores' adoptions write through the executor's threads
         self._executor.shutdown()  # pending writes finish before the handle closes
-        if self._remote is not None:
-            self._remote.close()
+        self._adoptions.close()
+        self._remote.close()
         self._closed = True
         self._intents.close()
         self._keeper.close()
@@ -205,31 +203,24 @@ class BlockStore:
     def _index(self) -> Index:
         return self._keeper.index
 
-    def _refresh(self) -> None:
-        """The catalog brought up to what other handles changed (``Retention.refresh``)."""
-        self._retention.refresh()
-
     # -- the bucket (remote=) -----------------------------------------------------------
     @property
     def remote(self) -> Bucket | None:
         """The bucket this store shares with a fleet (``remote=``), or None."""
-        return self._remote.bucket if self._remote is not None else None
+        return self._remote.bucket
 
     @_open_only
     def sync_remote(self) -> int:
         """Let restores' adoptions land, then list the bucket now: learn entries
         other nodes stored, forget those evicted fleet-wide, upload the backlog.
         Returns how many entries were learned; an outage is a warning and 0."""
-        return self._remote.sync() if self._remote is not None else 0
-
-    def _every_entry(self) -> list[Entry]:
-        self._refresh()
-        return self._catalog.every_identity()
+        self._adoptions.settle()
+        return self._remote.sync()
 
     # -- queries (pure index lookups) ------------------------------------------------
     @_open_only
     def __len__(self) -> int:
-        self._refresh()
+        self._retention.refresh()
         return len(self._catalog)
 
     @property
@@ -260,7 +251,7 @@ class BlockStore:
         """Every entry, or (``ns`` given) only that namespace's: a tenant sees its own."""
         if ns is not None:
             check_ns(ns)
-        self._refresh()
+        self._retention.refresh()
         return self._catalog.entries(ns)
 
     @_open_only
@@ -280,33 +271,29 @@ class BlockStore:
 
     @_open_only
     def token_prefixes(self, ns: str | None = None) -> Iterator[tuple[int, ...]]:
-        for entry in self.entries(ns):
-            yield entry.tokens
+        return (entry.tokens for entry in self.entries(ns))
 
     def _lookup(self, tokens: Sequence[int], ns: str) -> np.ndarray:
         """A lookup's arguments checked (the tokens as an array), and the catalog brought current for it."""
         arr = tokens_array(tokens)
         check_ns(ns)
-        self._refresh()
+        self._retention.refresh()
         return arr
 
     @_open_only
     def has_durable_prefix(self, tokens: Sequence[int], ns: str = "") -> bool:
         arr = self._lookup(tokens, ns)
-        return self._catalog.has_durable_prefix(arr, ns) or (
-            self._remote is not None and self._remote.has_durable_prefix(arr, ns))
+        return self._catalog.has_durable_prefix(arr, ns) or self._remote.has_durable_prefix(arr, ns)
 
     @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
         arr = self._lookup(prompt, ns)
-        match = self._catalog.find(arr, ns)
-        return match if self._remote is None else self._remote.find(arr, ns, match)
+        return self._remote.find(arr, ns, self._catalog.find(arr, ns))
 
     @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
         arr = self._lookup(tokens, ns)
-        match = self._catalog.find_exact(arr, ns)
-        return match if self._remote is None else self._remote.find(arr, ns, match, exact=True)
+        return self._remote.find(arr, ns, self._catalog.find_exact(arr, ns), exact=True)
 
     @_open_only
     def changes(self, since: tuple[bytes, int] | None = None) -> LocalChanges:
@@ -315,18 +302,12 @@ class BlockStore:
         A read of the log, not a scan: cheap enough to poll. Records of every
         identity and namespace (``EntryRecord.owner``, ``.ns``); a record removed
         again before this call is left out of ``added`` (its removal is in ``removed``)."""
-        log = self._index.changes_since(since) if since is not None else None
-        if log is None:
-            position = self._index.position()  # first: a change made while we read is replayed next time
-            return LocalChanges(position, True, tuple(self._index.entries()), ())
-        position, ops = log
-        added = [r for i in dict.fromkeys(i for op, i in ops if op == "+") if (r := self._index.entry(i)) is not None]
-        return LocalChanges(position, False, tuple(added), tuple(i for op, i in ops if op == "-"))
+        return self._index.changes(since)
 
     @_open_only
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
         arr = tokens_array(prompt)
-        self._refresh()
+        self._retention.refresh()
         return self._catalog.generation_checkpoint(arr, key, cache_ns)
 
     # -- restore ---------------------------------------------------------------------
@@ -342,44 +323,28 @@ class BlockStore:
         p = check_prefix_len(entry, prefix_len)
         cut = None if p == entry.length else p
         t0 = time.perf_counter()
-        remote = self._remote is not None and self._remote.is_remote_only(entry.id)
-        if remote:
-            self._remote.settle(entry.id)  # a restore of it may be making it local right now
-            self._refresh()  # this handle or another may have made it local
-            remote = entry.id not in self._catalog and self._remote.is_remote_only(entry.id)
-        read = self._remote.restore(entry, cut) if remote else self._read(entry, cut)
+        read = self._read(entry, cut)
         if read is None:
             return None
         header, caches, attachments, nbytes = read
         self.stats["restores"] += 1
         self.stats["bytes_read"] += nbytes
         self.stats["restore_ms_last"] = (time.perf_counter() - t0) * 1000
-        if self._remote is not None:
-            self._remote.used(entry)
+        self._remote.used(entry)
         return Loaded(caches, tuple(header.tokens[:p].tolist()), attachments, entry.checkpoint)
 
-    def _read(self, entry: Entry, cut: int | None) -> tuple[Header, list[Any], dict[str, Any], int] | None:
-        """A local entry read back (``EntryRead``), healed from the bucket once if
-        a block fails its hash; None (a miss) on any failure."""
-        for attempt in range(2):
-            read = EntryRead(self._dir, self.identity, entry, self.verify, self._executor("read"),
-                             self._executor("alloc"))
-            try:
-                header, caches, attachments = read.run(cut)
-                break
-            except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
-                if isinstance(exc, CorruptError):
-                    self.stats["verify_failures"] += 1
-                culprit = read.culprit(exc)
-                if attempt == 0 and self._remote is not None and isinstance(exc, CorruptBlockError) \
-                        and culprit not in ("", "header") and self._remote.heal_block(entry, culprit):
-                    continue  # the bucket's verified copy replaced a rotten local block: read again
-                self._retention.restore_failed(entry, exc, culprit)
-                return None
-        now = self._clock()
-        self._dir.mark_used(self._dir.header_path(entry.ns, entry.id), now)  # the truth a rebuild reads
-        self._retention.used(entry.id, now)
-        return header, caches, attachments, read.bytes_read
+    def _read(self, entry: Entry, cut: int | None) -> Read | None:
+        """From the disk, or from the tier if only it holds the entry (what that
+        fetched is kept in the background: ``Adoptions``)."""
+        if self._remote.is_remote_only(entry.id):
+            self._adoptions.settle(entry.id)  # a restore of it may be making it local right now
+            self._retention.refresh()  # this handle or another may have made it local
+            if entry.id not in self._catalog and self._remote.is_remote_only(entry.id):
+                restored = self._remote.restore(entry, cut)
+                if restored is not None and restored[1] is not None:
+                    self._adoptions.submit(entry.id, restored[1], self._remote.adopted)
+                return restored[0] if restored is not None else None
+        return self._disk.restore(entry, cut, self._remote.heal_block)  # a rotten block healed from the tier
 
     @_open_only
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:
@@ -418,23 +383,17 @@ class BlockStore:
     def _commit(self, tokens: np.ndarray, ns: str, snap: Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
         """One store (``Commits.store``), the seed's rules applied once it is visible (``Retention.landed``)."""
-        if self._remote is not None:
-            self._remote.settle()  # an entry restored from the bucket that this one continues: local, superseded
+        self._adoptions.settle()  # an entry restored from the bucket that this one continues: local, superseded
         stored = self._commits.store(tokens, ns, snap, checkpoint, self.max_bytes, self._retention.landed)
         if stored is None:
             return False
         self.stats["spills"] += 1
         self.stats["bytes_written"] += stored.written
         self.stats["bytes_deduplicated"] += stored.deduplicated
-        if self._remote is not None and checkpoint is None:  # checkpoints stay local (docs/scale-out.md)
-            return self._remote.uploads.upload(stored.entry_id, ns, stored.encoded,
-                                               (b.ref for b in stored.layout.blocks), stored.new, stored.replaced)
-        return True
-
-    def _adopt(self, entry_id: str | None, header: Header, encoded: bytes, frame_of: Callable[[str], bytes]) -> bool:
-        """A remote entry made local (``Commits.adopt``); what the rules remove for it goes from the bucket too."""
-        return self._commits.adopt(entry_id, header, encoded, frame_of, self.max_bytes,
-                                   lambda landed: self._remote.uploads.remove_replaced(self._retention.landed(landed)))
+        if checkpoint is not None:  # checkpoints stay local (docs/scale-out.md)
+            return True
+        return self._remote.upload(stored.entry_id, ns, stored.encoded, (b.ref for b in stored.layout.blocks),
+                                   stored.new, stored.replaced)
 
     # -- remove, evict, gc (retention.py) ---------------------------------------------------------
     @_open_only
@@ -482,20 +441,8 @@ class BlockStore:
     def counters(self) -> dict[str, float]:
         """``stats`` plus the entries eviction removed and the bytes uploaded to
         the bucket, since the handle opened (what ``blockkv serve``'s /metrics shows)."""
-        uploaded = self._remote.uploads.uploaded_bytes if self._remote is not None else 0
-        return {**self.stats, "evictions": self._retention.evicted, "bytes_uploaded": uploaded}
+        return {**self.stats, "evictions": self._retention.evicted, "bytes_uploaded": self._remote.uploaded_bytes}
 
     def tier_of(self, entry: Entry) -> str:
         """Where a restore of ``entry`` reads it from: "disk", or "bucket" while only the bucket holds it."""
-        return "bucket" if self._remote is not None and self._remote.is_remote_only(entry.id) else "disk"
-
-    # -- helpers ---------------------------------------------------------------------------------
-    def _warn(self, kind: str, message: str, *, once: bool = True) -> None:
-        """One warning per kind of failure: a full disk must not flood the log."""
-        if kind.startswith("remote"):
-            self.stats["bucket_errors"] += 1
-        if once and kind in self._warned:
-            log.debug("blockkv: %s", message)
-            return
-        self._warned.add(kind)
-        log.warning("blockkv: %s", message)
+        return "bucket" if self._remote.is_remote_only(entry.id) else "disk"

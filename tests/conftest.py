@@ -1,4 +1,13 @@
-"""Hypothesis profiles and the shared cache-root fixture.
+"""Hypothesis profiles, the shared cache-root fixture, and where the tests' own
+modules are found.
+
+The tests mirror the package (``tests/local/`` for ``blockkv/local/``, ...);
+``tests/system/`` holds kill loops and end-to-end runs, ``tests/support/``
+the helpers tests import or run as processes (``bucket_node``,
+``remote_node``, ``version_node``, ``tool_scripts``). Those, and the test
+modules whose fixtures and helpers others import (``test_bucket``'s S3
+server, ``test_cli``'s runs, ``test_remote``'s, ``test_serve``'s server),
+are importable by name from any folder.
 
 Profiles (pick with ``HYPOTHESIS_PROFILE=<name>`` or ``pytest --hypothesis-profile=<name>``):
 
@@ -11,10 +20,16 @@ Profiles (pick with ``HYPOTHESIS_PROFILE=<name>`` or ``pytest --hypothesis-profi
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+_TESTS = Path(__file__).parent
+for _folder in ("support", "bucket", "cli", "remote", "system"):
+    if str(_TESTS / _folder) not in sys.path:
+        sys.path.insert(0, str(_TESTS / _folder))
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from blockkv import BlockStore, GenerationCheckpoint, minimum_reusable_offset
-from blockkv.local.directory import fingerprint_dirname
+from blockkv.format.layout import fingerprint_dirname
 from blockkv.testing.models import chunked_cache_fills, prefill, random_tokens, tiny_model
 
 IDENT = dict(model_id="tiny-llama", config_fingerprint="tiny-llama@r1", tokenizer_hash="tok1")

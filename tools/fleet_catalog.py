@@ -49,7 +49,7 @@ from benchmarks.sources import VOCAB, KVSource
 
 from blockkv import BlockStore
 from blockkv.format.header import Header, encode_header
-from blockkv.local.directory import ns_dirname
+from blockkv.format.layout import ns_dirname
 
 IDENTITY = {"model_id": "bench/catalog", "config_fingerprint": "bench-catalog", "tokenizer_hash": "bench-tokenizer"}
 SHAPE = Shape(layers=1, kv_heads=1, head_dim=8)  # 32 bytes a token: the headers are what is measured

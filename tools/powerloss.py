@@ -16,7 +16,7 @@ that module's docstring), opens a ``BlockStore`` on each and checks:
   acknowledged entry.
 
     python tools/powerloss.py                       # the full run (docs/reliability.md)
-    python tools/powerloss.py --quick               # what tests/test_powerloss.py runs
+    python tools/powerloss.py --quick               # what tests/system/test_powerloss.py runs
     python tools/powerloss.py --platform darwin     # macOS's barrier path (F_FULLFSYNC), on any machine
 """
 

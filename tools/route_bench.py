@@ -65,10 +65,10 @@ import openai
 from benchmarks.remote import moto_bucket
 
 from blockkv.serving.demo import DEMO_MODEL
-from blockkv.serving.digests import fleet_key, prefix_digests
+from blockkv.serving.digests import digest_key, prefix_digests
 from blockkv.serving.route import NODE_HEADER
 from blockkv.serving.route_tokens import PromptTokenizer
-from blockkv.testing.fleet import Process, free_port
+from blockkv.testing.fleet_processes import Process, free_port
 from blockkv.testing.model_dir import build_model_dir, sample_text
 
 SALT = "route bench"
@@ -125,7 +125,7 @@ def run_way(way: str, args: argparse.Namespace, model: Path, tokenizer: PromptTo
             router.wait_ready()
         by_url = {n.url: n for n in nodes}
         turn_robin = itertools.count()
-        key = fleet_key(SALT)
+        key = digest_key(SALT)
         systems = [{"role": "system", "content": sample_text(args.system_words, seed=s)} for s in (1, 2)]
 
         def agent(session: int) -> list[Sent]:

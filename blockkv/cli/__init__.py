@@ -7,11 +7,11 @@ Safety rules, because this tool deletes on other people's disks:
 * a root without the ``.blockkv`` marker is refused, never cleaned;
 * a command that changes a store names its fingerprint (``-f``) or says ``--all``;
 * ``ls``, ``stats`` and ``check`` without ``--repair`` only look
-  (``local/reader.py``, ``local/check.py``): they never write, rename, delete or
+  (``local/reader.py``, ``local/directory_check.py``): they never write, rename, delete or
   lock, even on a damaged directory; ``evict --dry-run`` opens no store and
   changes nothing either.
 * with ``--remote s3://bucket/prefix`` the same commands work on the bucket a
-  fleet shares (``remote/view.py``): ``ls``, ``stats``, ``check`` only list and
+  fleet shares (``bucket/bucket_reader.py``): ``ls``, ``stats``, ``check`` only list and
   GET; ``gc`` is the bucket's mark-and-sweep run and ``evict`` its fleet-wide
   LRU, which every node's stores are safe beside (docs/scale-out.md).
 
@@ -20,7 +20,7 @@ error (bad arguments, missing or foreign root, unknown fingerprint).
 
 This module is the parser and ``main``; a module per command family does the
 work: ``reads`` (``stats``, ``ls``), ``check``, ``maintenance`` (``gc``,
-``rebuild-index``, ``evict``), ``remove`` (``rm``), ``portable`` (``export``,
+``rebuild-index``, ``evict``), ``remove`` (``rm``), ``prompt_files`` (``export``,
 ``import``, ``warm``: mlx-lm prompt-cache files and system prompts, importing
 mlx-lm only when they run) and ``passthrough`` (``demo``, ``serve``, ``route``,
 ``bench``), over what they share: ``common`` (exit codes, output, choosing
@@ -33,7 +33,7 @@ store ~0.1 s. So:
 
 * a command is registered here by name (``_run("reads", "cmd_ls")``) and its
   module imported only when it runs, so ``--help`` loads argparse and little
-  else; a module that declares its own arguments (``remove``, ``portable``:
+  else; a module that declares its own arguments (``remove``, ``prompt_files``:
   ``add_command(s)``) is imported to build the parser, so at module level it
   imports only what that needs (``common``, ``human``);
 * a command module imports, at module level, only what every path of it
@@ -44,7 +44,7 @@ store ~0.1 s. So:
   at module level (``format/kinds.py`` decodes through mlx-lm only when a
   cache is rebuilt; ``import blockkv`` loads its public names on first use).
 
-``tests/test_cli.py`` checks in a subprocess that ``--help``, ``ls`` and
+``tests/cli/test_cli.py`` checks in a subprocess that ``--help``, ``ls`` and
 ``stats`` import neither mlx-lm nor transformers.
 """
 
@@ -63,7 +63,7 @@ import lmdb
 
 from blockkv.cli.common import EXIT_BROKEN_PIPE, EXIT_BUSY, EXIT_PROBLEMS, EXIT_USAGE, UsageError
 from blockkv.cli.passthrough import PASSTHROUGH, run_passthrough
-from blockkv.cli.portable import add_commands as add_portable_commands
+from blockkv.cli.prompt_files import add_commands as add_prompt_file_commands
 from blockkv.cli.remove import add_command as add_rm_command
 from blockkv.errors import BlockKVError, LockTimeout
 from blockkv.human import parse_option, parse_seconds, parse_size
@@ -180,7 +180,7 @@ def build_parser() -> Parser:
         return p
 
     add_rm_command(plain)
-    add_portable_commands(sub, plain)
+    add_prompt_file_commands(sub, plain)
     for name, help in PASSTHROUGH.items():
         sub.add_parser(name, help=help, add_help=False)
     return parser

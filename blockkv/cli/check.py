@@ -30,13 +30,14 @@ from blockkv.cli.common import (
     where_key,
 )
 from blockkv.cli.remote import open_bucket, remote_fingerprints
-from blockkv.cli.stores import default_gc_grace, open_store
+from blockkv.cli.stores import DEFAULT_GC_GRACE, open_store
 from blockkv.errors import BlockKVError, LockTimeout
 from blockkv.fs import FileLayer
 from blockkv.human import format_size
-from blockkv.local.check import CheckReport, check_directory
 from blockkv.local.directory import Directory, FingerprintDir, read_identity
+from blockkv.local.directory_check import check_directory
 from blockkv.local.index import read_only_block_rows
+from blockkv.records import CheckReport
 
 
 @contextmanager
@@ -160,7 +161,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                   "'blockkv gc --remote' deletes after the grace period (not problems)")
         waiting, size = awaiting_gc(fp) if not args.remote else (0, 0)
         if waiting:
-            print(f"{gc_hint(fp.path.name, waiting, default_gc_grace())}; they hold {format_size(size)}")
+            print(f"{gc_hint(fp.path.name, waiting, DEFAULT_GC_GRACE)}; they hold {format_size(size)}")
     for d in unreadable:
         print(f"{d}: unreadable IDENTITY, so not checked; left alone")
     return EXIT_PROBLEMS if problems else EXIT_OK
@@ -168,9 +169,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def check_remote(args: argparse.Namespace, results: list[tuple[Any, CheckReport, list[dict[str, Any]]]]) -> list[str]:
     """``check --remote``: each chosen fingerprint directory in the bucket,
-    verified (``remote.check.check_bucket``; without ``--repair`` no write)
+    verified (``bucket.bucket_check.check_bucket``; without ``--repair`` no write)
     into ``results``; returns the directories whose IDENTITY does not read."""
-    from blockkv.remote.check import check_bucket
+    from blockkv.bucket.bucket_check import check_bucket
 
     unreadable: list[str] = []
     for fp in remote_fingerprints(args, mutating="check --repair" if args.repair else None, unreadable=unreadable):

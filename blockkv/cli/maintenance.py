@@ -31,7 +31,7 @@ from blockkv.cli.common import (
     show_ns,
 )
 from blockkv.cli.remote import open_bucket, remote_fingerprints
-from blockkv.cli.stores import default_gc_grace, open_store
+from blockkv.cli.stores import DEFAULT_GC_GRACE, open_store
 from blockkv.human import format_size, format_time, render_table
 from blockkv.local.catalog import footprint, lru_plan
 from blockkv.local.directory import FingerprintDir
@@ -86,7 +86,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="evict"):
         if args.dry_run:
             before, gone = planned_eviction(fp, args.to)
-            after, released, grace = before, 0, default_gc_grace()
+            after, released, grace = before, 0, DEFAULT_GC_GRACE
         else:
             with open_store(fp) as store:
                 before, blocks_before = store.total_bytes, store.block_count
@@ -174,7 +174,7 @@ def evict_remote(args: argparse.Namespace) -> int:
     """``evict --remote``: fleet-wide LRU (``Bucket.evict_to``) until each chosen
     fingerprint directory's headers and referenced blocks fit in ``--to``; last
     use is every node's (``used/`` marks). The blocks go with a later ``gc --remote``."""
-    from blockkv.remote.view import read_bucket
+    from blockkv.bucket.bucket_reader import read_bucket
 
     out: list[dict[str, Any]] = []
     for fp in remote_fingerprints(args, mutating="evict"):

@@ -1,6 +1,6 @@
 """``stats`` and ``ls``: what a cache root or a bucket holds, per fingerprint,
 namespace and entry. They only look, through the read-only views
-(``blockkv.local.reader``, ``blockkv.remote.view``), so they never write,
+(``blockkv.local.reader``, ``blockkv.bucket.bucket_reader``), so they never write,
 rename, delete or lock, even on a damaged directory.
 """
 
@@ -112,7 +112,7 @@ def looked_at(args: argparse.Namespace) -> tuple[str, list[tuple[Any, Any]]]:
         root = check_root(args.root)
         fps = select_fingerprints(root, args.fingerprint, args.all, mutating=None)
         return str(root), [(fp, read_directory(fp.path)) for fp in fps]
-    from blockkv.remote.view import read_bucket
+    from blockkv.bucket.bucket_reader import read_bucket
 
     views = []
     for fp in remote_fingerprints(args, mutating=None):

@@ -46,7 +46,7 @@ def remote_fingerprints(
             "-f/--fingerprint or pass --all"
         )
     try:
-        from blockkv.remote.view import list_bucket_fingerprints
+        from blockkv.bucket.bucket_reader import list_bucket_fingerprints
     except ImportError as exc:
         raise UsageError(f"--remote needs the s3 extra: {exc}") from None
     opts = remote_options(args)
@@ -66,7 +66,7 @@ def open_bucket(args: argparse.Namespace, fp: Any) -> Iterator[Any]:
     the command's ``--remote-option`` settings: for ``gc`` and ``evict`` they must
     be the fleet's own (``grace``, ``sweep_window``, ``timeout``, ``max_retries``),
     as the nodes run with them."""
-    from blockkv.remote.bucket import Bucket
+    from blockkv.bucket.bucket import Bucket
 
     opts = remote_options(args)
     try:

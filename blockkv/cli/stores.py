@@ -1,17 +1,16 @@
 """Opening a local store for the commands that may change one (``check
 --repair``, ``gc``, ``rebuild-index``, ``evict``) so that opening deletes
-nothing, and the store's own default grace for what they print. The one CLI
-module that imports ``blockkv.store``, so the read-only commands need not.
+nothing, and the store's ``DEFAULT_GC_GRACE`` for what they print. The one
+CLI module that imports ``blockkv.store``, so the read-only commands need not.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from blockkv.local.directory import FingerprintDir
-from blockkv.store import BlockStore
+from blockkv.store import DEFAULT_GC_GRACE, BlockStore
 
 
 @contextmanager
@@ -22,10 +21,6 @@ def open_store(fp: FingerprintDir, gc_grace: float | None = None) -> Iterator[Bl
     the grace the command's own gc and eviction then use."""
     never = float("inf")
     with BlockStore.open_dir(fp.path, gc_grace=never, tmp_grace=never) as store:
-        store.gc_grace = default_gc_grace() if gc_grace is None else gc_grace
+        store.gc_grace = DEFAULT_GC_GRACE if gc_grace is None else gc_grace
         yield store
 
-
-def default_gc_grace() -> float:
-    """The store's own default grace, so the CLI never drifts from it."""
-    return float(inspect.signature(BlockStore).parameters["gc_grace"].default)

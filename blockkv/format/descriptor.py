@@ -29,7 +29,6 @@ from blockkv.format.codec import (
     TensorRecord,
     minimum_reusable_offset,
     records_from_descriptor,
-    records_offset,
     records_to_descriptor,
     tensor_from_descriptor,
     trimmable,
@@ -155,11 +154,6 @@ def descriptor_trimmable(descriptor: Any) -> bool:
 def descriptor_min_offset(descriptor: Any) -> int:
     """The shortest prefix the entry can be rebuilt at."""
     return minimum_reusable_offset(parse_descriptor(descriptor).records)
-
-
-def descriptor_tokens(descriptor: Any) -> int:
-    """The entry's cache offset (0 when no cache counts tokens, e.g. SSM only)."""
-    return records_offset(parse_descriptor(descriptor).records)
 
 
 def _unique(refs: Sequence[BlockRef]) -> list[BlockRef]:

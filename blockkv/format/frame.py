@@ -132,7 +132,7 @@ def judge_block(name: str, data: bytes | memoryview, keys: Iterable[bytes | None
     once). A block is named with the key of the namespace that stored it
     (``namespace_key``; None: unkeyed) and its name does not say which, so a
     header naming it under another key proves nothing against it; what an
-    UNNAMED verdict proves is the caller's to say (``remote/verify.py``,
+    UNNAMED verdict proves is the caller's to say (``bucket/bucket_verdicts.py``,
     ``local/verdicts.py``)."""
     try:
         payload = decode_block(name, data, verify=False)

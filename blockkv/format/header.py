@@ -129,7 +129,7 @@ def _str(meta: dict[str, Any], key: str) -> str:
     return value
 
 
-# -- the fleet seal: a keyed MAC a bucket's writers add (remote/fleet_key.py) --------------
+# -- the fleet seal: a keyed MAC a bucket's writers add (bucket/fleet_key.py) --------------
 # A sealed header's JSON object ends with one more member, ``"fleet_mac":"<64 hex>"``,
 # appended after the last member its writer encoded; the trailing digest covers it. The MAC
 # is over the header as it was before sealing, which ``unsealed`` rebuilds byte for byte

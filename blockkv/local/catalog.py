@@ -96,7 +96,7 @@ class Catalog:
             self._position = position
 
     def add(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
-        """Add one entry no index holds (a remote tier's catalog of bucket headers, remote.py)."""
+        """Add one entry no index holds (a remote tier's catalog of bucket headers, remote/remote_catalog.py)."""
         with self._mutex:
             self._add(record, last_use, sizes)
 

@@ -335,7 +335,7 @@ class BlockWriter:
 
 
 class AdoptedBlocks(BlockWriter):
-    """The blocks of an entry another node stored (remote.py): each frame the
+    """The blocks of an entry another node stored (the bucket, remote/tier.py): each frame the
     pool lacks comes verified from ``frame_of(name)`` (the bucket) instead of
     being encoded, and is written byte for byte, intents and re-checks as for
     any store. Submit ``adopted_layout(header).blocks``."""

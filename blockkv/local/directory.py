@@ -12,9 +12,9 @@ to other models and is never read, counted or deleted)::
         blobs/<2 hex>/<64 hex>            content-addressed blocks (see blocks.py, frame.py)
         index/                            LMDB accelerator (see index.py)
 
-Mechanism only (python-diskcache's ``Disk``): naming, listing, reading and
-verifying headers. The store owns policy (what to keep, when to delete);
-``check.inspect`` uses this class alone, so a tool can report on a directory
+Mechanism only (python-diskcache's ``Disk``): listing, reading and verifying
+headers, under the names ``format/layout.py`` gives them. The store owns policy (what to keep, when to delete);
+``directory_check.inspect_directory`` uses this class alone, so a tool can report on a directory
 without opening it as a store and changing anything.
 """
 
@@ -30,28 +30,20 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import blake3
-import numpy as np
-
 from blockkv.errors import CorruptError
 from blockkv.format.blocks import CODEC_ID
-from blockkv.format.descriptor import (
-    ParsedDescriptor,
-    blocks_for_prefix,
-    descriptor_min_offset,
-    descriptor_trimmable,
-    parse_descriptor,
-)
-from blockkv.format.header import (
-    MAX_HEADER_BYTES,
-    SUFFIX,
-    Header,
-    Identity,
-    decode_header,
+from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header, Identity
+from blockkv.format.layout import (
+    ENTRY_ID,
+    NS_DIR,
+    entry_record,
+    fingerprint_dirname,
+    is_block_name,
+    ns_dirname,
+    verified_header,
 )
 from blockkv.fs import TMP_SUFFIX, FileLayer, refuse_linked
 from blockkv.pool.local import LocalPool
-from blockkv.pool.protocol import Layout, is_block_name
 from blockkv.records import EntryRecord
 
 log = logging.getLogger("blockkv")
@@ -71,12 +63,10 @@ def default_root(platform: str = sys.platform) -> Path:
         return old
     new = Path.home() / "Library" / "Caches" / "blockkv"
     return old if (old / ROOT_MARKER).is_file() and not new.exists() else new
-_UUID = re.compile(r"[0-9a-f]{32}")
-_NS_DIR = re.compile(r"[0-9a-f]{16}")
+
+
 _HEADER_REL = re.compile(rf"entries/[0-9a-f]{{16}}/([0-9a-f]{{32}}){re.escape(SUFFIX)}")
 _MAX_IDENTITY_BYTES = 1 << 20
-# headers as pool names (``<ns dir>/<uuid>.bkv``), for a pool protocol backend
-HEADER_LAYOUT = Layout(re.compile(rf"{_NS_DIR.pattern}/{_UUID.pattern}{re.escape(SUFFIX)}"), sharded=False)
 _USED_SLACK = 1e-3  # seconds: an mtime this much after the recorded last use is a later use
 _ids_mutex = threading.Lock()
 _last_id = (0, 0)  # (milliseconds, sequence) of this process's last entry id
@@ -109,18 +99,6 @@ def stored_at(entry_id: str) -> float | None:
     if len(entry_id) != 32 or entry_id[12] != "c":
         return None
     return int(entry_id[16:28], 16) / 1e3 + int(entry_id[13:16], 16) / 4096e3
-
-
-def fingerprint_dirname(config_fingerprint: str) -> str:
-    """A safe, stable directory name for the caller's fingerprint string."""
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", config_fingerprint).strip("._")[:40]
-    digest = blake3.blake3(config_fingerprint.encode()).hexdigest()[:16]
-    return f"{readable}-{digest}" if readable else digest
-
-
-def ns_dirname(ns: str) -> str:
-    # surrogatepass: an ns read back from a damaged index still names a directory
-    return blake3.blake3(ns.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def read_identity(path: Path, fs: FileLayer | None = None) -> Identity:
@@ -161,7 +139,7 @@ def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
 
 
 @dataclass
-class Listing:
+class DirectoryListing:
     """What one directory listing found. Paths stay strings: at 10k entries,
     Path objects cost a tenth of an open."""
 
@@ -172,36 +150,6 @@ class Listing:
 
 def _is_tmp(name: str) -> bool:
     return name.startswith(".") and name.endswith(TMP_SUFFIX)
-
-
-def verified_header(name: str, data: bytes) -> Header:
-    """What a header's bytes say, verified (checksum, bounds, descriptor); CorruptError otherwise."""
-    return parsed_header(name, data)[0]
-
-
-def parsed_header(name: str, data: bytes) -> tuple[Header, ParsedDescriptor]:
-    """``verified_header``, with the descriptor as the verification parsed it."""
-    if len(data) > MAX_HEADER_BYTES:
-        raise CorruptError(f"{name}: {len(data)} bytes is not a plausible header")
-    header = decode_header(data)
-    return header, parse_descriptor(header.descriptor)
-
-
-def entry_record(entry_id: str, rel: str, header: Header, header_bytes: int,
-                 parsed: ParsedDescriptor | None = None) -> EntryRecord:
-    """The index record a header implies (``rel``: where the header lives, a
-    path under the fingerprint directory or a key under the bucket's;
-    ``parsed``: its descriptor, if already parsed)."""
-    attachments = tuple(header.descriptor["attachments"])
-    parsed = parse_descriptor(parsed or header.descriptor)  # validate once, not once per question
-    return EntryRecord(
-        id=entry_id, ns=header.ns, path=rel, header_bytes=header_bytes,
-        blocks=tuple(dict.fromkeys(r.name for r in blocks_for_prefix(parsed, None))),
-        trimmable=not attachments and descriptor_trimmable(parsed),
-        minimum_reusable_offset=descriptor_min_offset(parsed),
-        checkpoint=header.checkpoint, attachments=attachments,
-        owner=header.identity.digest(), tokens=np.array(header.tokens, dtype=np.uint32),
-    )
 
 
 class Directory:
@@ -239,7 +187,7 @@ class Directory:
     def header_path(self, ns: str, entry_id: str) -> Path:
         """Where the header of ``entry_id`` in ``ns`` lives. The id comes from the
         index, which is not trusted as a path: anything but 32 hex is corrupt."""
-        if not isinstance(entry_id, str) or not _UUID.fullmatch(entry_id):
+        if not isinstance(entry_id, str) or not ENTRY_ID.fullmatch(entry_id):
             raise CorruptError(f"entry id {entry_id[:80]!r} is not ours (32 hex)")
         return self.entries_dir / ns_dirname(ns) / f"{entry_id}{SUFFIX}"
 
@@ -276,13 +224,13 @@ class Directory:
     def rel(self, path: Path) -> str:
         return str(path.relative_to(self.path))
 
-    def listing(self) -> Listing:
+    def listing(self) -> DirectoryListing:
         """One pass over ``entries/`` and ``blobs/``: our headers, our blocks and
         our write orphans, by name alone (no stat). Nothing else is touched."""
-        out = Listing({}, set(), [])
+        out = DirectoryListing({}, set(), [])
         for shard, f in self.fs.shard_files(self.entries_dir):
             stem = f.name[: -len(SUFFIX)]
-            if f.name.endswith(SUFFIX) and _UUID.fullmatch(stem) and _NS_DIR.fullmatch(shard):
+            if f.name.endswith(SUFFIX) and ENTRY_ID.fullmatch(stem) and NS_DIR.fullmatch(shard):
                 out.headers[stem] = f.path
             elif _is_tmp(f.name):
                 out.tmp.append(f.path)

@@ -46,7 +46,7 @@ from blockkv.fs import TMP_SUFFIX, FileLayer
 from blockkv.local.index_records import gc_paused, pack_record, unpack_record, unpack_records
 from blockkv.local.lmdb_env import TXN_LOCK, TXN_TIMEOUT, boot_id, env_key, open_env, release_env
 from blockkv.local.locks import TxnLock
-from blockkv.records import EntryRecord
+from blockkv.records import EntryRecord, LocalChanges
 
 # 2: writes only once ``index.settled`` is gone. A blockkv that knows nothing
 # of it rebuilds these tables instead of writing into them, and this one
@@ -221,6 +221,18 @@ class Index:
             return (gen, last), ops
 
         return self._env.read(read)
+
+    def changes(self, since: tuple[bytes, int] | None) -> LocalChanges:
+        """``BlockStore.changes``: the records added and the ids removed since
+        ``since`` (``changes_since``), or every record (``reset``) when the log
+        cannot get there or ``since`` is None."""
+        log = self.changes_since(since) if since is not None else None
+        if log is None:
+            position = self.position()  # first: a change made while we read is replayed next time
+            return LocalChanges(position, True, tuple(self.entries()), ())
+        position, ops = log
+        added = [r for i in dict.fromkeys(i for op, i in ops if op == "+") if (r := self.entry(i)) is not None]
+        return LocalChanges(position, False, tuple(added), tuple(i for op, i in ops if op == "-"))
 
     def pending(self) -> dict[str, dict[str, Any]]:
         return self._env.read(lambda txn: {k.decode(): json.loads(v) for k, v in txn.cursor(db=self._pending)})

@@ -22,9 +22,10 @@ from pathlib import Path
 from blockkv.arguments import check_ns, check_prefix_len, tokens_array
 from blockkv.format.blocks import CODEC_ID
 from blockkv.format.header import Identity
+from blockkv.format.layout import fingerprint_dirname
 from blockkv.fs import FileLayer
 from blockkv.local.catalog import Catalog
-from blockkv.local.directory import Directory, fingerprint_dirname, read_identity
+from blockkv.local.directory import Directory, read_identity
 from blockkv.local.executors import core_threads
 from blockkv.local.reader import read_directory
 from blockkv.local.restore import EntryRead

@@ -1,8 +1,8 @@
 """Look at a fingerprint directory without changing it.
 
 ``blockkv ls`` and ``stats`` only look (as ``check`` does through
-``gc.inspect``), so they must never write, rename, unlink or take the directory
-lock — not even when the index is lost or a header is corrupt, where opening a
+``directory_check.inspect_directory``), so they must never write, rename,
+unlink or take the directory lock — not even when the index is lost or a header is corrupt, where opening a
 ``BlockStore`` would rebuild the index and delete what it cannot read. This reader lists the files (the truth) and stats
 the blocks the entries reference. When the LMDB index is one a store would
 trust (its format, this boot) it is opened read-only without a lock file, and

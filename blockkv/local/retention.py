@@ -25,13 +25,13 @@ from blockkv.arguments import check_size
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from blockkv.format.blocks import block_key
 from blockkv.local.catalog import Catalog
-from blockkv.local.check import CheckReport, inspect, verify_blocks
-from blockkv.local.check import repair as repair_directory
 from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory
+from blockkv.local.directory_check import inspect_directory, verify_blocks
+from blockkv.local.directory_check import repair as repair_directory
 from blockkv.local.index_keeper import IndexKeeper
 from blockkv.local.verdicts import Finding, judge_now, keys_naming
-from blockkv.records import Entry
+from blockkv.records import CheckReport, Entry
 
 _SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
 
@@ -95,6 +95,11 @@ class Retention:
                 pass
         except (lmdb.Error, OSError, CorruptError) as exc:
             self._warn("index-reopen", f"could not reopen the LMDB index ({exc}); serving the last known state")
+
+    def every_entry(self) -> list[Entry]:
+        """Every identity's entries, brought current: what the remote tier takes as local."""
+        self.refresh()
+        return self._catalog.every_identity()
 
     # -- the seed's rules -----------------------------------------------------------------
     def landed(self, entry_id: str) -> list[Entry]:
@@ -317,8 +322,8 @@ class Retention:
         comparison of files and index (and any repair) under it."""
         verified = verify_blocks(self._dir, progress)
         with self.locked():
-            report = inspect(self._dir, self._keeper.index.blocks(), verified=verified,
-                             tmp_cutoff=self._clock() - self._settings.tmp_grace)
+            report = inspect_directory(self._dir, self._keeper.index.blocks(), verified=verified,
+                                       tmp_cutoff=self._clock() - self._settings.tmp_grace)
             if repair and not report.clean:
                 repair_directory(self._dir, report)
                 self._keeper.rebuild()

@@ -10,16 +10,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from blockkv.errors import BlockMissingError
+from blockkv.format.layout import BLOCK_LAYOUT, Layout, is_block_name
 from blockkv.fs import Buffer, FileLayer, refuse_linked, tmp_name
-from blockkv.pool.protocol import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, Staged, check_range, is_block_name
+from blockkv.pool.protocol import BlockFile, Staged, check_range
 
 
 class LocalPool:
     """A pool in a local directory: ``<directory>/<shard>/<leaf>`` files."""
-
-    capabilities = PoolCapabilities(
-        durable_rename=True, consistent_listing=True, cheap_stat=True, range_reads=True, mtime=True
-    )
 
     def __init__(self, directory: Path, fs: FileLayer, layout: Layout = BLOCK_LAYOUT) -> None:
         self.directory = directory

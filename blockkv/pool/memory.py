@@ -14,15 +14,12 @@ from collections.abc import Iterator, Sequence
 import blake3
 
 from blockkv.errors import BlockMissingError
+from blockkv.format.layout import BLOCK_LAYOUT, Layout
 from blockkv.fs import Buffer
-from blockkv.pool.protocol import BLOCK_LAYOUT, BlockFile, Layout, PoolCapabilities, check_range
+from blockkv.pool.protocol import BlockFile, check_range
 
 
 class MemoryPool:
-    capabilities = PoolCapabilities(
-        durable_rename=False, consistent_listing=True, cheap_stat=True, range_reads=True, mtime=True
-    )
-
     def __init__(self, layout: Layout = BLOCK_LAYOUT) -> None:
         self.layout = layout
         self._lock = threading.Lock()

@@ -14,19 +14,13 @@ docs/design.md ("Pool protocol") states the semantics.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from blockkv.format.layout import Layout
 from blockkv.fs import Buffer
-
-_NAME = re.compile(r"[0-9a-f]{64}")
-
-
-def is_block_name(name: str) -> bool:
-    return _NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -38,59 +32,12 @@ class BlockFile:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a pool's names map to relative locations, ``<shard>/<leaf>``.
-
-    Blocks shard by their first two hex digits (``ab/ab12…``); headers already
-    carry their namespace directory (``<ns dir>/<uuid>.bkv``). The same
-    location is a path under a local directory and a key under a bucket prefix,
-    so every backend lays a pool out alike."""
-
-    pattern: re.Pattern[str]
-    sharded: bool
-
-    def check(self, name: str) -> str:
-        if not isinstance(name, str) or self.pattern.fullmatch(name) is None:
-            raise ValueError(f"{name!r} is not a name of this pool ({self.pattern.pattern})")
-        return name
-
-    def location(self, name: str) -> str:
-        return f"{name[:2]}/{name}" if self.sharded else name
-
-    def location_prefix(self, prefix: str) -> str:
-        """The location prefix under which every name starting with ``prefix`` lies."""
-        return f"{prefix[:2]}/{prefix}" if self.sharded and len(prefix) >= 2 else prefix
-
-    def name_of(self, location: str) -> str | None:
-        """The name stored at ``location``, or None for anything not of our shape."""
-        shard, _, leaf = location.partition("/")
-        name = leaf if self.sharded else location
-        if self.sharded and leaf[:2] != shard:
-            return None
-        return name if self.pattern.fullmatch(name) else None
-
-
-BLOCK_LAYOUT = Layout(_NAME, sharded=True)
-
-
-@dataclass(frozen=True)
 class Staged:
     """A block written and fsync'd under a tmp name, waiting for ``LocalPool.publish``."""
 
     tmp: Path
     path: Path
     nbytes: int
-
-
-@dataclass(frozen=True)
-class PoolCapabilities:
-    """What a backend can promise; the store picks its write order and sweeps by them."""
-
-    durable_rename: bool  # a put is published by a local atomic rename/link, durable once it returns
-    consistent_listing: bool  # a listing shows every finished put and no finished delete
-    cheap_stat: bool  # exists/stat are a local syscall, not a network round trip
-    range_reads: bool  # get(start, end) transfers only the range
-    mtime: bool  # stat reports when the name was last written (sweeps go by age)
 
 
 @runtime_checkable
@@ -104,7 +51,6 @@ class BlobPool(Protocol):
     (ValueError); the rest take names the caller listed or indexed."""
 
     layout: Layout
-    capabilities: PoolCapabilities
 
     def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
         """Create ``name`` from ``parts`` (concatenated) unless it exists.

@@ -24,14 +24,9 @@ from datetime import timedelta
 from urllib.parse import urlparse
 
 from blockkv.errors import BlockKVError, BlockMissingError, OversizedError
+from blockkv.format.layout import BLOCK_LAYOUT, Layout
 from blockkv.fs import Buffer
-from blockkv.pool.protocol import (
-    BLOCK_LAYOUT,
-    BlockFile,
-    Layout,
-    PoolCapabilities,
-    check_range,
-)
+from blockkv.pool.protocol import BlockFile, check_range
 
 try:
     import obstore
@@ -82,10 +77,6 @@ def put_body(parts: Sequence[Buffer]) -> Buffer:
 
 
 class S3Pool:
-    capabilities = PoolCapabilities(
-        durable_rename=False, consistent_listing=True, cheap_stat=False, range_reads=True, mtime=True
-    )
-
     def __init__(
         self,
         url: str,

@@ -1,6 +1,7 @@
-"""The bucket tier: one fingerprint directory in an S3-compatible bucket
-(``bucket``, over its objects and requests: ``objects``), a store's uploads in
-the write order (``session``), the fleet's GC and eviction (``gc``), a store's
-``remote=`` tier over it (``tier``, with its ``options``, ``breaker`` and the
-bucket's ``manifest``), what the tier keeps on the local disk (``files``), and
-a read-only view for tools (``view``)."""
+"""A store's ``remote=`` tier over the bucket protocol (``bucket/``): ``tier``
+(``RemoteTier``, what ``BlockStore`` sees), with its ``options`` and circuit
+``breaker``; the catalog of entries only the bucket holds (``catalog``),
+learned from listings (``learn``, over the last one: ``listing``) and looked
+up by headers (``lookup``); restoring one (``materialise``); uploads and the
+backlog (``uploads``); and what the tier keeps on the local disk
+(``files``)."""

@@ -7,18 +7,17 @@ backlog marker lost leaves its entry local-only."""
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import stat
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from blockkv.bucket.bucket_dir import HeaderCopy
 from blockkv.errors import CorruptError, NewerFormatError
 from blockkv.format.header import MAX_HEADER_BYTES
+from blockkv.format.layout import ENTRY_ID
 from blockkv.fs import DIR_MODE, FILE_MODE, FileLayer, refuse_linked
-from blockkv.remote.bucket_dir import HeaderCopy
 
-_UUID = re.compile(r"[0-9a-f]{32}")  # an entry id: the only name the backlog holds
 _MARK_BYTES = 128  # more than a backlog mark's MAC
 _COPY_MAGIC = b"BKVRH1 "  # a cached copy: this, the object's ETag, a newline, the header's bytes
 _MAX_COPY_BYTES = MAX_HEADER_BYTES + 256
@@ -175,9 +174,10 @@ class Backlog:
             return b""
 
     def pending(self) -> list[str]:
-        """Entry ids stored locally whose upload has not been acknowledged."""
+        """Entry ids stored locally whose upload has not been acknowledged (an
+        entry id is the only name the backlog holds)."""
         try:
             refuse_linked(self.directory)
-            return sorted(n for n in os.listdir(self.directory) if _UUID.fullmatch(n))
+            return sorted(n for n in os.listdir(self.directory) if ENTRY_ID.fullmatch(n))
         except OSError:
             return []

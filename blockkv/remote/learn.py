@@ -3,7 +3,7 @@ the fleet wrote"): every header a listing shows and the node does not know
 is taken from a proven copy — its cached copy of the listed ETag, a MANIFEST
 record proven to be the listed object (a seal, or an MD5 ETag), else a GET —
 verified, kept in the header cache, and recorded in the remote catalog
-(catalog.py: a small record and a digest per block, never the tokens).
+(remote_catalog.py: a small record and a digest per block, never the tokens).
 
 Headers are handled ``BATCH`` at a time and each is dropped once recorded,
 so what learning holds in memory is a batch, not the fleet: a MANIFEST is
@@ -16,23 +16,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 
+from blockkv.bucket.bucket_dir import BucketDir, HeaderCopy
+from blockkv.bucket.manifest import MANIFEST_MIN, etag_is_md5_of, manifest_stream, pack_manifest
+from blockkv.bucket.objects import BucketError, ObjectInfo, outage
 from blockkv.errors import BlockKVError, CorruptError, OversizedError
 from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import Identity
-from blockkv.local.directory import Directory, entry_record
+from blockkv.format.layout import entry_id_of, entry_record, header_name
+from blockkv.local.directory import Directory
 from blockkv.records import CHECKPOINT_NS
-from blockkv.remote.bucket_dir import BucketDir, HeaderCopy
-from blockkv.remote.catalog import RemoteCatalog
 from blockkv.remote.files import HeaderCache
 from blockkv.remote.listing import Listing
-from blockkv.remote.manifest import (
-    MANIFEST_MIN,
-    etag_is_md5_of,
-    manifest_stream,
-    pack_manifest,
-)
-from blockkv.remote.objects import BucketError, ObjectInfo, entry_id_of, header_name, outage
+from blockkv.remote.remote_catalog import RemoteCatalog
 
 BATCH = 64  # headers handled at a time
 

@@ -1,14 +1,14 @@
 """What one store handle knows of the headers in its bucket directory, shared
 by the tier's learning (learn.py), restores (tier.py) and uploads (uploads.py):
 the last listing, the headers not to learn, and those that leave a block's
-key in doubt (verify.py's "vouched")."""
+key in doubt (bucket_verdicts.py's "vouched")."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
 
-from blockkv.remote.objects import ObjectInfo
+from blockkv.bucket.objects import ObjectInfo
 
 
 class Listing:
@@ -58,7 +58,7 @@ class Listing:
             self._unsure.update(names)
 
     def vouches(self, sealed: bool, key: bytes | None) -> bool:
-        """Is the key a header's blocks were named with known for sure (verify.py)?
+        """Is the key a header's blocks were named with known for sure (bucket_verdicts.py)?
         Sealed with the fleet key; or unkeyed, in a directory where every listed
         header reads and none names blocks with a key (so none can be another
         key's block that a lying header claims)."""

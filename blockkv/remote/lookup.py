@@ -1,7 +1,7 @@
 """Lookups in the remote catalog, settled by headers (issue #23).
 
 The catalog knows, by digest, which entries share a prompt's whole blocks
-(catalog.py); how many tokens each really shares — the partial block, the
+(remote_catalog.py); how many tokens each really shares — the partial block, the
 exact common prefix, whether it can be cut there — is in its header. A
 lookup reads the headers of the deepest candidates (at most ``READ_LIMIT``,
 of at most ``SCAN_LIMIT`` looked at) from the node's header cache on disk
@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from blockkv.bucket.bucket_dir import HeaderCopy
 from blockkv.errors import (
     BlockMissingError,
     CorruptError,
@@ -27,11 +28,10 @@ from blockkv.errors import (
     NewerFormatError,
 )
 from blockkv.format.header import Header
+from blockkv.format.layout import header_name
 from blockkv.local.prefix_index import common_prefix_length
 from blockkv.records import Entry, Match
-from blockkv.remote.bucket_dir import HeaderCopy
-from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
-from blockkv.remote.objects import header_name
+from blockkv.remote.remote_catalog import RemoteCatalog, RemoteEntry
 
 READ_LIMIT = 4  # headers one lookup reads, at most
 SCAN_LIMIT = 64  # candidates one lookup looks at, at most

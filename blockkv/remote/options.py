@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from blockkv.bucket.fleet_key import FleetKey, fleet_key
 from blockkv.pool.s3 import OPTION_ENV
-from blockkv.remote.fleet_key import FleetKey, fleet_key
 
 # remote_options keys that tune the bucket protocol rather than name the endpoint (Bucket's arguments)
 BUCKET_SETTINGS: dict[str, type] = {"grace": float, "sweep_window": float, "timeout": float,

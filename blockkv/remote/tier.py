@@ -6,15 +6,16 @@ in ``entries/`` has all its blocks in the local pool, so recovery, check and
 gc never ask the network. What the bucket adds lives here and below:
 
 - the **remote catalog** of entries other nodes committed that this node has
-  not made local (catalog.py: a small record and a digest per block, no
+  not made local (remote_catalog.py: a small record and a digest per block, no
   tokens), learned by listing headers at open, on a timer and on a miss
   (learn.py: only from a copy proven to be the object its name lists, and
   with a fleet key only if sealed), so that ``find`` stays a lookup on this
   node, settled by the candidates' headers (lookup.py);
-- **restoring** one (materialise.py): only the blocks the prefix needs,
+- **restoring** one (remote_restore.py): only the blocks the prefix needs,
   fetched concurrently and verified, the caches rebuilt from them, and what
-  was fetched kept locally by the write order of a store (``BlockStore._adopt``)
-  in the background: the whole entry, or a prefix entry of the node's own;
+  to keep of what was fetched (the whole entry, or a prefix entry of the
+  node's own) handed back to the store, which keeps it in the background
+  (local/adoptions.py);
 - **healing**: a local block that fails its hash is replaced from a verified
   bucket copy (``heal_block``), and the fleet's requests for good copies of
   blocks proven bad in the bucket are answered from verified local ones;
@@ -30,12 +31,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
+from blockkv.bucket import heal
+from blockkv.bucket.bucket import Bucket
+from blockkv.bucket.bucket_dir import HeaderCopy
+from blockkv.bucket.bucket_verdicts import verified_frame
+from blockkv.bucket.fetch import fetch_block
+from blockkv.bucket.objects import BucketError, BucketMissingError
 from blockkv.errors import (
     BlockKVError,
     BlockMissingError,
@@ -43,40 +49,33 @@ from blockkv.errors import (
     NewerFormatError,
     OversizedError,
 )
-from blockkv.format.blocks import DEFAULT_BLOCK_TOKENS, block_key
+from blockkv.format.blocks import DEFAULT_BLOCK_TOKENS, BlockRef, block_key
 from blockkv.format.descriptor import blocks_for_prefix, with_xxh3
 from blockkv.format.header import Header, Identity, decode_header
+from blockkv.format.layout import entry_id_of, fingerprint_dirname, header_name
 from blockkv.format.rebuild import ParsedEntry
-from blockkv.local.directory import Directory, fingerprint_dirname
+from blockkv.local.adoptions import Adoption
+from blockkv.local.directory import Directory
 from blockkv.records import Entry, Match
-from blockkv.remote import heal
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.bucket import Bucket
-from blockkv.remote.bucket_dir import HeaderCopy
-from blockkv.remote.catalog import RemoteCatalog, RemoteEntry
-from blockkv.remote.fetch import fetch_block
 from blockkv.remote.files import HeaderCache
 from blockkv.remote.learn import Learner
 from blockkv.remote.listing import Listing
 from blockkv.remote.lookup import Lookup, RecentHeaders
-from blockkv.remote.materialise import Adoption, RemoteRead
-from blockkv.remote.objects import BucketError, BucketMissingError, entry_id_of, header_name
 from blockkv.remote.options import split_options
+from blockkv.remote.remote_catalog import RemoteCatalog, RemoteEntry
+from blockkv.remote.remote_restore import RemoteRead
 from blockkv.remote.uploads import Uploader
-from blockkv.remote.verify import verified_frame
 
 MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 
-Adopt = Callable[[str | None, Header, bytes, Callable[[str], Any]], bool]
-
 
 class RemoteTier:
-    """One store handle's view of the bucket. ``local_entries()`` is the store's
-    current catalog (every identity); ``adopt(entry_id, header, encoded,
-    frame_of)`` writes a fetched entry locally and says whether it could."""
+    """One store handle's view of the bucket (the store's ``Tier``, tiers.py).
+    ``local_entries()`` is the local catalog now (every identity)."""
 
     def __init__(self, url: str, options: Mapping[str, object] | None, identity: Identity, directory: Directory,
-                 warn: Callable[[str, str], None], local_entries: Callable[[], list[Entry]], adopt: Adopt,
+                 warn: Callable[[str, str], None], local_entries: Callable[[], list[Entry]],
                  block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         if not isinstance(url, str):
             raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(url).__name__}")
@@ -88,7 +87,6 @@ class RemoteTier:
         self.dir = directory
         self.warn = warn
         self.local_entries = local_entries
-        self._adopt = adopt
         self.cache = HeaderCache(directory.path / "remote-headers", directory.fs, warn)
         self.catalog = RemoteCatalog(block_tokens)  # remote-only entries: served, never indexed
         self.listing = Listing()
@@ -105,11 +103,8 @@ class RemoteTier:
                                 self.breaker, warn, self.outage, local_entries)
         self._learner = Learner(self.bucket, identity, directory, self.catalog, self.cache, self.listing, warn,
                                 self.uploads.submit)
-        self._adopter = ThreadPoolExecutor(1, thread_name_prefix="blockkv-adopt")
-        self._adopting: dict[str, Future[None]] = {}  # remote entry id -> its adoption in flight
 
     def close(self) -> None:
-        self._adopter.shutdown(wait=True)
         self.uploads.close()
         self.bucket.close()
 
@@ -134,11 +129,9 @@ class RemoteTier:
         self._identity_checked = True
 
     def sync(self) -> int:
-        """List the bucket now (once restores' adoptions have landed): learn new
-        headers, forget the ones gone, answer the fleet's requests for good
-        copies, send the backlog. Returns how many entries were learned (0 on
-        an outage)."""
-        self.settle()
+        """List the bucket now: learn new headers, forget the ones gone, answer
+        the fleet's requests for good copies, send the backlog. Returns how
+        many entries were learned (0 on an outage)."""
         with self._sync_lock:
             self._last_sync = time.monotonic()
             self._next_sync = self._last_sync + self.sync_interval
@@ -269,12 +262,13 @@ class RemoteTier:
         self._forget(record.id, header_name(record.ns, record.id))
 
     # -- restore -----------------------------------------------------------------------------
-    def restore(self, entry: Entry, cut: int | None) -> tuple[Header, list[Any], dict[str, Any], int] | None:
+    def restore(self, entry: Entry, cut: int | None
+                ) -> tuple[tuple[Header, list[Any], dict[str, Any], int], Adoption | None] | None:
         """A remote-only entry's caches (cut to ``cut`` tokens when given), from
-        the blocks the cut needs (materialise.py): (header, caches,
-        attachments, block bytes read), or None (a miss). What it fetched is
-        kept locally in the background (``settle`` waits for that). A header or
-        block missing or damaged also forgets the entry; an outage keeps it."""
+        the blocks the cut needs (remote_restore.py): ((header, caches,
+        attachments, block bytes read), what to keep of what it fetched), or
+        None (a miss). A header or block missing or damaged also forgets the
+        entry; an outage keeps it."""
         name = header_name(entry.ns, entry.id)
         if self.breaker.is_open():
             self.warn("remote-miss", "bucket unreachable: entries only it holds are misses for now")
@@ -295,9 +289,7 @@ class RemoteTier:
             read = RemoteRead(parsed, cut, self.dir.pool, key,
                               lambda block, raw: fetch_block(self.bucket, block, raw, key, **proof), self.bucket.submit)
             caches, attachments = read.rebuild()
-            adoption = read.adoption(entry.id, copy.data)
-            if adoption is not None:  # kept once the caches are filled: writing sooner slowed the fetches (bench)
-                self._adopt_later(entry.id, adoption, read)
+            adoption = read.adoption(entry.id, copy.data)  # kept once the caches are filled: sooner slowed the fetches
         except (BlockMissingError, CorruptError, OversizedError) as exc:
             self.warn("remote-gone", f"remote entry {entry.id} is a miss and forgotten: {exc}")
             self._forget(entry.id, name)
@@ -312,33 +304,12 @@ class RemoteTier:
             if read is not None and read.failure() is not None:
                 read.cancel()
         self.breaker.succeeded()
-        return header, caches, attachments, sum(memoryview(read.frame(r.name)).nbytes for r in read.refs)
+        nbytes = sum(memoryview(read.frame(r.name)).nbytes for r in read.refs)
+        return (header, caches, attachments, nbytes), adoption
 
-    def _adopt_later(self, entry_id: str, adoption: Adoption, read: RemoteRead) -> None:
-        """Keep what a restore fetched (``adopt``) on the adoption thread, from
-        the verified frames in memory (nothing is read again)."""
-        def adopt() -> None:
-            try:
-                if self._adopt(adoption.entry_id, adoption.header, adoption.encoded, read.frame) and adoption.whole:
-                    self.catalog.drop(entry_id)  # an ordinary local entry from now on
-            finally:
-                with self.mutex:
-                    if self._adopting.get(entry_id) is future:
-                        del self._adopting[entry_id]
-
-        with self.mutex:
-            try:
-                future = self._adopter.submit(adopt)
-            except RuntimeError:  # closing: the restore is served, nothing kept
-                return
-            self._adopting[entry_id] = future
-
-    def settle(self, entry_id: str | None = None) -> None:
-        """Wait until what restores fetched is kept locally (of ``entry_id``, or of every entry)."""
-        with self.mutex:
-            pending = [f for i, f in self._adopting.items() if entry_id is None or i == entry_id]
-        for future in pending:
-            future.exception()  # adoption failures are warned about where they happen
+    def adopted(self, entry_id: str) -> None:
+        """The bucket's entry ``entry_id`` is local now: an ordinary local entry from here on."""
+        self.catalog.drop(entry_id)
 
     def _keys_naming(self) -> list[bytes | None]:
         """The namespace keys of the entries this node knows (a block that fails
@@ -363,6 +334,19 @@ class RemoteTier:
                 self.outage("bucket touch failed", exc)
 
         self.uploads.submit(touch)
+
+    # -- uploads ------------------------------------------------------------------------------
+    def upload(self, entry_id: str, ns: str, encoded: bytes, blocks: Iterable[BlockRef], new: set[str],
+               replaced: Iterable[Entry]) -> bool:
+        """A local store's bucket half (``Uploader.upload``)."""
+        return self.uploads.upload(entry_id, ns, encoded, blocks, new, replaced)
+
+    def remove_replaced(self, replaced: Iterable[Entry]) -> None:
+        self.uploads.remove_replaced(replaced)
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return self.uploads.uploaded_bytes
 
     # -- healing ------------------------------------------------------------------------------
     def local_copy(self, block: str) -> bytes | None:

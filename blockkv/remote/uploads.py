@@ -12,19 +12,20 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+from blockkv.bucket.bucket import Bucket
+from blockkv.bucket.objects import BucketError, ObjectInfo, outage
+from blockkv.bucket.session import StoreTooSlow
 from blockkv.errors import BlockKVError
 from blockkv.format.blocks import BlockRef, block_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import Identity
+from blockkv.format.layout import header_name
 from blockkv.local.directory import Directory
 from blockkv.records import Entry
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.bucket import Bucket
-from blockkv.remote.catalog import RemoteCatalog
 from blockkv.remote.files import Backlog, HeaderCache
 from blockkv.remote.listing import Listing
-from blockkv.remote.objects import BucketError, ObjectInfo, header_name, outage
-from blockkv.remote.session import StoreTooSlow
+from blockkv.remote.remote_catalog import RemoteCatalog
 
 _UPLOAD_THREADS = 8
 

@@ -1,3 +1,8 @@
 """blockkv in front of mlx-lm: the drop-in prompt cache (``prompt_cache``, public
 as ``blockkv.mlx_lm``), the store identity from a model's files (``identity``),
-mlx-lm's server with a disk tier (``serve``), the ``demo``."""
+mlx-lm's server with a disk tier (``serve``, with its ``metrics`` and the
+residency it publishes: ``residency``, ``publish``, salted ``digests``), the
+router over a fleet of them (``route``, its view of each node: ``fleet``, its
+cost model: ``scoring``, its tokens: ``route_tokens``), prompt-cache files out
+of and into a store (``portable``), a prompt's cache as mlx-lm builds it
+(``warm``), and the ``demo``."""

@@ -28,7 +28,7 @@ SALT_ENV = "BLOCKKV_FLEET_SALT"
 _CONTEXT = "blockkv 2026 fleet residency digests v1"
 
 
-def fleet_key(salt: str | None) -> bytes:
+def digest_key(salt: str | None) -> bytes:
     """The 32-byte digest key of a fleet: ``salt``, else ``$BLOCKKV_FLEET_SALT``, else empty."""
     if salt is None:
         salt = os.environ.get(SALT_ENV, "")

@@ -36,7 +36,7 @@ from types import FrameType
 from typing import Any
 
 from blockkv.serving.bounded_server import BoundedHTTPServer
-from blockkv.serving.digests import SALT_ENV, fleet_key, prefix_digests
+from blockkv.serving.digests import SALT_ENV, digest_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
 from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
 from blockkv.serving.scoring import (
@@ -79,7 +79,7 @@ class Router:
         self.nodes = [Node(url) for url in urls]
         self.tokenizer = tokenizer
         self.node_timeout = node_timeout
-        self._key = fleet_key(salt)
+        self._key = digest_key(salt)
         self._followers = [Follower(node, self._key) for node in self.nodes]
         self._ids = itertools.count()
         self._choosing = threading.Lock()

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from blockkv.human import format_size, parse_cap, parse_count, parse_option
 from blockkv.local.directory import default_root
-from blockkv.serving.digests import SALT_ENV, fleet_key
+from blockkv.serving.digests import SALT_ENV, digest_key
 from blockkv.serving.identity import KVQuant
 from blockkv.serving.metrics import ServeMetrics
 from blockkv.serving.metrics import install as install_metrics
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ServeMetrics(lambda: list(caches))
     original_run: Callable[..., Any] = server.run
     original_cache_class = server.LRUPromptCache
-    journal = Journal(fleet_key(args.fleet_salt))
+    journal = Journal(digest_key(args.fleet_salt))
 
     def run(host: str, port: int, model_provider: Any, *more: Any, **kw: Any) -> Any:
         # Only now, with every flag parsed: --help or a typo must not create directories.

@@ -1,10 +1,15 @@
-"""Testing kit: an oracle of the store's rules, hypothesis strategies, a
-state machine users can subclass, a fault-injecting file layer, a recording
-one that produces power-loss crash states, and ``PoolTests``, the tests every
-``BlobPool`` backend must pass.
+"""Testing kit: an oracle of the store's rules (``reference``), hypothesis
+``strategies``, a state machine users can subclass (``stateful``), a
+fault-injecting file layer (``faults``), a recording one that produces
+power-loss crash states (``powerloss``), ``PoolTests``, the tests every
+``BlobPool`` backend must pass (``pool_tests``), ``BucketTests``, what the
+bucket protocol needs of an S3-compatible server (``bucket_tests``), tiny real models and model
+directories (``models``, ``model_dir``), moto's S3 server with a steppable
+clock (``moto_clock``), and serve nodes and routers as processes
+(``fleet_processes``).
 
-``BlockStoreMachine`` imports the store and ``PoolTests`` imports pytest, so
-they are loaded on first use."""
+``BlockStoreMachine`` imports the store and ``PoolTests`` and ``BucketTests``
+import pytest, so they are loaded on first use."""
 
 from typing import Any
 
@@ -22,6 +27,7 @@ from blockkv.testing.reference import (
 __all__ = [
     "CRASH_POINTS",
     "BlockStoreMachine",
+    "BucketTests",
     "CrashPoint",
     "CrashState",
     "FakeClock",
@@ -47,4 +53,8 @@ def __getattr__(name: str) -> Any:
         from blockkv.testing.pool_tests import PoolTests
 
         return PoolTests
+    if name == "BucketTests":
+        from blockkv.testing.bucket_tests import BucketTests
+
+        return BucketTests
     raise AttributeError(name)

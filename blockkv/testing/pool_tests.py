@@ -25,8 +25,8 @@ import blake3
 import pytest
 
 from blockkv.errors import BlockMissingError
-from blockkv.local.directory import HEADER_LAYOUT
-from blockkv.pool.protocol import BLOCK_LAYOUT, BlobPool, Layout
+from blockkv.format.layout import BLOCK_LAYOUT, HEADER_LAYOUT, Layout
+from blockkv.pool.protocol import BlobPool
 
 
 def name_for(layout: Layout, data: bytes, ns: str = "0123456789abcdef") -> str:
@@ -137,8 +137,7 @@ class PoolTests:
         pool.put_if_absent(name, [data])
         st = pool.stat(name)
         assert st.name == name and st.size == len(data)
-        if pool.capabilities.mtime:
-            assert st.mtime > 0
+        assert st.mtime > 0
         assert st.etag is None or isinstance(st.etag, str)
 
     def test_delete_then_create_again(self, pool: BlobPool, layout: Layout) -> None:
@@ -167,8 +166,7 @@ class PoolTests:
             assert set(pool.list_prefix(prefix)) == {n for n in made if n.startswith(prefix)}
         gone = sorted(made)[0]
         pool.delete(gone)
-        if pool.capabilities.consistent_listing:
-            assert set(pool.list_prefix()) == made - {gone}
+        assert set(pool.list_prefix()) == made - {gone}
 
     # -- races -------------------------------------------------------------
     def _race(self, n: int, fn: Callable[[int], object]) -> list[object]:

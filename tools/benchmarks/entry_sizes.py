@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from blockkv.format.header import SUFFIX as HEADER_SUFFIX
+from blockkv.format.layout import is_block_name
 from blockkv.fs import FileLayer
-from blockkv.pool.protocol import is_block_name
 
 from .baselines import mlx_save_fsync
 from .config import Config

@@ -158,7 +158,7 @@ def remote_restore(cfg: Config, work: Path) -> dict[str, Any]:
     mlx-lm's warm load of the same cache. Then, on fresh nodes, a restore of
     half the entry (the blocks the server sent counted) against plain GETs of
     the blocks it needs."""
-    from blockkv.remote.bucket import Bucket
+    from blockkv.bucket.bucket import Bucket
 
     n = cfg.remote_tokens
     src = KVSource.random(cfg.shape, n, seed=11)

@@ -20,9 +20,9 @@ from typing import Any
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from blockkv import BlockStore, Entry
+from blockkv.format.layout import is_block_name
 from blockkv.format.rebuild import ParsedEntry, Target
 from blockkv.fs import FileLayer
-from blockkv.pool.protocol import is_block_name
 
 from .config import Config
 from .fresh_process import child_restore

@@ -1,0 +1,564 @@
+"""``blockkv route``'s parts in one process: its tokens against mlx-lm's, the
+cost model and the ranking it makes of nodes' residency and queues, and what
+it does with nodes that misbehave (hostile answers, silence, refusal): a
+node's residency it cannot trust is ignored, a node that does not answer is
+skipped, and the client always gets some node's own answer.
+
+The fleet of real ``blockkv serve`` processes is tests/system/test_route_fleet.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import mlx_lm
+import openai
+import pytest
+
+from blockkv.serving.digests import digest_key, prefix_digests, salt_check
+from blockkv.serving.fleet import Follower, Node, read_json
+from blockkv.serving.route import MAX_BODY_BYTES, MAX_TOKENIZED_BYTES, NODE_HEADER, Router, serve
+from blockkv.serving.route_tokens import PromptTokenizer
+from blockkv.serving.scoring import (
+    ACTIVE_COST,
+    BUCKET_COST,
+    DISK_COST,
+    Matches,
+    Option,
+    Start,
+    order,
+    start_cost,
+)
+from blockkv.testing.fleet_processes import Process
+from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.testing.models import random_tokens
+
+SALT = "route test"
+KEY = digest_key(SALT)
+BOUND_S = 30.0  # safety bound for waits on threads (not a timing assertion)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("route") / "model", "llama")
+
+
+def test_the_routers_tokens_are_mlx_lms(model_dir: Path) -> None:
+    """What the router tokenizes equals what mlx-lm makes of the same request
+    (the fleet test checks it against running nodes too)."""
+    tokenizer = mlx_lm.load(str(model_dir))[1]
+    router = PromptTokenizer(str(model_dir))
+    system = {"role": "system", "content": sample_text(50, seed=1)}
+    chat = [system, {"role": "user", "content": sample_text(9, seed=2)},
+            {"role": "assistant", "content": sample_text(5, seed=3)}, {"role": "user", "content": "next"}]
+    assert router.tokens("/v1/chat/completions", {"messages": chat}) == tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}]
+    assert router.tokens("/chat/completions", {"messages": parts}) == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "a b"}], add_generation_prompt=True)
+    assert router.tokens("/v1/completions", {"prompt": "plain text"}) == tokenizer.encode("plain text")
+    overridden = PromptTokenizer(str(model_dir), chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert overridden.tokens("/v1/chat/completions", {"messages": chat}) == tokenizer.encode(
+        "".join(m["content"] for m in chat), add_special_tokens=False)
+    for path, body in [("/v1/chat/completions", {"prompt": "x"}), ("/v1/completions", ["x"]), ("/v1/models", {})]:
+        with pytest.raises((KeyError, TypeError, ValueError)):
+            router.tokens(path, body)
+
+
+def test_a_prompt_being_tokenized_holds_up_no_other(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizing is per request, not under one lock (#32 case 4: a 64 MiB prompt made a
+    2-token request wait 122 s): a tokenization that has not finished (held here until the
+    other is done) does not stop another request's."""
+    from mlx_lm.server import ResponseGenerator
+
+    tokenize, entered, release = ResponseGenerator._tokenize, threading.Event(), threading.Event()
+
+    def held(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        if request.messages[0]["content"] == "long":
+            entered.set()
+            release.wait(BOUND_S)
+        return tokenize(self, tokenizer, request, args)
+
+    monkeypatch.setattr(ResponseGenerator, "_tokenize", held)
+    router = PromptTokenizer(str(model_dir))
+    long = threading.Thread(target=router.tokens, args=("/v1/chat/completions",
+                                                         {"messages": [{"role": "user", "content": "long"}]}))
+    long.start()
+    try:
+        assert entered.wait(BOUND_S)
+        short: list[list[int]] = []
+        other = threading.Thread(target=lambda: short.append(router.tokens(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "short"}]})))
+        other.start()
+        other.join(BOUND_S)
+        assert short and long.is_alive()
+    finally:
+        release.set()
+        long.join()
+
+
+def test_the_cheapest_start_reads_the_best_tier() -> None:
+    assert start_cost(1000, Matches()) .tier == "cold"
+    ram = start_cost(1000, Matches(ram=600, disk=900, bucket=999))
+    assert (ram.tier, ram.reused) == ("disk", 900) and ram.cost == pytest.approx(900 * DISK_COST + 100)
+    assert start_cost(1000, Matches(ram=990, disk=999)).tier == "ram"  # 9 tokens are not worth 999 restored
+    bucket = start_cost(1000, Matches(ram=100, bucket=999))
+    assert (bucket.tier, bucket.cost) == ("bucket", pytest.approx(999 * BUCKET_COST + 1))
+
+
+def _router(n: int, **nodes: Any) -> Router:
+    router = Router([f"http://127.0.0.1:{9 + i}" for i in range(n)], None, SALT, 5.0)
+    for node in router.nodes:
+        node.block_size = 32
+    return router
+
+
+def test_ranking_follows_residency_then_leaves_a_buried_hot_node() -> None:
+    router = _router(3)
+    a, b, c = router.nodes
+    system, turn = random_tokens(64 * 32, seed=1), random_tokens(200, seed=2)
+    prompt = system + turn
+    digests = prefix_digests(prompt, KEY, 32)
+    assert router.rank(prompt)[0][0] is a  # nothing anywhere: the first of equals
+    b.held["DISK"].update(digests[:64])
+    assert router.rank(prompt)[0][0] is b
+    c.held["RAM"].update(digests[:64])
+    assert [n for n, *_ in router.rank(prompt)][:2] == [c, b]
+    for i in range(3):  # c is busy with long prefills: the system prompt is worth restoring elsewhere
+        c.begin(i, 3000.0, [])
+    assert router.rank(prompt)[0][0] is b
+    for i in range(3):  # their first tokens came back after the prefills ahead, and ACTIVE_COST per other
+        seconds_per_unit = 0.01
+        c.started(i, now=c.in_flight[i].sent_at + seconds_per_unit * (3000.0 * (i + 1) + ACTIVE_COST * i))
+    assert c.active_cost() == pytest.approx(ACTIVE_COST)  # each remains, still more than b's restore
+    assert 3 * ACTIVE_COST > 64 * 32 * DISK_COST and router.rank(prompt)[0][0] is b
+    c.end(0)
+    c.end(1)  # one request in flight costs less than restoring the system prompt on b
+    assert ACTIVE_COST < 64 * 32 * DISK_COST and router.rank(prompt)[0][0] is c
+    c.end(2)
+    assert c.queue() == (0.0, 0)
+    c.failed("refused")  # down: skipped; its disk is not the bucket unless it has one
+    assert c not in [n for n, *_ in router.rank(prompt)]
+    c.held["DISK"].update(digests)
+    assert router.rank(prompt)[0][2] == digests and router.rank(prompt)[0][1].tier == "disk"
+    c.remote = True  # what a node on the bucket stored, any node can restore
+    b.held["DISK"].clear()
+    best = router.rank(prompt)[0][1]
+    assert (best.tier, best.reused) == ("bucket", len(digests) * 32)
+
+
+def test_the_cheapest_node_leads_and_ties_go_to_the_least_busy() -> None:
+    def option(cost: float, in_flight: int = 0, routed: int = 0) -> Option:
+        return Option(Start(cost, "cold", 0), 0.0, in_flight, routed)
+
+    assert order([option(100), option(90), option(95)]) == [1, 2, 0]
+    assert order([option(90, 1), option(90, 0, 5), option(90, 0, 2)]) == [2, 1, 0]
+    assert order([]) == []
+
+
+def test_a_routed_prompt_counts_as_hot_until_events_confirm_it() -> None:
+    router = _router(2)
+    a, b = router.nodes
+    prompt = random_tokens(40 * 32, seed=3)
+    digests = prefix_digests(prompt, KEY, 32)
+    b.routed = 1  # a tie goes to the node with fewer routed: a
+    node, start, ds = router.rank(prompt)[0]
+    assert node is a and start.tier == "cold"
+    a.begin(7, start.cost, ds)
+    assert router.rank(prompt + [1])[0][0] is b  # a's queue holds the whole prefill: prefilling in parallel is sooner
+    a.end(7)
+    assert router.rank(prompt + [1])[0][0] is a and router.rank(prompt + [1])[0][1].tier == "ram"
+    a.epoch = "e"
+    assert a.apply_events({"epoch": "e", "seq": 1, "block_size": 32, "resync": False, "batches": [
+        {"seq": 1, "ts": 0, "events": [{"type": "BlockStored", "block_hashes": digests, "medium": "RAM"}]}]})
+    assert a.predicted == {} and router.rank(prompt + [1])[0][1].reused == len(prompt)
+    a.begin(8, 1.0, digests[:1])
+    a.abandon(8)  # never reached the node
+    assert a.predicted == {} and a.queue() == (0.0, 0)
+
+
+Answer = tuple[int, bytes] | Callable[[str, bytes], tuple[int, bytes]]
+
+
+def test_a_node_whose_residency_is_unknown_is_taken_to_start_as_well_as_the_best() -> None:
+    """Unknown is not empty (#33 case 2): a node just restarted, whose residency the router has
+    not read yet, gets a request when the known node holding the prompt is busier."""
+    router = _router(2)
+    known, unknown = router.nodes
+    unknown.block_size = 0
+    prompt = random_tokens(40 * 32, seed=4)
+    known.held["RAM"].update(prefix_digests(prompt, KEY, 32))
+    assert router.rank(prompt)[0][0] is known  # equal starts, equal queues: fewer routed, then the first
+    known.begin(1, 0.0, [])
+    node, start, _ = router.rank(prompt)[0]
+    assert node is unknown and start.tier == "unknown" and start.cost == router.rank(prompt)[1][1].cost
+
+
+def test_a_nodes_active_cost_is_measured_from_the_first_tokens_it_streams() -> None:
+    """A node where a request in flight delays a new one by far more than ACTIVE_COST
+    assumes (shared cores, a slow batch): once its answers show it, a prompt hot there
+    goes to an idle node that must prefill it (#33 case 1)."""
+    router = _router(2)
+    hot, idle = router.nodes
+    prompt = random_tokens(20 * 32, seed=5)
+    hot.held["RAM"].update(prefix_digests(prompt, KEY, 32))
+    hot.begin(1, 100.0, [])
+    hot.started(1, now=hot.in_flight[1].sent_at + 1.0)  # alone: 100 units of start in 1 s
+    hot.end(1)
+    hot.begin(2, 0.0, [])  # in flight, not started, from here on
+    assert hot.active_cost() == ACTIVE_COST and router.rank(prompt)[0][0] is hot  # nothing busy measured yet
+    hot.begin(3, 100.0, [])
+    hot.started(3, now=hot.in_flight[3].sent_at + 8.0)  # beside one other: 7 s later than alone
+    hot.end(3)
+    assert hot.active_cost() == pytest.approx(700.0)
+    assert hot.queue() == (0.0, 1) and router.rank(prompt)[0][0] is idle  # 1 + 700 > 639 to prefill
+
+
+class FakeNode:
+    """A misbehaving node on 127.0.0.1: ``answers`` maps a path to (status, body bytes),
+    or to a function of the request's path with its query and its body that returns them;
+    ``hang`` accepts connections and never answers."""
+
+    def __init__(self, answers: dict[str, Answer] | None = None, hang: bool = False) -> None:
+        self.hits: list[str] = []
+        if hang:
+            self.sock = socket.socket()
+            self.sock.bind(("127.0.0.1", 0))
+            self.sock.listen(16)
+            self.port = self.sock.getsockname()[1]
+            self.server = None
+            return
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self) -> None:
+                path = self.path.split("?")[0]
+                fake.hits.append(path)
+                sent = self.rfile.read(int(self.headers["Content-Length"])) if self.command == "POST" else b""
+                answer = (answers or {}).get(path, (404, b"Not Found"))
+                status, body = answer(self.path, sent) if callable(answer) else answer
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        else:
+            self.sock.close()
+
+
+@pytest.fixture
+def fakes() -> Iterator[list[FakeNode]]:
+    made: list[FakeNode] = []
+    yield made
+    for fake in made:
+        fake.close()
+
+
+def _snapshot(**over: Any) -> bytes:
+    snap = {"epoch": "e1", "seq": 0, "block_size": 32, "salt_check": salt_check(KEY), "remote": False,
+            "media": {"RAM": [], "DISK": []}, **over}
+    return json.dumps(snap).encode()
+
+
+@pytest.mark.parametrize("status, answer", [
+    (200, _snapshot(media={"RAM": ["not hex at all!!"], "DISK": []})),
+    (200, _snapshot(media={"RAM": [{"a": 1}]})),
+    (200, _snapshot(block_size=0)),
+    (200, _snapshot(seq=-1)),
+    (200, _snapshot(epoch="x" * 65)),
+    (200, b"[" * 100_000),  # nested past the JSON parser's recursion limit
+    (200, b"{not json"),
+    (404, b"Not Found"),  # a plain mlx_lm server
+])
+def test_a_node_whose_residency_is_not_as_published_is_routed_without_it(
+        status: int, answer: bytes, fakes: list[FakeNode]) -> None:
+    fake = FakeNode({"/blockkv/residency": (status, answer)})
+    fakes.append(fake)
+    node = Node(fake.url)
+    follower = Follower(node, KEY)
+    follower.start()
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while "/blockkv/residency" not in fake.hits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert node.epoch is None and node.block_size == 0 and node.up  # unknown residency, still a node
+    finally:
+        follower.stop()
+
+
+def _events(**over: Any) -> bytes:
+    answer = {"epoch": "e1", "seq": 1, "block_size": 32, "resync": False,
+              "batches": [{"seq": 1, "ts": 0, "events": []}], **over}
+    return json.dumps(answer).encode()
+
+
+@pytest.mark.parametrize("answer", [
+    _events(batches=[{"seq": 1, "ts": 0, "events": 5}]),
+    _events(batches=[5]),
+    _events(seq=2**64),
+    _events().replace(b'"seq": 1,', b'"seq": ' + b"9" * 5000 + b","),  # past Python's int parsing limit
+    _events(batches=[{"seq": 1, "events": [{"type": "BlockStored", "medium": "RAM", "block_hashes": 5}]}]),
+])
+def test_a_malformed_events_answer_never_stops_the_following(
+        answer: bytes, fakes: list[FakeNode], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Each bad answer is one warning and a snapshot later: the node is still followed."""
+    monkeypatch.setattr("blockkv.serving.fleet.NO_RESIDENCY_RETRY_S", 0.05)
+    fake = FakeNode({"/blockkv/residency": (200, _snapshot()), "/blockkv/events": (200, answer)})
+    fakes.append(fake)
+    node = Node(fake.url)
+    follower = Follower(node, KEY)
+    follower.start()
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while fake.hits.count("/blockkv/events") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fake.hits.count("/blockkv/events") >= 3 and follower._thread.is_alive()
+        assert node.up
+        assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    finally:
+        follower.stop()
+
+
+def test_reads_from_a_node_are_bounded_and_another_salt_is_ignored(fakes: list[FakeNode]) -> None:
+    big = _snapshot(media={"RAM": ["0" * 16] * 10, "DISK": []})
+    fakes.append(FakeNode({"/blockkv/residency": (200, big)}))
+    node = Node(fakes[0].url)
+    with pytest.raises(ValueError, match="over"):
+        read_json(node, "/blockkv/residency", len(big) - 1, 5.0)
+    assert node.load_snapshot(json.loads(big), KEY) and set(node.held["RAM"]) == {"0" * 16}
+    assert not node.load_snapshot(json.loads(big), digest_key("another salt"))
+    assert set(node.held["RAM"]) == set() and node.epoch is None
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=BOUND_S) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_a_silent_or_refusing_node_is_skipped_and_the_answer_is_a_nodes_own(fakes: list[FakeNode]) -> None:
+    silent = FakeNode(hang=True)
+    answer = b'{"id": "from the live node", "choices": []}'
+    live = FakeNode({"/v1/chat/completions": (200, answer)})
+    fakes.extend([silent, live])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    router = Router([silent.url, refused, live.url], None, SALT, node_timeout=1.0)
+    for node in router.nodes:
+        node.routed = 0
+    server = serve(router, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    front = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        status, headers, body = _post(front, {"messages": [{"role": "user", "content": "hi"}]})
+        assert (status, body, headers[NODE_HEADER]) == (200, answer, live.url)  # byte for byte, and who answered
+        assert [n.up for n in router.nodes] == [False, False, True]
+        assert [n.url for n, *_ in router.rank(None)] == [live.url]  # skipped during their backoff
+        live.close()
+        fakes.remove(live)
+        status, _, body = _post(front, {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 503 and b"no blockkv serve node answered" in body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _status_mib(pid: int, field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of process ``pid``, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise LookupError(field)
+
+
+class MemoryBound:
+    """Watches a process's resident memory and kills it past ``limit_mib``: a router that
+    grows without bound fails the test at the bound instead of taking the machine's memory."""
+
+    def __init__(self, process: Process, limit_mib: float) -> None:
+        self.process, self.limit_mib = process, limit_mib
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02) and self.process.proc.poll() is None:
+            try:
+                if _status_mib(self.process.proc.pid, "VmRSS") > self.limit_mib:
+                    self.process.proc.kill()
+            except (OSError, LookupError):
+                return
+
+    def peak_mib(self) -> float:
+        """The process's peak resident memory so far (it must still run)."""
+        self._stop.set()
+        self._thread.join()
+        assert self.process.proc.poll() is None, f"killed at over {self.limit_mib:.0f} MiB resident"
+        return _status_mib(self.process.proc.pid, "VmHWM")
+
+
+def _router_process(model_dir: Path, node: str, log: Path) -> Process:
+    router = Process(["route", "--model", str(model_dir), "--node", node, "--fleet-salt", SALT], log)
+    router.wait_ready()
+    return router
+
+
+CHAT_ANSWER = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}).encode()
+
+
+def test_a_huge_request_costs_the_router_its_body_and_holds_up_no_other(
+        model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
+    """A body at the size limit is not tokenized (#32 case 4: 64 MiB took the router to 12.7 GiB
+    and made a 2-token request wait 122 s): the router holds about the body, and a small
+    request sent meanwhile is answered while the huge one is still being answered."""
+    small_answered = threading.Event()
+
+    def chat(path: str, body: bytes) -> tuple[int, bytes]:
+        if len(body) > MAX_TOKENIZED_BYTES:
+            small_answered.wait(BOUND_S)  # the huge request's answer waits for the small one
+        else:
+            small_answered.set()
+        return 200, CHAT_ANSWER
+
+    fake = FakeNode({"/v1/chat/completions": chat})
+    fakes.append(fake)
+    router = _router_process(model_dir, fake.url, tmp_path / "router.log")
+    try:
+        baseline = _status_mib(router.proc.pid, "VmRSS")
+        bound = MemoryBound(router, baseline + 3 * MAX_BODY_BYTES / 2**20)
+        words = " ".join(sample_text(200, seed=9).split()[:5])
+        huge = json.dumps({"messages": [{"role": "user", "content": ""}]}).encode()
+        filler = (words + " ").encode() * ((MAX_BODY_BYTES - len(huge)) // (len(words) + 1))
+        huge = huge.replace(b'"content": ""', b'"content": "' + filler + b'"')
+        assert MAX_TOKENIZED_BYTES < len(huge) <= MAX_BODY_BYTES
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+        results: list[Any] = []
+        sender = threading.Thread(target=lambda: results.append(_post_raw(router.url, huge)))
+        sender.start()
+        while not any(p == "/v1/chat/completions" for p in fake.hits) and sender.is_alive():
+            time.sleep(0.05)  # the huge request has reached the node
+        small = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        sender.join(BOUND_S)
+        assert small.choices[0].message.content == "ok" and small_answered.is_set()
+        assert results and results[0][0] == 200
+        assert bound.peak_mib() <= baseline + 3 * MAX_BODY_BYTES / 2**20
+    finally:
+        router.stop()
+
+
+def _post_raw(url: str, body: bytes) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=BOUND_S) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+FLOOD = 600_000  # new digests per events answer: 11 MiB, under the 16 MiB an answer may take
+
+
+def test_an_event_flood_costs_the_router_a_bounded_memory(
+        model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
+    """A node whose every events answer stores 600k new digests (#32 case 5: the router grew
+    ~1.4 GiB in 90 s, linearly): the router keeps at most MAX_DIGESTS of them and still answers."""
+    def events(path: str, body: bytes) -> tuple[int, bytes]:
+        since = int(path.split("since=")[1].split("&")[0])
+        digests = [f"{i:016x}" for i in range(since * FLOOD, (since + 1) * FLOOD)]
+        batch = {"seq": since + 1, "ts": 0, "events": [
+            {"type": "BlockStored", "block_hashes": digests, "medium": "RAM"}]}
+        return 200, json.dumps({"epoch": "e1", "seq": since + 1, "block_size": 32, "resync": False,
+                                "batches": [batch]}).encode()
+
+    fake = FakeNode({"/blockkv/residency": (200, _snapshot()), "/blockkv/events": events,
+                     "/v1/chat/completions": (200, CHAT_ANSWER)})
+    fakes.append(fake)
+    router = _router_process(model_dir, fake.url, tmp_path / "router.log")
+    try:
+        baseline = _status_mib(router.proc.pid, "VmRSS")
+        limit = baseline + 400  # MAX_DIGESTS kept (~40 MiB) and one answer being parsed (~150 MiB)
+        bound = MemoryBound(router, limit)
+        deadline = time.monotonic() + 4 * BOUND_S
+        while fake.hits.count("/blockkv/events") < 12 and router.proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert router.proc.poll() is None, f"killed at over {limit:.0f} MiB resident"
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+        assert bound.peak_mib() <= limit
+        assert "Traceback" not in (tmp_path / "router.log").read_text()
+    finally:
+        router.stop()
+
+
+def _listen_backlog(port: int) -> int:
+    """The listen backlog of the socket listening on ``port`` (``ss``'s Send-Q of a listener)."""
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[2])
+
+
+def test_idle_connections_time_out_and_connections_at_once_are_capped(
+        model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
+    """Idle and half-sent connections are closed after --client-timeout, one past
+    --max-connections is answered 503 at once, and the listen backlog takes a burst of
+    64 clients (#32 case 8: 373 idle connections stayed open, a thread each; backlog 5)."""
+    fake = FakeNode({"/v1/chat/completions": (200, CHAT_ANSWER)})
+    fakes.append(fake)
+    router = Process(["route", "--model", str(model_dir), "--node", fake.url, "--client-timeout", "3",
+                      "--max-connections", "4"], tmp_path / "router.log")
+    router.wait_ready()
+    try:
+        assert _listen_backlog(router.port) >= 64
+        idle = [socket.create_connection(("127.0.0.1", router.port), timeout=BOUND_S) for _ in range(4)]
+        idle[0].sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 100\r\n\r\n{")  # body half sent
+        idle[1].sendall(b"GET /v1/mod")  # request line half sent
+        idle[2].sendall(b"GET /health HTTP/1.0\r\n")  # headers half sent
+        with socket.create_connection(("127.0.0.1", router.port), timeout=BOUND_S) as extra:
+            assert extra.recv(1 << 16).startswith(b"HTTP/1.0 503 ")  # the four are being served
+        for s in idle:
+            with s:
+                assert s.recv(1 << 16) == b""  # closed by the router (a timeout here would raise)
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+        assert "Traceback" not in (tmp_path / "router.log").read_text()
+    finally:
+        router.stop()
