@@ -45,7 +45,9 @@ class Server:
         argv = [*command, "--model", str(model), "--cache-dir", str(cache_dir)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "INFO"]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            # Ctrl-C must reach it even when the tests run as a background job (`nohup ... &`
+            # ignores SIGINT, and an ignored signal stays ignored across exec)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_default_sigint)
         deadline = time.monotonic() + START_BOUND_S
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -94,6 +96,10 @@ class Server:
         mlx_lm_abort = code == -signal.SIGABRT and "terminate called without an active exception" in log
         assert code == 0 or mlx_lm_abort, log
         return log
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _spills(log: str) -> tuple[int, int]:
