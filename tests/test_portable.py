@@ -147,6 +147,16 @@ def test_cache_prompt_file_imports_where_serve_finds_it(tmp_path: Path) -> None:
                               "--model", str(model_dir), "--kv-bits", "8"], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "no store for --model" in missing.stderr
     assert sorted(p.name for p in root.iterdir()) == stores  # an export makes no store
+    (blobs,) = root.glob("*/blobs")
+    stray = blobs / "00" / ("0" * 64)  # a block nothing references: what opening the store would sweep
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"not ours to judge")
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not a prompt-cache file")
+    refused = subprocess.run([sys.executable, "-m", "blockkv", "import", str(root), str(text_file), "--model",
+                              str(model_dir)], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "not a safetensors file" in refused.stderr
+    assert stray.exists()  # refused before the store was opened: nothing swept
 
 
 def hostile(path: Path, how: str) -> None:

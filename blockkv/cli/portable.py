@@ -89,12 +89,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from blockkv.serving.portable import import_prompt_cache
+    from blockkv.serving.portable import read_for_import, store_imported
 
-    tokens = _prompt_tokens(args)
+    caches, tokens = read_for_import(args.file, _prompt_tokens(args))  # a refused file never opens the store
     with _serve_store(args) as store:
         before = dict(store.stats)
-        entry = import_prompt_cache(store, args.file, tokens=tokens, ns=args.namespace)
+        entry = store_imported(store, args.file, caches, tokens, args.namespace)
         if entry is None:
             raise OSError(f"{args.file} was not stored (the warning above says why)")
         written = int(store.stats["bytes_written"] - before["bytes_written"])

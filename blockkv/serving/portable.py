@@ -90,9 +90,22 @@ def import_prompt_cache(store: BlockStore, path: str | os.PathLike[str], *,
     store did not take it (its warning says why). Raises ``PromptCacheFileError``
     for a file it cannot read and ``ValueError`` for tokens that do not match
     the caches."""
+    caches, tokens = read_for_import(path, tokens)
+    return store_imported(store, path, caches, tokens, ns)
+
+
+def read_for_import(path: str | os.PathLike[str], tokens: Sequence[int] | None = None
+                    ) -> tuple[list[Any], Sequence[int]]:
+    """The caches of a prompt-cache file and the tokens to store them under
+    (default: an export's): everything an import checks before a store is
+    opened, so a file it refuses leaves the root untouched."""
     caches, metadata = read_prompt_cache(path)
-    if tokens is None:
-        tokens = tokens_in(metadata, path)
+    return caches, tokens_in(metadata, path) if tokens is None else tokens
+
+
+def store_imported(store: BlockStore, path: str | os.PathLike[str], caches: list[Any], tokens: Sequence[int],
+                   ns: str = "") -> Entry | None:
+    """``read_for_import``'s caches stored under ``tokens``: the entry, or None (with a warning)."""
     stored = store.store(tokens, caches, ns)
     match = store.find_exact(tokens, ns)
     if match is None:
