@@ -94,6 +94,23 @@ def _own_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_model(rest: list[str]) -> None:
+    """Refuse a ``--model`` that is neither a directory nor a Hugging Face repo id
+    now: mlx-lm loads it only on the first request, and would answer every one
+    with 404 "generation thread died"."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model")
+    model = parser.parse_known_args(rest)[0].model
+    if model is None or Path(model).expanduser().is_dir():
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise FileNotFoundError(f"--model {model}: no such directory, and not a Hugging Face repo id") from None
+
+
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -110,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = dict(args.remote_option) if args.remote_option else None
         check_remote(args.remote, options)
+        check_model(rest)
         # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
         # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
         unreachable = None
