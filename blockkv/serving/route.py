@@ -147,9 +147,10 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path.startswith("/v1/models"):
             self._relay("GET", None, None)
-        elif self.path == "/health":
-            self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0}
-                                                        for n in self.router.nodes}})
+        elif self.path == "/health":  # 503 with every node down: a balancer in front sends elsewhere
+            up = any(n.up for n in self.router.nodes)
+            self._reply(200 if up else 503, {"status": "ok" if up else "no node up", "nodes": {
+                n.url: {"up": n.up, "residency": n.block_size > 0} for n in self.router.nodes}})
         else:
             self._reply(404, {"error": "Not Found"})
 
