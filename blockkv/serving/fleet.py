@@ -69,6 +69,7 @@ class Node:
     predicted: dict[str, float] = field(default_factory=dict)  # digest -> until (inf while in flight)
     in_flight: dict[int, InFlight] = field(default_factory=dict)
     routed: int = 0
+    headers: dict[str, str] = field(default_factory=dict, repr=False)  # sent with every request (its API key)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -225,7 +226,7 @@ def read_json(node: Node, path: str, limit: int, timeout: float) -> Any:
     ``LookupError`` for another status (the node runs, but not this endpoint)."""
     conn = node.connection(timeout)
     try:
-        conn.request("GET", node.prefix + path)
+        conn.request("GET", node.prefix + path, headers=node.headers)
         response = conn.getresponse()
         body = response.read(limit + 1)
         if response.status != 200:

@@ -24,15 +24,18 @@ import http.client
 import itertools
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from blockkv.serving.auth import NODE_KEY_ENV, ApiKeys, add_key_options, bearer, keys_from, with_keys
 from blockkv.serving.digests import SALT_ENV, fleet_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
 from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
@@ -59,12 +62,12 @@ class Router:
     """The fleet and the choice of a node for a prompt."""
 
     def __init__(self, urls: list[str], tokenizer: PromptTokenizer | None, salt: str | None,
-                 node_timeout: float) -> None:
+                 node_timeout: float, node_key: str | None = None) -> None:
         if not urls:
             raise ValueError("at least one --node is needed")
         if len(set(urls)) != len(urls):
             raise ValueError("a --node is given twice")
-        self.nodes = [Node(url) for url in urls]
+        self.nodes = [Node(url, headers=bearer(node_key)) for url in urls]
         self.tokenizer = tokenizer
         self.node_timeout = node_timeout
         self._key = fleet_key(salt)
@@ -195,7 +198,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             conn.connect()
             conn.sock.settimeout(self.router.node_timeout)  # the first byte may wait for a long prefill
-            headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
+            headers = {"Content-Type": self.headers.get("Content-Type", "application/json"), **node.headers}
             conn.request(method, node.prefix + self.path, body=body, headers=headers)
             return conn, conn.getresponse()
         except BaseException:
@@ -236,9 +239,9 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def serve(router: Router, host: str, port: int) -> ThreadingHTTPServer:
-    """An HTTP server for ``router`` on ``host:port`` (not yet serving)."""
-    handler = type("RouteHandler", (Handler,), {"router": router})
+def serve(router: Router, host: str, port: int, keys: ApiKeys = ApiKeys(())) -> ThreadingHTTPServer:
+    """An HTTP server for ``router`` on ``host:port`` (not yet serving), answering only ``keys`` if any."""
+    handler = with_keys(type("RouteHandler", (Handler,), {"router": router}), keys)
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
@@ -263,7 +266,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--use-default-chat-template", action="store_true", help="if the nodes use it")
     p.add_argument("--trust-remote-code", action="store_true", help="if the nodes use it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_key_options(p, "The clients' keys: the nodes get --node-api-key instead.")
+    p.add_argument("--node-api-key-file", type=Path, metavar="FILE",
+                   help=f"the key this router sends every node (one of the nodes' --api-key; default "
+                   f"${NODE_KEY_ENV}): the clients' keys stay the router's to check, and the residency it "
+                   "follows has no client to borrow one from")
     return p
+
+
+def _node_key(args: argparse.Namespace) -> str | None:
+    """The key sent to the nodes: the file's first line, else ``$BLOCKKV_NODE_API_KEY``."""
+    if args.node_api_key_file is None:
+        return os.environ.get(NODE_KEY_ENV) or None
+    try:
+        key = args.node_api_key_file.expanduser().read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--node-api-key-file {args.node_api_key_file}: cannot read it ({e})") from None
+    if not key or "\n" in key:
+        raise ValueError(f"--node-api-key-file {args.node_api_key_file}: must hold one key")
+    return key
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -282,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                                     chat_template_args=args.chat_template_args,
                                     use_default_chat_template=args.use_default_chat_template,
                                     trust_remote_code=args.trust_remote_code)
-        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout)
-        server = serve(router, args.host, args.port)
+        keys = keys_from(args)
+        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout, node_key=_node_key(args))
+        server = serve(router, args.host, args.port, keys)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"blockkv route: error: {e}\n")
     if threading.current_thread() is threading.main_thread():

@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from blockkv.human import format_size, parse_cap, parse_count, parse_option
 from blockkv.local.directory import default_root
+from blockkv.serving.auth import add_key_options, keys_from, with_keys
 from blockkv.serving.digests import SALT_ENV, fleet_key
 from blockkv.serving.identity import KVQuant
 from blockkv.serving.metrics import ServeMetrics
@@ -91,6 +92,7 @@ def _own_parser() -> argparse.ArgumentParser:
         help=f"salt of the prefix digests this server publishes for blockkv route; the same on every node "
         f"and the router (default: ${SALT_ENV}, else none)",
     )
+    add_key_options(parser, "blockkv route's --node-api-key must be one of them.")
     return parser
 
 
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         options = dict(args.remote_option) if args.remote_option else None
         check_remote(args.remote, options)
         check_model(rest)
+        keys = keys_from(args)
         # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
         # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
         unreachable = None
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
         http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
-        handler = residency_handler(server.APIHandler, journal)
+        handler = with_keys(residency_handler(server.APIHandler, journal), keys)
         setattr(server, "_run_http_server", functools.partial(http_server, handler_class=handler))
         try:
             return original_run(host, port, model_provider, *more, **kw)
