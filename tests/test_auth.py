@@ -7,6 +7,7 @@ log, a process's command line or ``/metrics``."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 import urllib.error
@@ -148,3 +149,58 @@ def test_no_key_shows_in_logs_command_lines_or_metrics(keyed: Keyed) -> None:
         command_line = Path(f"/proc/{process.proc.pid}/cmdline").read_bytes().decode()
         assert [k for k in keyed.secrets() if k in command_line] == [shown]  # only what was typed there
     assert repr(ApiKeys([keyed.node_key])) == "ApiKeys(1 keys)"
+
+
+def _cached(url: str, key: str, messages: list[dict[str, str]], stream: bool = False) -> tuple[int, str]:
+    """(cached_tokens, answer) of one greedy chat."""
+    answer = _client(url, key).chat.completions.create(
+        model="default_model", messages=messages, max_tokens=4, temperature=0.0, stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}))
+    if stream:
+        chunks = list(answer)
+        usage = chunks[-1].usage
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        usage, text = answer.usage, answer.choices[0].message.content or ""
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return int(usage.prompt_tokens_details.cached_tokens or 0), text
+
+
+def test_per_key_caches_share_nothing_between_keys_in_ram_or_on_disk(tmp_path: Path) -> None:
+    """--per-key-cache: what one key's requests left in RAM or on disk is not
+    there for another key's (cached_tokens 0, the same answer), and survives a
+    restart for its own; the residency published names none of it."""
+    model = build_model_dir(tmp_path / "model", "llama")
+    a, b, c = _key("tenant-a"), _key("tenant-b"), _key("tenant-c")
+    keys = tmp_path / "keys"
+    keys.write_text(f"{a}\n{b}\n{c}\n")
+    command = ["serve", "--model", str(model), "--cache-dir", str(tmp_path / "kv"), "--per-key-cache",
+               "--api-key-file", str(keys), "--log-level", "INFO"]
+    system = {"role": "system", "content": sample_text(300, seed=7)}  # over one block (256 tokens)
+    first = [system, {"role": "user", "content": sample_text(10, seed=8)}]
+    later = [system, {"role": "user", "content": sample_text(10, seed=9)}]
+    node = Process(command, tmp_path / "a.log")
+    try:
+        node.wait_ready()
+        cold, answer = _cached(node.url, a, first)
+        warm, again = _cached(node.url, a, later, stream=True)
+        other, theirs = _cached(node.url, b, first)
+        own, _ = _cached(node.url, b, later, stream=True)
+        status, body = _get(node.url + "/blockkv/residency", {"Authorization": f"Bearer {a}"})
+    finally:
+        assert node.stop() == 0, node.log.read_text()
+    assert cold == 0 and warm > 0  # a's system prompt, in a's RAM tier
+    assert other == 0 and theirs == answer  # not in b's: b prefilled it, and got the same greedy answer
+    assert own > 0
+    assert status == 200 and json.loads(body)["media"] == {"RAM": [], "DISK": []}  # no tenant's prompts published
+
+    restarted = Process(command, tmp_path / "b.log")
+    try:
+        restarted.wait_ready()
+        fresh = [system, {"role": "user", "content": sample_text(10, seed=10)}]
+        never, _ = _cached(restarted.url, c, fresh)  # c sent nothing before: a's and b's disk entries are not c's
+        mine, _ = _cached(restarted.url, a, fresh)
+    finally:
+        assert restarted.stop() == 0, restarted.log.read_text()
+    assert never == 0
+    assert mine > 0 and len(re.findall("restored", restarted.log.read_text())) == 1  # a's own, from disk

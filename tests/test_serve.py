@@ -223,7 +223,8 @@ def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path)
      (["--remote", "http://bucket/prefix"], "s3://"), (["--remote", "s3://b/p", "--remote-option", "grace"], "KEY=VALUE"),
      (["--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
      (["--remote-option", "region=auto"], "without remote"),
-     (["--model", "/nonexistent/model"], "not a Hugging Face repo id")],
+     (["--model", "/nonexistent/model"], "not a Hugging Face repo id"),
+     (["--per-key-cache"], "needs API keys"), (["--api-key-file", "/nonexistent/keys"], "cannot read it")],
 )
 def test_bad_blockkv_flags_are_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
     cache_dir = tmp_path / "kv"

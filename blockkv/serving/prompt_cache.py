@@ -20,8 +20,9 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, wait
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,12 @@ class PersistentPromptCache(LRUPromptCache):
     (``s3://bucket/prefix``) and ``remote_options`` go to every store: the
     fleet of servers on one bucket share their entries (docs/scale-out.md);
     ``cache_dir`` stays each server's own local tier.
+
+    ``isolate_namespaces`` opens the stores with blockkv's
+    ``isolate_namespaces`` (no block shared between namespaces); a call made
+    inside ``serving(ns)`` then reads and writes namespace ``ns`` only, in the
+    RAM tier (mlx-lm's entries are keyed ``(model, ns)``) and on disk alike, so
+    neither tier tells one namespace what another holds.
     """
 
     def __init__(
@@ -85,6 +92,7 @@ class PersistentPromptCache(LRUPromptCache):
         fs: FileLayer | None = None,
         remote: str | None = None,
         remote_options: Mapping[str, str] | None = None,
+        isolate_namespaces: bool = False,
     ) -> None:
         if not isinstance(cache_dir, (str, Path)):
             raise TypeError(f"cache_dir must be a str or Path, got {type(cache_dir).__name__}")
@@ -103,6 +111,8 @@ class PersistentPromptCache(LRUPromptCache):
         self._fs = fs
         self._remote = remote
         self._remote_options = dict(remote_options) if remote_options is not None else None
+        self.isolate_namespaces = bool(isolate_namespaces)
+        self._serving = threading.local()  # .ns: the namespace of the request this thread serves
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
         self._stores: dict[Any, BlockStore | None] = {}
         self._pending: set[Future[bool]] = set()
@@ -156,7 +166,8 @@ class PersistentPromptCache(LRUPromptCache):
             return BlockStore(self.cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                               tokenizer_hash=ident.tokenizer_hash, max_bytes=self._cache_bytes,
                               block_tokens=self._block_tokens, fs=self._fs, remote=remote,
-                              remote_options=self._remote_options if remote is not None else None)
+                              remote_options=self._remote_options if remote is not None else None,
+                              isolate_namespaces=self.isolate_namespaces)
         except (FileNotFoundError, ValueError) as e:
             if remote is None:
                 raise
@@ -185,6 +196,27 @@ class PersistentPromptCache(LRUPromptCache):
         with self._lock:
             return {**self._counts, "pending_spills": len(self._pending)}
 
+    # -- namespaces -------------------------------------------------------------
+    @contextmanager
+    def serving(self, ns: str) -> Iterator[None]:
+        """Lookups and inserts this thread makes meanwhile are namespace ``ns``'s
+        (``isolate_namespaces`` only: without it every caller shares one cache)."""
+        if not isinstance(ns, str):
+            raise TypeError(f"ns must be a str, got {type(ns).__name__}")
+        if ns and not self.isolate_namespaces:
+            raise ValueError("a namespace of its own needs isolate_namespaces=True")
+        previous = getattr(self._serving, "ns", "")
+        self._serving.ns = ns
+        try:
+            yield
+        finally:
+            self._serving.ns = previous
+
+    def _namespace(self, model: Any) -> tuple[Any, str]:
+        """(mlx-lm's key for the RAM tier, the store's namespace) of a call now."""
+        ns = getattr(self._serving, "ns", "")
+        return ((model, ns) if ns else model), ns
+
     # -- LRUPromptCache interface ------------------------------------------
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """mlx-lm's RAM lookup, then the store when its match is worth reading
@@ -194,9 +226,10 @@ class PersistentPromptCache(LRUPromptCache):
         the last prompt token, so at least one token is always left to compute.
         A restored prefix is also inserted into the RAM tier, so the next
         session that shares it is served from RAM."""
-        cache, rest = super().fetch_nearest_cache(model, tokens)
+        ram_key, ns = self._namespace(model)
+        cache, rest = super().fetch_nearest_cache(ram_key, tokens)
         from_ram = len(tokens) - len(rest)
-        restored = self._fetch_from_disk(model, tokens, from_ram)
+        restored = self._fetch_from_disk(model, tokens, from_ram, ram_key, ns)
         if restored is not None:
             self._count(tokens_prefilled=len(restored[1]))
             return restored
@@ -207,14 +240,14 @@ class PersistentPromptCache(LRUPromptCache):
         return cache, rest
 
     def _fetch_from_disk(
-        self, model: Any, tokens: list[int], from_ram: int
+        self, model: Any, tokens: list[int], from_ram: int, ram_key: Any, ns: str
     ) -> tuple[list[Any], list[int]] | None:
         # find leaves at least one token to compute, so len(tokens) - 1 is the most it can match
         if not self._worth_restoring(len(tokens) - 1, from_ram) or not _text_only(tokens):
             return None
         try:
             store = self.store_for(model)
-            match = store.find(list(tokens)) if store is not None else None
+            match = store.find(list(tokens), ns) if store is not None else None
             if store is None or match is None or not self._worth_restoring(match.prefix_len, from_ram):
                 return None
             tier = store.tier_of(match.entry)
@@ -226,7 +259,7 @@ class PersistentPromptCache(LRUPromptCache):
             prefix = list(tokens[: match.prefix_len])
             # Into mlx-lm's RAM tier by mlx-lm's own rules; the caller gets a copy
             # to extend in place, as from any RAM hit.
-            super().insert_cache(model, prefix, loaded.caches)
+            super().insert_cache(ram_key, prefix, loaded.caches)
             served = copy.deepcopy(loaded.caches)
         except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
             self._warn_once(f"fetch:{type(e).__name__}", "blockkv: disk lookup failed (%s); served without it", e)
@@ -261,7 +294,8 @@ class PersistentPromptCache(LRUPromptCache):
         ``store_async`` snapshots the arrays before returning, so the caller's
         later in-place cache updates cannot change what is written. A cache
         list with a class blockkv cannot encode stays in the RAM tier only."""
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        ram_key, ns = self._namespace(model)
+        super().insert_cache(ram_key, tokens, prompt_cache, cache_type=cache_type)
         if not tokens or not _text_only(tokens):
             return
         kinds = tuple(type(c) for c in prompt_cache)
@@ -269,7 +303,7 @@ class PersistentPromptCache(LRUPromptCache):
             self._count(ram_only_inserts=1)
             return
         try:
-            self._spill(model, list(tokens), prompt_cache)
+            self._spill(model, list(tokens), prompt_cache, ns)
         except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
             unknown = _classes_without_codec(prompt_cache)
             if unknown:
@@ -285,14 +319,14 @@ class PersistentPromptCache(LRUPromptCache):
                 self._count(spill_failures=1)
                 self._warn_once(f"spill:{type(e).__name__}", "blockkv: spilling a prompt cache failed: %s", e)
 
-    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any]) -> None:
+    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str) -> None:
         store = self.store_for(model)
         if store is None:
             return
-        if store.find_exact(key) is not None:
+        if store.find_exact(key, ns) is not None:
             self._count(spills_skipped=1)
             return
-        future = store.store_async(key, prompt_cache)
+        future = store.store_async(key, prompt_cache, ns)
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._spilled)

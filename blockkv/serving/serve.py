@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from blockkv.human import format_size, parse_cap, parse_count, parse_option
 from blockkv.local.directory import default_root
+from blockkv.serving import tenants
 from blockkv.serving.auth import add_key_options, keys_from, with_keys
 from blockkv.serving.digests import SALT_ENV, fleet_key
 from blockkv.serving.identity import KVQuant
@@ -93,6 +94,12 @@ def _own_parser() -> argparse.ArgumentParser:
         f"and the router (default: ${SALT_ENV}, else none)",
     )
     add_key_options(parser, "blockkv route's --node-api-key must be one of them.")
+    parser.add_argument(
+        "--per-key-cache",
+        action="store_true",
+        help="each API key reads and writes a prompt cache of its own (RAM and disk): no tenant learns from "
+        "cached_tokens what another sent; requests are then served one at a time",
+    )
     return parser
 
 
@@ -131,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         check_remote(args.remote, options)
         check_model(rest)
         keys = keys_from(args)
+        if args.per_key_cache and not keys:
+            raise ValueError("--per-key-cache needs API keys (--api-key, --api-key-file or $BLOCKKV_API_KEY)")
         # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
         # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
         unreachable = None
@@ -171,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 chat_template=cli.chat_template or None,
                 remote=args.remote,
                 remote_options=options,
+                isolate_namespaces=args.per_key_cache,
             )
             caches.append(cache)
             metrics.watch(cache)
@@ -178,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
         http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
-        handler = with_keys(residency_handler(server.APIHandler, journal), keys)
+        handler = residency_handler(server.APIHandler, journal)
+        handler = with_keys(tenants.tagging_handler(handler) if args.per_key_cache else handler, keys)
         setattr(server, "_run_http_server", functools.partial(http_server, handler_class=handler))
         try:
             return original_run(host, port, model_provider, *more, **kw)
@@ -194,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = ["blockkv serve", *rest]
     server.run = run
     without_metrics = install_metrics(server, metrics)  # GET /metrics beside mlx-lm's own paths
+    without_tenants = tenants.install(server) if args.per_key_cache else lambda: None
     try:
         server.main()
     except SystemExit as e:
@@ -201,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.run = original_run
         without_metrics()
+        without_tenants()
         sys.argv = saved_argv
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
