@@ -104,7 +104,8 @@ def _default_sigint() -> None:
 
 def _spills(log: str) -> tuple[int, int]:
     """(spills written, spills failed) from the server's shutdown line."""
-    closed = re.search(r"blockkv: disk tier closed \(.*\): (\d+) spills, (\d+) failed", log)
+    closed = re.search(r"blockkv: disk tier closed \(.*\): (\d+) spills(?: \(\d+ not in the bucket yet\))?, "
+                       r"(\d+) failed", log)
     assert closed is not None, log
     return int(closed.group(1)), int(closed.group(2))
 

@@ -7,6 +7,8 @@ greedy run."""
 from __future__ import annotations
 
 import re
+import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -90,3 +92,32 @@ def test_a_wrong_remote_is_refused_when_the_cache_is_made(tmp_path: Path, kwargs
     remote must fail at construction instead of leaving every model RAM-only."""
     with pytest.raises(error):
         PersistentPromptCache(cache_dir=tmp_path, **kwargs)
+
+
+def test_spills_kept_locally_through_a_bucket_outage_are_counted_as_stored(tmp_path: Path) -> None:
+    """A bucket nobody answers for: the server starts on its local tier, and
+    its shutdown line counts what it stored there (and says the bucket lacks
+    it), not as failures; a server started afterwards restores it from disk."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    model_dir = build_model_dir(tmp_path / "model", "llama")
+    options = [f"endpoint_url={dead}", "timeout=2", "connect_timeout=1", "max_retries=0",
+               *(f"{k}={v}" for k, v in node.CREDENTIALS.items())]
+    command = [sys.executable, "-m", "blockkv", "serve", "--remote", "s3://down/fleet",
+               *(arg for option in options for arg in ("--remote-option", option))]
+    system = {"role": "system", "content": sample_text(300, seed=1)}
+    first = Server(command, model_dir, tmp_path / "kv", tmp_path / "a.log")
+    try:
+        first.chat([system, {"role": "user", "content": sample_text(12, seed=4)}])
+    finally:
+        log = first.stop(signal.SIGTERM)
+    spilled, failed = _spills(log)
+    assert spilled > 0 and failed == 0, log
+    assert re.search(rf"{spilled} spills \({spilled} not in the bucket yet\)", log), log
+    second = Server([sys.executable, "-m", "blockkv", "serve"], model_dir, tmp_path / "kv", tmp_path / "b.log")
+    try:
+        later = second.chat([system, {"role": "user", "content": sample_text(12, seed=5)}])
+    finally:
+        second.stop(signal.SIGTERM)
+    assert _cached(later) > 0

@@ -134,6 +134,7 @@ class PersistentPromptCache(LRUPromptCache):
                 "promoted_to_ram",
                 "spills",
                 "spills_skipped",
+                "spills_not_uploaded",
                 "spill_failures",
                 "ram_only_inserts",
             ),
@@ -329,9 +330,9 @@ class PersistentPromptCache(LRUPromptCache):
         future = store.store_async(key, prompt_cache, ns)
         with self._lock:
             self._pending.add(future)
-        future.add_done_callback(self._spilled)
+        future.add_done_callback(partial(self._spilled, store, key, ns))
 
-    def _spilled(self, future: Future[bool]) -> None:
+    def _spilled(self, store: BlockStore, key: list[int], ns: str, future: Future[bool]) -> None:
         with self._lock:
             self._pending.discard(future)
         error = future.exception() if not future.cancelled() else None
@@ -339,8 +340,17 @@ class PersistentPromptCache(LRUPromptCache):
             self._warn_once(f"spill:{type(error).__name__}", "blockkv: spilling a prompt cache failed: %s", error)
         if error is None and not future.cancelled() and future.result():
             self._count(spills=1)
+        elif error is None and not future.cancelled() and store.remote is not None and self._kept(store, key, ns):
+            self._count(spills=1, spills_not_uploaded=1)  # the bucket did not acknowledge it: stored locally
         else:
             self._count(spill_failures=1)
+
+    def _kept(self, store: BlockStore, key: list[int], ns: str) -> bool:
+        """Whether the local tier holds the entry a spill the bucket did not take was for."""
+        try:
+            return store.find_exact(key, ns) is not None
+        except Exception:  # noqa: BLE001 - a store that cannot say: not stored
+            return False
 
     # -- lifetime -----------------------------------------------------------
     def flush(self) -> None:

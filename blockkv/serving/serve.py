@@ -221,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             cache.close()
             stats = cache.tier_stats
             log.info(
-                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits, %d bucket hits",
-                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"], stats["bucket_hits"],
+                "blockkv: disk tier closed (%s): %d spills%s, %d failed, %d disk hits, %d bucket hits",
+                cache.cache_dir, stats["spills"],
+                f" ({stats['spills_not_uploaded']} not in the bucket yet)" if stats["spills_not_uploaded"] else "",
+                stats["spill_failures"], stats["disk_hits"], stats["bucket_hits"],
             )
     return 0
 
