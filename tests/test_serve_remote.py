@@ -6,9 +6,11 @@ greedy run."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -121,3 +123,21 @@ def test_spills_kept_locally_through_a_bucket_outage_are_counted_as_stored(tmp_p
     finally:
         second.stop(signal.SIGTERM)
     assert _cached(later) > 0
+
+
+def test_no_credentials_is_said_at_start_not_ridden_out_as_an_outage(tmp_path: Path) -> None:
+    """No key given and no instance metadata service to give one: exit 2 with one
+    line saying so, before anything is created (obstore's error was a 403 from
+    the metadata service, which serve took for a bucket outage)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["AWS_METADATA_ENDPOINT"] = dead  # obstore's last resort, answering nothing
+    cache_dir = tmp_path / "kv"
+    out = subprocess.run([sys.executable, "-m", "blockkv", "serve", "--model", str(tmp_path), "--cache-dir",
+                          str(cache_dir), "--remote", "s3://team/fleet", "--remote-option", f"endpoint_url={dead}",
+                          "--remote-option", "connect_timeout=2", "--remote-option", "max_retries=0"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "no credentials for s3://team/fleet" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not cache_dir.exists()

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             from blockkv.remote.options import probe_bucket
 
             unreachable = probe_bucket(args.remote, options)
-    except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
+    except (ValueError, TypeError, ImportError, FileNotFoundError, PermissionError) as e:
         own.exit(2, f"blockkv serve: error: {e}\n")
     if unreachable:
         log.warning("blockkv: %s; serving from the local cache until it answers", unreachable)
