@@ -225,7 +225,7 @@ def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path)
      (["--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
      (["--remote-option", "region=auto"], "without remote"),
      (["--model", "/nonexistent/model"], "not a Hugging Face repo id"),
-     (["--per-key-cache"], "needs API keys"), (["--api-key-file", "/nonexistent/keys"], "cannot read it")],
+     (["--per-key-cache"], "needs API keys"), (["--cache-bytes", "150%"], "not a share of the disk"), (["--api-key-file", "/nonexistent/keys"], "cannot read it")],
 )
 def test_bad_blockkv_flags_are_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
     cache_dir = tmp_path / "kv"
@@ -271,3 +271,4 @@ def test_warmed_system_prompt_hits_first_and_metrics_count_every_tier(tmp_path: 
     (cap,) = [v for k, v in after.items() if k.startswith("blockkv_disk_cap_bytes")]
     (used,) = [v for k, v in after.items() if k.startswith("blockkv_disk_bytes")]
     assert cap == 16 << 30 and 0 < used <= cap
+    assert f"capped at 16.0 GiB per model (the default" in log  # a fresh install says what it chose

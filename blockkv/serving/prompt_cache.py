@@ -32,6 +32,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from blockkv import BlockStore
 from blockkv.format.codec import codec_for
 from blockkv.fs import FileLayer
+from blockkv.serving.budget import DiskShare
 from blockkv.serving.identity import KVQuant, StoreIdentity, identity_from_key
 
 __all__ = ["PersistentPromptCache"]
@@ -55,7 +56,8 @@ class PersistentPromptCache(LRUPromptCache):
     """``LRUPromptCache`` (RAM, hot) over one ``BlockStore`` per model (disk, cold).
 
     ``max_size``/``max_bytes`` bound the RAM tier exactly as in mlx-lm;
-    ``cache_bytes`` caps each model's store on disk. ``kv`` and
+    ``cache_bytes`` caps each model's store on disk: bytes, or a ``DiskShare``
+    of the disk holding ``cache_dir``, read again at each store. ``kv`` and
     ``chat_template`` must match how the model is served (they are part of the
     store identity). ``identity`` maps a model key to a ``StoreIdentity``; the
     default hashes the files of the paths in mlx-lm's
@@ -83,7 +85,7 @@ class PersistentPromptCache(LRUPromptCache):
         max_bytes: int = 1 << 63,
         *,
         cache_dir: str | Path,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_bytes: int | DiskShare = DEFAULT_CACHE_BYTES,
         kv: KVQuant = KVQuant(),
         chat_template: str | None = None,
         block_tokens: int = 256,
@@ -97,8 +99,9 @@ class PersistentPromptCache(LRUPromptCache):
         if not isinstance(cache_dir, (str, Path)):
             raise TypeError(f"cache_dir must be a str or Path, got {type(cache_dir).__name__}")
         check_remote(remote, remote_options)
-        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0:
-            raise ValueError(f"cache_bytes must be a positive int, got {cache_bytes!r}")
+        if not isinstance(cache_bytes, DiskShare) and (
+                isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0):
+            raise ValueError(f"cache_bytes must be a positive int or a DiskShare, got {cache_bytes!r}")
         if min_restore_tokens is None:
             min_restore_tokens = block_tokens
         if isinstance(min_restore_tokens, bool) or not isinstance(min_restore_tokens, int) or min_restore_tokens < 1:
@@ -163,12 +166,19 @@ class PersistentPromptCache(LRUPromptCache):
     def _open_store(self, ident: Any, remote: str | None) -> BlockStore:
         """The model's store; if its bucket refuses it (missing, another
         model's or a planted IDENTITY), the local tier alone, with one warning."""
+        share = self._cache_bytes if isinstance(self._cache_bytes, DiskShare) else None
+        opened: list[BlockStore] = []  # the share counts what the store holds, once it is open
         try:
-            return BlockStore(self.cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
-                              tokenizer_hash=ident.tokenizer_hash, max_bytes=self._cache_bytes,
-                              block_tokens=self._block_tokens, fs=self._fs, remote=remote,
-                              remote_options=self._remote_options if remote is not None else None,
-                              isolate_namespaces=self.isolate_namespaces)
+            store = BlockStore(self.cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
+                               tokenizer_hash=ident.tokenizer_hash,
+                               max_bytes=share.floor if share is not None else self._cache_bytes,
+                               limit=share.limit(self.cache_dir, lambda: opened[0].total_bytes if opened else 0)
+                               if share is not None else None,
+                               block_tokens=self._block_tokens, fs=self._fs, remote=remote,
+                               remote_options=self._remote_options if remote is not None else None,
+                               isolate_namespaces=self.isolate_namespaces)
+            opened.append(store)
+            return store
         except (FileNotFoundError, ValueError) as e:
             if remote is None:
                 raise

@@ -25,10 +25,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from blockkv.human import format_size, parse_cap, parse_count, parse_option
+from blockkv.human import format_size, parse_count, parse_option
 from blockkv.local.directory import default_root
 from blockkv.serving import tenants
 from blockkv.serving.auth import add_key_options, keys_from, with_keys
+from blockkv.serving.budget import FLOOR_BYTES, describe, parse_budget
 from blockkv.serving.digests import SALT_ENV, fleet_key
 from blockkv.serving.identity import KVQuant
 from blockkv.serving.metrics import ServeMetrics
@@ -61,9 +62,11 @@ def _own_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cache-bytes",
-        type=parse_cap,
-        default=DEFAULT_CACHE_BYTES,
-        help=f"byte cap of the disk tier per model, e.g. 20G (default: {format_size(DEFAULT_CACHE_BYTES)})",
+        type=parse_budget,
+        default=None,
+        help=f"cap of the disk tier per model: bytes (20G) or a share of the disk holding --cache-dir (10%%: of "
+        f"what the tier holds plus the free space, read again at each store, at least "
+        f"{format_size(FLOOR_BYTES)}) (default: {format_size(DEFAULT_CACHE_BYTES)})",
     )
     parser.add_argument(
         "--min-restore-tokens",
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if unreachable:
         log.warning("blockkv: %s; serving from the local cache until it answers", unreachable)
 
+    cache_bytes = args.cache_bytes if args.cache_bytes is not None else DEFAULT_CACHE_BYTES
     caches: list[ResidentPromptCache] = []
     metrics = ServeMetrics(lambda: list(caches))
     original_run: Callable[..., Any] = server.run
@@ -164,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             args.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             own.exit(2, f"blockkv serve: error: cannot create --cache-dir {args.cache_dir}: {e}\n")
+        log.info("blockkv: disk tier in %s, capped at %s%s", args.cache_dir, describe(cache_bytes, args.cache_dir),
+                 "" if args.cache_bytes is not None else " (the default: --cache-bytes SIZE or --cache-bytes 10% "
+                 "to change it)")
         cli = model_provider.cli_args
         kv = KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start)
 
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 journal=journal,
                 model_key=(cli.model, cli.adapter_path, cli.draft_model),  # mlx-lm's key of the default model
                 cache_dir=args.cache_dir,
-                cache_bytes=args.cache_bytes,
+                cache_bytes=cache_bytes,
                 min_restore_tokens=args.min_restore_tokens,
                 kv=kv,
                 chat_template=cli.chat_template or None,
