@@ -7,8 +7,11 @@ log, a process's command line or ``/metrics``."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,8 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx_lm
 import openai
 import pytest
+from mlx_lm.models.cache import load_prompt_cache
 
 from blockkv.serving.auth import ApiKeys
 from blockkv.serving.route import NODE_HEADER
@@ -37,6 +42,9 @@ class Keyed:
     in_env: str  # the node's $BLOCKKV_API_KEY
     node_key: str  # in the node's file too, and the router's --node-api-key-file
     client_key: str  # the router's --api-key
+    root: Path  # the node's --cache-dir
+    key_file: Path  # the node's --api-key-file
+    model: Path
 
     def secrets(self) -> list[str]:
         return [self.on_command_line, self.in_file, self.in_env, self.node_key, self.client_key]
@@ -66,7 +74,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keyed]:
                           "--log-level", "DEBUG", "--api-key", client_key, "--node-api-key-file",
                           str(router_node_key)], tmp / "router.log")
         router.wait_ready()
-        yield Keyed(node, router, cmd, file_key, env_key, node_key, client_key)
+        yield Keyed(node, router, cmd, file_key, env_key, node_key, client_key, tmp / "kv", node_keys, model)
     finally:
         for process in (router, node):
             if process is not None:
@@ -204,3 +212,27 @@ def test_per_key_caches_share_nothing_between_keys_in_ram_or_on_disk(tmp_path: P
         assert restarted.stop() == 0, restarted.log.read_text()
     assert never == 0
     assert mine > 0 and len(re.findall("restored", restarted.log.read_text())) == 1  # a's own, from disk
+
+
+def test_export_flush_takes_the_conversation_a_running_server_just_served(keyed: Keyed, tmp_path: Path) -> None:
+    """``blockkv export --flush URL latest``: the server finishes its write-behind
+    (POST /blockkv/flush, behind the key) and the file holds the conversation
+    it just answered, its prompt as mlx-lm tokenized it, loadable by mlx-lm."""
+    messages = [{"role": "system", "content": sample_text(120, seed=31)}, {"role": "user", "content": "go on"}]
+    answer = _client(keyed.node.url, keyed.in_file).chat.completions.create(
+        model="default_model", messages=messages, max_tokens=4, temperature=0.0)
+    assert answer.usage is not None
+    out = tmp_path / "live.safetensors"
+    export = [sys.executable, "-m", "blockkv", "export", str(keyed.root), "latest", "-o", str(out), "--flush",
+              keyed.node.url]
+    refused = subprocess.run(export, capture_output=True, text=True, timeout=BOUND_S,
+                             env={**os.environ, "BLOCKKV_API_KEY": "sk-wrong"})
+    assert refused.returncode == 1 and "API key was refused" in refused.stderr and not out.exists()
+    done = subprocess.run([*export, "--api-key-file", str(keyed.key_file)], capture_output=True, text=True,
+                          timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr
+    caches, metadata = load_prompt_cache(str(out), return_metadata=True)
+    tokens = json.loads(metadata["blockkv_tokens"])
+    prompt = mlx_lm.load(str(keyed.model))[1].apply_chat_template(messages, add_generation_prompt=True)
+    assert len(prompt) == answer.usage.prompt_tokens and tokens[: len(prompt)] == prompt
+    assert len(tokens) > len(prompt) and caches[0].offset == len(tokens)  # the answer's tokens too

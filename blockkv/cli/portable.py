@@ -48,10 +48,16 @@ def add_commands(sub: Any, make: Any) -> None:
     builds a subparser the way ``blockkv.cli`` builds every other one)."""
     export = make("export", cmd_export, "write an entry as a .safetensors prompt-cache file mlx-lm loads")
     export.add_argument("root", nargs="?", help="cache root (default: serve's, ~/.cache/blockkv)")
-    export.add_argument("entry", help="entry id (or a unique prefix), as 'blockkv ls' shows it")
+    export.add_argument("entry", help="entry id (or a unique prefix), as 'blockkv ls' shows it; 'latest': the "
+                        "entry used last (the conversation a server served last)")
     export.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
     export.add_argument("-f", "--fingerprint", metavar="FP", help="the entry's fingerprint (or --model)")
     export.add_argument("--prefix-len", type=parse_count, metavar="N", help="only the first N tokens")
+    export.add_argument("--flush", metavar="URL", help="first ask the blockkv serve at URL (http://HOST:PORT) to "
+                        "finish writing what it holds, so a conversation it is serving is exported whole; its "
+                        "API key from --api-key-file or $BLOCKKV_API_KEY")
+    export.add_argument("--api-key-file", type=Path, metavar="FILE", help="the key --flush sends (the first in "
+                        "the file, as serve reads it)")
     add_identity_options(export, required=False)
     imp = make("import", cmd_import, "store a .safetensors prompt-cache file (blockkv export's or "
                "mlx_lm.cache_prompt's) where 'blockkv serve --model' finds it")
@@ -76,8 +82,14 @@ def add_commands(sub: Any, make: Any) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from blockkv.serving.portable import export_prompt_cache
 
+    if args.flush is not None:
+        _flush(args)
     with _store_for_export(args) as (store, fp):
-        entry = one_entry(store.entries(), args.entry, store.directory.name)
+        entries = store.entries()
+        if args.entry == "latest" and entries:
+            entry = max(entries, key=lambda e: e.last_use)
+        else:
+            entry = one_entry(entries, args.entry, store.directory.name)
         path = export_prompt_cache(store, entry, args.output, prefix_len=args.prefix_len, model=args.model)
         tokens = args.prefix_len or entry.length
     out = {**fp, "entry": entry_json(entry), "tokens": tokens, "file": str(path), "bytes": path.stat().st_size}
@@ -135,6 +147,27 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 # -- helpers ----------------------------------------------------------------------
+
+
+def _flush(args: argparse.Namespace) -> None:
+    """``--flush URL``: the server has written every spill it started, or an OSError says why not."""
+    import os
+
+    from blockkv.serving.auth import KEY_ENV
+    from blockkv.serving.flush import request_flush
+
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.expanduser().read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise UsageError(f"--api-key-file {args.api_key_file}: holds no key")
+        key: str | None = keys[0]
+    else:
+        key = os.environ.get(KEY_ENV, "").split(",")[0].strip() or None
+    request_flush(args.flush, key, timeout=600.0)
 
 
 def _kv(args: argparse.Namespace) -> Any:

@@ -8,8 +8,11 @@ replaces the names the server looks up when it starts (``run``,
 ``LRUPromptCache`` and ``_run_http_server``) so the prompt cache it builds is a
 ``PersistentPromptCache`` configured with the server's own KV-quantisation and
 chat-template flags; its HTTP server also answers ``GET /metrics``
-(``metrics.py``) and, for ``blockkv route``, what the server holds
-(``GET /blockkv/events``, ``GET /blockkv/residency``: ``publish.py``).
+(``metrics.py``), ``POST /blockkv/flush`` (``flush.py``) and, for ``blockkv
+route``, what the server holds (``GET /blockkv/events``, ``GET
+/blockkv/residency``: ``publish.py``); with API keys every path but
+``/health`` needs one (``auth.py``), and ``--per-key-cache`` gives each key a
+cache of its own (``tenants.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from blockkv.serving import tenants
 from blockkv.serving.auth import add_key_options, keys_from, with_keys
 from blockkv.serving.budget import FLOOR_BYTES, describe, parse_budget
 from blockkv.serving.digests import SALT_ENV, fleet_key
+from blockkv.serving.flush import flush_handler
 from blockkv.serving.identity import KVQuant
 from blockkv.serving.metrics import ServeMetrics
 from blockkv.serving.metrics import install as install_metrics
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
         http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
-        handler = residency_handler(server.APIHandler, journal)
+        handler = flush_handler(residency_handler(server.APIHandler, journal), lambda: list(caches))
         handler = with_keys(tenants.tagging_handler(handler) if args.per_key_cache else handler, keys)
         setattr(server, "_run_http_server", functools.partial(http_server, handler_class=handler))
         try:
