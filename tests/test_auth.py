@@ -149,8 +149,11 @@ def test_no_key_shows_in_logs_command_lines_or_metrics(keyed: Keyed) -> None:
     _get(keyed.node.url + "/metrics", {"Authorization": "Bearer sk-a-guess"})
     status, metrics = _get(keyed.node.url + "/metrics", {"Authorization": f"Bearer {keyed.node_key}"})
     assert status == 200
+    bearer = {"Authorization": f"Bearer {keyed.node_key}"}
+    assert _get(keyed.node.url + "/blockkv/events?since=0", bearer)[0] == 200
     logs = keyed.node.log.read_text() + keyed.router.log.read_text()
-    assert "POST /v1/chat/completions" in logs  # the access log is there, without headers
+    assert "POST /v1/chat/completions" in logs and "GET /metrics" in logs  # the access log, without headers
+    assert "GET /blockkv/events" not in logs  # a router's polls, all day long: not one line each
     for key in keyed.secrets():
         assert key not in logs and key.encode() not in metrics
     for process, shown in ((keyed.node, keyed.on_command_line), (keyed.router, keyed.client_key)):
