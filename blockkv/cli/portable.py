@@ -53,6 +53,9 @@ def add_commands(sub: Any, make: Any) -> None:
     export.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
     export.add_argument("-f", "--fingerprint", metavar="FP", help="the entry's fingerprint (or --model)")
     export.add_argument("--prefix-len", type=parse_count, metavar="N", help="only the first N tokens")
+    export.add_argument("--as-model", metavar="PATH_OR_REPO",
+                        help="the file's 'model', which 'mlx_lm.generate --model' must equal (default: --model; "
+                        "with -f, the store's model id, a name that is no path: give the path here)")
     export.add_argument("--flush", metavar="URL", help="first ask the blockkv serve at URL (http://HOST:PORT) to "
                         "finish writing what it holds, so a conversation it is serving is exported whole; its "
                         "API key from --api-key-file or $BLOCKKV_API_KEY")
@@ -90,13 +93,17 @@ def cmd_export(args: argparse.Namespace) -> int:
             entry = max(entries, key=lambda e: e.last_use)
         else:
             entry = one_entry(entries, args.entry, store.directory.name)
-        path = export_prompt_cache(store, entry, args.output, prefix_len=args.prefix_len, model=args.model)
+        model = args.as_model if args.as_model is not None else args.model
+        path = export_prompt_cache(store, entry, args.output, prefix_len=args.prefix_len, model=model)
         tokens = args.prefix_len or entry.length
     out = {**fp, "entry": entry_json(entry), "tokens": tokens, "file": str(path), "bytes": path.stat().st_size}
     if args.json:
         emit_json(out)
     else:
         print(f"{label(fp)}: wrote {tokens} tokens of entry {entry.id} to {path} ({format_size(out['bytes'])})")
+        if model is None:
+            print(f"  its model is {store.identity.model_id!r}, a name: run mlx_lm.generate without --model, or "
+                  "export with --as-model PATH (what mlx_lm.generate --model will say)")
     return EXIT_OK
 
 
