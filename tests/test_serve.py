@@ -225,7 +225,8 @@ def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path)
      (["--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
      (["--remote-option", "region=auto"], "without remote"),
      (["--model", "/nonexistent/model"], "not a Hugging Face repo id"),
-     (["--per-key-cache"], "needs API keys"), (["--cache-bytes", "150%"], "not a share of the disk"), (["--api-key-file", "/nonexistent/keys"], "cannot read it")],
+     (["--per-key-cache"], "needs API keys"), (["--cache-bytes", "150%"], "not a share of the disk"),
+     (["--cache-dir", "/etc/hosts"], "is a file, not a directory"), (["--api-key-file", "/nonexistent/keys"], "cannot read it")],
 )
 def test_bad_blockkv_flags_are_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
     cache_dir = tmp_path / "kv"

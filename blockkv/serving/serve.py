@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         options = dict(args.remote_option) if args.remote_option else None
         check_remote(args.remote, options)
         check_model(rest)
+        if args.cache_dir.exists() and not args.cache_dir.is_dir():
+            raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a directory")
         keys = keys_from(args)
         if args.per_key_cache and not keys:
             raise ValueError("--per-key-cache needs API keys (--api-key, --api-key-file or $BLOCKKV_API_KEY)")
