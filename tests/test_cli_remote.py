@@ -247,3 +247,7 @@ def test_bad_remote_arguments_are_usage_errors(endpoint: str) -> None:  # noqa: 
     ]
     for (argv, message), proc in zip(cases, run_all(*(argv for argv, _ in cases), env=env_for(endpoint))):
         assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr)
+    typo, right = run_all(["ls", "--remote", f"s3://{bucket_name}/flet"],
+                          ["ls", "--remote", f"s3://{bucket_name}/fleet"], env=env_for(endpoint))
+    assert typo.returncode == 0 and "no blockkv store under" in typo.stderr  # an empty fleet, or a typo: it asks
+    assert right.returncode == 0 and "no blockkv store" not in right.stderr
