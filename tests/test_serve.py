@@ -4,6 +4,7 @@ answers exactly like a cold greedy run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,3 +275,34 @@ def test_warmed_system_prompt_hits_first_and_metrics_count_every_tier(tmp_path: 
     (used,) = [v for k, v in after.items() if k.startswith("blockkv_disk_bytes")]
     assert cap == 16 << 30 and 0 < used <= cap
     assert f"capped at 16.0 GiB per model (the default" in log  # a fresh install says what it chose
+
+
+@contextlib.contextmanager
+def _read_only(directory: Path) -> Iterator[None]:
+    """``directory`` read-only for this process: its mode for a user, a read-only
+    bind mount for root (whom no mode stops)."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        try:
+            yield
+        finally:
+            directory.chmod(0o755)
+        return
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_a_read_only_cache_dir_is_refused_at_start(tmp_path: Path) -> None:
+    """On a cache directory it cannot write, serve would find nothing to store
+    to and run RAM-only; it says so and exits instead."""
+    cache_dir = tmp_path / "kv"
+    cache_dir.mkdir()
+    with _read_only(cache_dir):
+        out = subprocess.run([sys.executable, "-m", "blockkv", "serve", "--model", str(tmp_path), "--cache-dir",
+                              str(cache_dir)], capture_output=True, text=True, timeout=REQUEST_BOUND_S)
+    assert out.returncode == 2 and "is read-only" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -127,6 +128,11 @@ def check_model(rest: list[str]) -> None:
         raise FileNotFoundError(f"--model {model}: no such directory, and not a Hugging Face repo id") from None
 
 
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in ``directory`` (its permissions, and not a read-only mount)."""
+    return os.access(directory, os.W_OK | os.X_OK) and not os.statvfs(directory).f_flag & os.ST_RDONLY
+
+
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -146,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         check_model(rest)
         if args.cache_dir.exists() and not args.cache_dir.is_dir():
             raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a directory")
+        if args.cache_dir.is_dir() and not _writable(args.cache_dir):
+            raise ValueError(f"--cache-dir {args.cache_dir} is read-only: serve stores there, and would run "
+                             "RAM-only; give it a writable directory (blockkv export reads a read-only root)")
         keys = keys_from(args)
         if args.per_key_cache and not keys:
             raise ValueError("--per-key-cache needs API keys (--api-key, --api-key-file or $BLOCKKV_API_KEY)")
