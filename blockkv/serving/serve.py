@@ -219,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             setattr(server, "LRUPromptCache", original_cache_class)
             setattr(server, "_run_http_server", http_server)
 
+    try:
+        without_tenants = tenants.install(server) if args.per_key_cache else lambda: None
+    except ValueError as e:
+        own.exit(2, f"blockkv serve: error: {e}\n")
     # SIGTERM (systemd, docker stop) shuts down like Ctrl-C, so pending spills are flushed.
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
@@ -227,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = ["blockkv serve", *rest]
     server.run = run
     without_metrics = install_metrics(server, metrics)  # GET /metrics beside mlx-lm's own paths
-    without_tenants = tenants.install(server) if args.per_key_cache else lambda: None
     try:
         server.main()
     except SystemExit as e:

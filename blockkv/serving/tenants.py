@@ -38,6 +38,9 @@ def install(server: Any) -> Callable[[], None]:
     """Make mlx-lm's ``ResponseGenerator`` serve each request alone, inside its
     namespace; the returned function undoes it."""
     generator = server.ResponseGenerator
+    if not (hasattr(generator, "_is_batchable") and hasattr(generator, "_serve_single")):
+        raise ValueError("--per-key-cache: this mlx-lm's server has no ResponseGenerator._serve_single "
+                         "to serve each key's requests in its own namespace")
     batchable, serve_single = generator._is_batchable, generator._serve_single
 
     def alone(self: Any, args: Any) -> bool:
