@@ -153,7 +153,7 @@ def test_no_key_shows_in_logs_command_lines_or_metrics(keyed: Keyed) -> None:
     assert _get(keyed.node.url + "/blockkv/events?since=0", bearer)[0] == 200
     logs = keyed.node.log.read_text() + keyed.router.log.read_text()
     assert "POST /v1/chat/completions" in logs and "GET /metrics" in logs  # the access log, without headers
-    assert "GET /blockkv/events" not in logs  # a router's polls, all day long: not one line each
+    assert '"GET /blockkv/events?since=0 HTTP/1.1" 200' not in logs  # a router's polls, all day: no line each
     for key in keyed.secrets():
         assert key not in logs and key.encode() not in metrics
     for process, shown in ((keyed.node, keyed.on_command_line), (keyed.router, keyed.client_key)):
