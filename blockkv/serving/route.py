@@ -266,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--use-default-chat-template", action="store_true", help="if the nodes use it")
     p.add_argument("--trust-remote-code", action="store_true", help="if the nodes use it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    add_key_options(p, "The clients' keys: the nodes get --node-api-key instead.")
+    add_key_options(p, "The clients' keys: the nodes get --node-api-key-file's instead.")
     p.add_argument("--node-api-key-file", type=Path, metavar="FILE",
                    help=f"the key this router sends every node (one of the nodes' --api-key; default "
                    f"${NODE_KEY_ENV}): the clients' keys stay the router's to check, and the residency it "

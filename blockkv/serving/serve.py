@@ -101,7 +101,7 @@ def _own_parser() -> argparse.ArgumentParser:
         help=f"salt of the prefix digests this server publishes for blockkv route; the same on every node "
         f"and the router (default: ${SALT_ENV}, else none)",
     )
-    add_key_options(parser, "blockkv route's --node-api-key must be one of them.")
+    add_key_options(parser, "A blockkv route in front sends one of them (its --node-api-key-file).")
     parser.add_argument(
         "--per-key-cache",
         action="store_true",
