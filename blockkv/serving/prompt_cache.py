@@ -358,7 +358,8 @@ class PersistentPromptCache(LRUPromptCache):
     def _kept(self, store: BlockStore, key: list[int], ns: str) -> bool:
         """Whether the local tier holds the entry a spill the bucket did not take was for."""
         try:
-            return store.find_exact(key, ns) is not None
+            match = store.find_exact(key, ns)
+            return match is not None and store.tier_of(match.entry) == "disk"  # another node's copy is not ours
         except Exception:  # noqa: BLE001 - a store that cannot say: not stored
             return False
 
