@@ -160,18 +160,14 @@ def _flush(args: argparse.Namespace) -> None:
     """``--flush URL``: the server has written every spill it started, or an OSError says why not."""
     import os
 
-    from blockkv.serving.auth import KEY_ENV
+    from blockkv.serving.auth import KEY_ENV, read_key_file
     from blockkv.serving.flush import request_flush
 
     if args.api_key_file is not None:
         try:
-            lines = args.api_key_file.expanduser().read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
-        keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-        if not keys:
-            raise UsageError(f"--api-key-file {args.api_key_file}: holds no key")
-        key: str | None = keys[0]
+            key: str | None = read_key_file(args.api_key_file, "--api-key-file")[0]
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     else:
         key = os.environ.get(KEY_ENV, "").split(",")[0].strip() or None
     request_flush(args.flush, key, timeout=600.0)

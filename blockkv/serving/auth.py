@@ -87,15 +87,21 @@ def keys_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -
     keys = list(args.api_key)
     keys += [k.strip() for k in environ.get(KEY_ENV, "").split(",") if k.strip()]
     if args.api_key_file is not None:
-        try:
-            lines = args.api_key_file.expanduser().read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
-        from_file = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-        if not from_file:
-            raise ValueError(f"--api-key-file {args.api_key_file}: holds no key")
-        keys += from_file
+        keys += read_key_file(args.api_key_file, "--api-key-file")
     return ApiKeys(keys)
+
+
+def read_key_file(path: Path, flag: str) -> list[str]:
+    """The keys in a file, one a line (blank lines and lines starting with # skipped);
+    ``ValueError`` naming ``flag`` if it cannot be read or holds none."""
+    try:
+        lines = path.expanduser().read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({e})") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"{flag} {path}: holds no key")
+    return keys
 
 
 def bearer(key: str | None) -> dict[str, str]:

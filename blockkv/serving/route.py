@@ -35,7 +35,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blockkv.serving.auth import NODE_KEY_ENV, ApiKeys, add_key_options, bearer, keys_from, with_keys
+from blockkv.serving.auth import (
+    NODE_KEY_ENV,
+    ApiKeys,
+    add_key_options,
+    bearer,
+    keys_from,
+    read_key_file,
+    with_keys,
+)
 from blockkv.serving.digests import SALT_ENV, fleet_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
 from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
@@ -275,16 +283,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _node_key(args: argparse.Namespace) -> str | None:
-    """The key sent to the nodes: the file's first line, else ``$BLOCKKV_NODE_API_KEY``."""
+    """The key sent to the nodes: the file's one key, else ``$BLOCKKV_NODE_API_KEY``."""
     if args.node_api_key_file is None:
         return os.environ.get(NODE_KEY_ENV) or None
-    try:
-        key = args.node_api_key_file.expanduser().read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--node-api-key-file {args.node_api_key_file}: cannot read it ({e})") from None
-    if not key or "\n" in key:
+    keys = read_key_file(args.node_api_key_file, "--node-api-key-file")
+    if len(keys) != 1:
         raise ValueError(f"--node-api-key-file {args.node_api_key_file}: must hold one key")
-    return key
+    return keys[0]
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
