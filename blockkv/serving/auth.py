@@ -6,7 +6,9 @@ A request names its key as every OpenAI client sends its ``api_key``:
 comparison ``hmac.compare_digest`` of SHA-256 digests, so neither how long a
 key is, nor where a guess first differs, nor which key matched shows in the
 time taken. Every path needs a key except ``/health`` (a load balancer's
-probe; it answers whether the server is up, nothing else). A refusal is 401
+probe; it answers whether the server is up, nothing else), and so does every
+method but ``OPTIONS`` (a browser's CORS preflight carries no credentials and
+gets headers only). A refusal is 401
 with an OpenAI-style error body and nothing more: no request is read, no
 model runs.
 
