@@ -222,7 +222,7 @@ def floor(args: argparse.Namespace, model: Path, work: Path) -> dict[str, float]
     finally:
         router.stop()
         node.stop()
-        mlx.send_signal(signal.SIGINT)
+        mlx.send_signal(signal.SIGTERM)  # Ctrl-C is ignored when the bench runs as a background job
         try:
             mlx.wait(timeout=60)
         except subprocess.TimeoutExpired:

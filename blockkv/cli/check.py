@@ -89,10 +89,8 @@ def check_one(
     with open_store(fp) as store:
         opened = list(store.recovery)  # what opening had to fix: rebuilding a lost index deletes corrupt headers
         report: CheckReport = store.check(repair=True, progress=progress)
-    report.actions[0:0] = opened
-    if rows is None:
-        report.index_missing = True
-        report.actions.insert(0, "rebuilt the missing or unusable index from the headers")
+    report.actions[0:0] = opened  # a missing index among them: opening the store rebuilt it, and said so
+    report.index_missing = rows is None
     return report
 
 
@@ -135,7 +133,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for fp, report, owners in results:
         found = [(what, item) for kind, what in PROBLEMS.items() for item in getattr(report, kind, ())]
         count = len(found) + report.index_missing
-        status = "ok" if not count else f"{count} problem(s)"
+        status = "ok" if not count else f"{count} problem{'' if count == 1 else 's'}"
         print(
             f"{label(fp_json(fp))}: {status} "
             f"({report.entries} entries, {report.blocks} blocks verified)"

@@ -207,5 +207,6 @@ def evict_remote(args: argparse.Namespace) -> int:
               format_time(e["last_use"])] for e in o["entries"]],
             right={2, 3},
         ))
-        print(f"  their blocks: 'blockkv gc --remote' deletes them once unreferenced for {o['gc_grace']:g} s")
+        print(f"  their blocks: 'blockkv gc --remote' deletes those no entry references once uploaded more than "
+              f"{o['gc_grace']:g} s ago (bucket gc goes by a block's age, not by when it lost its last entry)")
     return EXIT_OK

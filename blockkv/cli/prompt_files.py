@@ -48,10 +48,19 @@ def add_commands(sub: Any, make: Any) -> None:
     builds a subparser the way ``blockkv.cli`` builds every other one)."""
     export = make("export", cmd_export, "write an entry as a .safetensors prompt-cache file mlx-lm loads")
     export.add_argument("root", nargs="?", help="cache root (default: serve's, by platform: docs/cli.md)")
-    export.add_argument("entry", help="entry id (or a unique prefix), as 'blockkv ls' shows it")
+    export.add_argument("entry", help="entry id (or a unique prefix), as 'blockkv ls' shows it; 'latest': the "
+                        "entry used last (the conversation a server served last)")
     export.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
     export.add_argument("-f", "--fingerprint", metavar="FP", help="the entry's fingerprint (or --model)")
     export.add_argument("--prefix-len", type=parse_count, metavar="N", help="only the first N tokens")
+    export.add_argument("--as-model", metavar="PATH_OR_REPO",
+                        help="the file's 'model', which 'mlx_lm.generate --model' must equal (default: --model; "
+                        "with -f, the store's model id, a name that is no path: give the path here)")
+    export.add_argument("--flush", metavar="URL", help="first ask the blockkv serve at URL (http://HOST:PORT) to "
+                        "finish writing what it holds, so a conversation it is serving is exported whole; its "
+                        "API key from --api-key-file or $BLOCKKV_API_KEY")
+    export.add_argument("--api-key-file", type=Path, metavar="FILE", help="the key --flush sends (the first in "
+                        "the file, as serve reads it)")
     add_identity_options(export, required=False)
     imp = make("import", cmd_import, "store a .safetensors prompt-cache file (blockkv export's or "
                "mlx_lm.cache_prompt's) where 'blockkv serve --model' finds it")
@@ -80,27 +89,37 @@ def add_commands(sub: Any, make: Any) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from blockkv.serving.portable import export_prompt_cache
 
+    if args.flush is not None:
+        _flush(args)
     with _store_for_export(args) as (store, fp):
-        entry = one_entry(store.entries(), args.entry, store.directory.name)
-        path = export_prompt_cache(store, entry, args.output, prefix_len=args.prefix_len, model=args.model)
+        entries = store.entries()
+        if args.entry == "latest" and entries:
+            entry = max(entries, key=lambda e: e.last_use)
+        else:
+            entry = one_entry(entries, args.entry, store.directory.name)
+        model = args.as_model if args.as_model is not None else args.model
+        path = export_prompt_cache(store, entry, args.output, prefix_len=args.prefix_len, model=model)
         tokens = args.prefix_len or entry.length
     out = {**fp, "entry": entry_json(entry), "tokens": tokens, "file": str(path), "bytes": path.stat().st_size}
     if args.json:
         emit_json(out)
     else:
         print(f"{label(fp)}: wrote {tokens} tokens of entry {entry.id} to {path} ({format_size(out['bytes'])})")
+        if model is None:
+            print(f"  its model is {store.identity.model_id!r}, a name: run mlx_lm.generate without --model, or "
+                  "export with --as-model PATH (what mlx_lm.generate --model will say)")
     return EXIT_OK
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from blockkv.serving.portable import import_prompt_cache
+    from blockkv.serving.portable import read_for_import, store_imported
 
-    tokens = _prompt_tokens(args)
-    layout = _layout(args)
+    # a refused file never opens the store
+    caches, tokens = read_for_import(args.file, _identity(args), _prompt_tokens(args), layout=_layout(args),
+                                     unlabelled=args.unlabelled)
     with _serve_store(args) as store:
         before = dict(store.stats)
-        entry = import_prompt_cache(store, args.file, tokens=tokens, ns=args.namespace, layout=layout,
-                                    unlabelled=args.unlabelled)
+        entry = store_imported(store, args.file, caches, tokens, args.namespace)
         if entry is None:
             raise OSError(f"{args.file} was not stored (the warning above says why)")
         written = int(store.stats["bytes_written"] - before["bytes_written"])
@@ -141,6 +160,23 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 # -- helpers ----------------------------------------------------------------------
+
+
+def _flush(args: argparse.Namespace) -> None:
+    """``--flush URL``: the server has written every spill it started, or an OSError says why not."""
+    import os
+
+    from blockkv.serving.auth import KEY_ENV, read_key_file
+    from blockkv.serving.flush import request_flush
+
+    if args.api_key_file is not None:
+        try:
+            key: str | None = read_key_file(args.api_key_file, "--api-key-file")[0]
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    else:
+        key = os.environ.get(KEY_ENV, "").split(",")[0].strip() or None
+    request_flush(args.flush, key, timeout=600.0)
 
 
 def _kv(args: argparse.Namespace) -> Any:

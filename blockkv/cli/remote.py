@@ -10,6 +10,7 @@ imported only once a command runs with ``--remote``.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,6 +58,9 @@ def remote_fingerprints(
         raise UsageError(str(exc)) from None
     if unreadable is not None:
         unreadable.extend(bad)
+    if not known and not bad:  # an empty answer alone looks like an empty fleet, not a typo in the prefix
+        print(f"blockkv: no blockkv store under {args.remote}: is that the --remote the nodes were given "
+              "(s3://BUCKET/PREFIX, the prefix included)?", file=sys.stderr)
     return choose_fingerprints(known, args.fingerprint, args.remote)
 
 

@@ -57,7 +57,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"root": str(root), **out})
         return EXIT_OK
-    print(f"{label(out)}: removed {len(doomed)} entries ({format_size(disk)} on disk)")
+    print(f"{label(out)}: removed {len(doomed)} entries; {format_size(disk)} still on disk in this fingerprint")
     if doomed:
         print(render_table(["  NAMESPACE", "ENTRY", "TOKENS", "BYTES", "LAST USE"],
                            [["  " + show_ns(e.ns), e.id, str(e.length), format_size(e.nbytes),

@@ -59,8 +59,11 @@ def split_options(options: Mapping[str, object] | None) -> RemoteOptions:
 
 def probe_bucket(url: str, options: Mapping[str, object] | None) -> str | None:
     """Does the bucket of ``url`` exist? FileNotFoundError (one line naming it)
-    if the server says it does not; the reason as a line if the server could
-    not be asked (an outage: a node starts anyway and retries); None if it does."""
+    if the server says it does not; PermissionError if no credentials were
+    given and the instance metadata service (obstore's last resort) gave none:
+    a mistake to fix, not an outage to ride out; the reason as a line if the
+    server could not be asked (an outage: a node starts anyway and retries);
+    None if it does."""
     from blockkv.pool.s3 import NoSuchBucketError, S3Pool
 
     opts = split_options(options)
@@ -70,5 +73,11 @@ def probe_bucket(url: str, options: Mapping[str, object] | None) -> str | None:
     except NoSuchBucketError as exc:
         raise FileNotFoundError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - obstore raises many types for one meaning
-        return f"bucket of {url} not reachable now ({str(exc).strip().partition(chr(10))[0]})"
+        reason = str(exc).strip().partition("\n")[0]
+        if "/latest/api/token" in reason or "/latest/meta-data/" in reason:  # the metadata service's paths
+            raise PermissionError(
+                f"no credentials for {url}: none given (--remote-option access_key_id=... and "
+                f"secret_access_key=..., or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY) and the instance metadata "
+                f"service gave none ({reason})") from None
+        return f"bucket of {url} not reachable now ({reason})"
     return None

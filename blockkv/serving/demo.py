@@ -185,7 +185,8 @@ def run(args: argparse.Namespace, workdir: Path) -> DemoResult:
     import mlx_lm
 
     built = time.perf_counter()
-    model_path = args.model or build_model_dir(workdir / "model", "llama", overrides=DEMO_MODEL)
+    # the directory's name is the model's name in the store (ls, stats): say what it is
+    model_path = args.model or build_model_dir(workdir / "tiny-llama-demo", "llama", overrides=DEMO_MODEL)
     loaded = mlx_lm.load(str(model_path))
     model, tokenizer = loaded[0], loaded[1]
     built = time.perf_counter() - built

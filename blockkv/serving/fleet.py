@@ -113,6 +113,7 @@ class Node:
     in_flight: dict[int, InFlight] = field(default_factory=dict)
     routed: int = 0
     pace: Pace = field(default_factory=Pace)
+    headers: dict[str, str] = field(default_factory=dict, repr=False)  # sent with every request (its API key)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -282,7 +283,7 @@ def read_json(node: Node, path: str, limit: int, timeout: float) -> Any:
     ``LookupError`` for another status (the node runs, but not this endpoint)."""
     conn = node.connection(timeout)
     try:
-        conn.request("GET", node.prefix + path)
+        conn.request("GET", node.prefix + path, headers=node.headers)
         response = conn.getresponse()
         body = response.read(limit + 1)
         if response.status != 200:

@@ -118,14 +118,28 @@ def import_prompt_cache(store: BlockStore, path: str | os.PathLike[str], *,
     did not take it (its warning says why). Raises ``PromptCacheFileError`` for
     a file it cannot read or that is not this model's, and ``ValueError`` for
     tokens that do not match the caches."""
+    caches, tokens = read_for_import(path, store.identity, tokens, layout=layout, unlabelled=unlabelled)
+    return store_imported(store, path, caches, tokens, ns)
+
+
+def read_for_import(path: str | os.PathLike[str], identity: Identity, tokens: Sequence[int] | None = None, *,
+                    layout: ModelLayout | None = None, unlabelled: bool = False) -> tuple[list[Any], Sequence[int]]:
+    """The caches of a prompt-cache file of ``identity``'s model that fit
+    ``layout``, and the tokens to store them under (default: an export's):
+    everything an import checks before a store is opened, so a file it
+    refuses leaves the root untouched."""
     caches, metadata = read_prompt_cache(path)
-    check_file_identity(metadata, store.identity, path, unlabelled=unlabelled)
+    check_file_identity(metadata, identity, path, unlabelled=unlabelled)
     if layout is not None:
         misfit = layout.misfit(caches)
         if misfit is not None:
             raise PromptCacheFileError(f"{path}: its caches do not fit the model ({misfit})")
-    if tokens is None:
-        tokens = tokens_in(metadata, path)
+    return caches, tokens_in(metadata, path) if tokens is None else tokens
+
+
+def store_imported(store: BlockStore, path: str | os.PathLike[str], caches: list[Any], tokens: Sequence[int],
+                   ns: str = "") -> Entry | None:
+    """``read_for_import``'s caches stored under ``tokens``: the entry, or None (with a warning)."""
     stored = store.store(tokens, caches, ns)
     match = store.find_exact(tokens, ns)
     if match is None:

@@ -23,8 +23,9 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from blockkv import BlockStore
 from blockkv.format.codec import codec_for, encode_cache, record_offsets
 from blockkv.fs import FileLayer
+from blockkv.serving.budget import DiskShare
 from blockkv.serving.cache_fit import ModelLayout
 from blockkv.serving.identity import KVQuant, StoreIdentity, identity_from_key
 
@@ -58,7 +60,8 @@ class PersistentPromptCache(LRUPromptCache):
     """``LRUPromptCache`` (RAM, hot) over one ``BlockStore`` per model (disk, cold).
 
     ``max_size``/``max_bytes`` bound the RAM tier exactly as in mlx-lm;
-    ``cache_bytes`` caps each model's store on disk. ``kv`` and
+    ``cache_bytes`` caps each model's store on disk: bytes, or a ``DiskShare``
+    of the disk holding ``cache_dir``, read again at each store. ``kv`` and
     ``chat_template`` must match how the model is served (they are part of the
     store identity). ``identity`` maps a model key to a ``StoreIdentity``; the
     default hashes the files of the paths in mlx-lm's
@@ -76,6 +79,12 @@ class PersistentPromptCache(LRUPromptCache):
     mlx-lm's server concatenates their caches): a restored cache list is served
     only if it fits their layout; without ``models`` the caller vouches for
     every entry the store holds.
+
+    ``isolate_namespaces`` opens the stores with blockkv's
+    ``isolate_namespaces`` (no block shared between namespaces); a call made
+    inside ``serving(ns)`` then reads and writes namespace ``ns`` only, in the
+    RAM tier (mlx-lm's entries are keyed ``(model, ns)``) and on disk alike, so
+    neither tier tells one namespace what another holds.
     """
 
     def __init__(
@@ -84,7 +93,7 @@ class PersistentPromptCache(LRUPromptCache):
         max_bytes: int = 1 << 63,
         *,
         cache_dir: str | Path,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_bytes: int | DiskShare = DEFAULT_CACHE_BYTES,
         kv: KVQuant = KVQuant(),
         chat_template: str | None = None,
         block_tokens: int = 256,
@@ -94,12 +103,14 @@ class PersistentPromptCache(LRUPromptCache):
         remote: str | None = None,
         remote_options: Mapping[str, str] | None = None,
         models: Callable[[Any], Sequence[Any] | None] | None = None,
+        isolate_namespaces: bool = False,
     ) -> None:
         if not isinstance(cache_dir, (str, Path)):
             raise TypeError(f"cache_dir must be a str or Path, got {type(cache_dir).__name__}")
         check_remote(remote, remote_options)
-        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0:
-            raise ValueError(f"cache_bytes must be a positive int, got {cache_bytes!r}")
+        if not isinstance(cache_bytes, DiskShare) and (
+                isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes <= 0):
+            raise ValueError(f"cache_bytes must be a positive int or a DiskShare, got {cache_bytes!r}")
         if min_restore_tokens is None:
             min_restore_tokens = block_tokens
         if isinstance(min_restore_tokens, bool) or not isinstance(min_restore_tokens, int) or min_restore_tokens < 1:
@@ -113,6 +124,8 @@ class PersistentPromptCache(LRUPromptCache):
         self._remote = remote
         self._remote_options = dict(remote_options) if remote_options is not None else None
         self._kv = kv
+        self.isolate_namespaces = bool(isolate_namespaces)
+        self._serving = threading.local()  # .ns: the namespace of the request this thread serves
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
         self._stores: dict[Any, BlockStore | None] = {}
         self._models = models
@@ -137,6 +150,7 @@ class PersistentPromptCache(LRUPromptCache):
                 "promoted_to_ram",
                 "spills",
                 "spills_skipped",
+                "spills_not_uploaded",
                 "spill_failures",
                 "ram_only_inserts",
             ),
@@ -165,11 +179,19 @@ class PersistentPromptCache(LRUPromptCache):
     def _open_store(self, ident: Any, remote: str | None) -> BlockStore:
         """The model's store; if its bucket refuses it (missing, another
         model's or a planted IDENTITY), the local tier alone, with one warning."""
+        share = self._cache_bytes if isinstance(self._cache_bytes, DiskShare) else None
+        opened: list[BlockStore] = []  # the share counts what the store holds, once it is open
         try:
-            return BlockStore(self.cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
-                              tokenizer_hash=ident.tokenizer_hash, max_bytes=self._cache_bytes,
-                              block_tokens=self._block_tokens, fs=self._fs, remote=remote,
-                              remote_options=self._remote_options if remote is not None else None)
+            store = BlockStore(self.cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
+                               tokenizer_hash=ident.tokenizer_hash,
+                               max_bytes=share.floor if share is not None else self._cache_bytes,
+                               limit=share.limit(self.cache_dir, lambda: opened[0].total_bytes if opened else 0)
+                               if share is not None else None,
+                               block_tokens=self._block_tokens, fs=self._fs, remote=remote,
+                               remote_options=self._remote_options if remote is not None else None,
+                               isolate_namespaces=self.isolate_namespaces)
+            opened.append(store)
+            return store
         except (FileNotFoundError, ValueError) as e:
             if remote is None:
                 raise
@@ -198,6 +220,27 @@ class PersistentPromptCache(LRUPromptCache):
         with self._lock:
             return {**self._counts, "pending_spills": len(self._pending)}
 
+    # -- namespaces -------------------------------------------------------------
+    @contextmanager
+    def serving(self, ns: str) -> Iterator[None]:
+        """Lookups and inserts this thread makes meanwhile are namespace ``ns``'s
+        (``isolate_namespaces`` only: without it every caller shares one cache)."""
+        if not isinstance(ns, str):
+            raise TypeError(f"ns must be a str, got {type(ns).__name__}")
+        if ns and not self.isolate_namespaces:
+            raise ValueError("a namespace of its own needs isolate_namespaces=True")
+        previous = getattr(self._serving, "ns", "")
+        self._serving.ns = ns
+        try:
+            yield
+        finally:
+            self._serving.ns = previous
+
+    def _namespace(self, model: Any) -> tuple[Any, str]:
+        """(mlx-lm's key for the RAM tier, the store's namespace) of a call now."""
+        ns = getattr(self._serving, "ns", "")
+        return ((model, ns) if ns else model), ns
+
     # -- LRUPromptCache interface ------------------------------------------
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """mlx-lm's RAM lookup, then the store when its match is worth reading
@@ -207,9 +250,10 @@ class PersistentPromptCache(LRUPromptCache):
         the last prompt token, so at least one token is always left to compute.
         A restored prefix is also inserted into the RAM tier, so the next
         session that shares it is served from RAM."""
-        cache, rest = super().fetch_nearest_cache(model, tokens)
+        ram_key, ns = self._namespace(model)
+        cache, rest = super().fetch_nearest_cache(ram_key, tokens)
         from_ram = len(tokens) - len(rest)
-        restored = self._fetch_from_disk(model, tokens, from_ram)
+        restored = self._fetch_from_disk(model, tokens, from_ram, ram_key, ns)
         if restored is not None:
             self._count(tokens_prefilled=len(restored[1]))
             return restored
@@ -220,14 +264,14 @@ class PersistentPromptCache(LRUPromptCache):
         return cache, rest
 
     def _fetch_from_disk(
-        self, model: Any, tokens: list[int], from_ram: int
+        self, model: Any, tokens: list[int], from_ram: int, ram_key: Any, ns: str
     ) -> tuple[list[Any], list[int]] | None:
         # find leaves at least one token to compute, so len(tokens) - 1 is the most it can match
         if not self._worth_restoring(len(tokens) - 1, from_ram) or not _text_only(tokens):
             return None
         try:
             store = self.store_for(model)
-            match = store.find(list(tokens)) if store is not None else None
+            match = store.find(list(tokens), ns) if store is not None else None
             if store is None or match is None or not self._worth_restoring(match.prefix_len, from_ram):
                 return None
             tier = store.tier_of(match.entry)
@@ -245,7 +289,7 @@ class PersistentPromptCache(LRUPromptCache):
             prefix = list(tokens[: match.prefix_len])
             # Into mlx-lm's RAM tier by mlx-lm's own rules; the caller gets a copy
             # to extend in place, as from any RAM hit.
-            super().insert_cache(model, prefix, loaded.caches)
+            super().insert_cache(ram_key, prefix, loaded.caches)
             served = copy.deepcopy(loaded.caches)
         except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
             self._warn_once(f"fetch:{type(e).__name__}", "blockkv: disk lookup failed (%s); served without it", e)
@@ -300,7 +344,8 @@ class PersistentPromptCache(LRUPromptCache):
         ``store_async`` snapshots the arrays before returning, so the caller's
         later in-place cache updates cannot change what is written. A cache
         list with a class blockkv cannot encode stays in the RAM tier only."""
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        ram_key, ns = self._namespace(model)
+        super().insert_cache(ram_key, tokens, prompt_cache, cache_type=cache_type)
         if not tokens or not _text_only(tokens):
             return
         kinds = tuple(type(c) for c in prompt_cache)
@@ -308,7 +353,7 @@ class PersistentPromptCache(LRUPromptCache):
             self._count(ram_only_inserts=1)
             return
         try:
-            self._spill(model, list(tokens), prompt_cache)
+            self._spill(model, list(tokens), prompt_cache, ns)
         except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
             unknown = _classes_without_codec(prompt_cache)
             if unknown:
@@ -324,19 +369,19 @@ class PersistentPromptCache(LRUPromptCache):
                 self._count(spill_failures=1)
                 self._warn_once(f"spill:{type(e).__name__}", "blockkv: spilling a prompt cache failed: %s", e)
 
-    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any]) -> None:
+    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str) -> None:
         store = self.store_for(model)
         if store is None:
             return
-        if store.find_exact(key) is not None:
+        if store.find_exact(key, ns) is not None:
             self._count(spills_skipped=1)
             return
-        future = store.store_async(key, prompt_cache)
+        future = store.store_async(key, prompt_cache, ns)
         with self._lock:
             self._pending.add(future)
-        future.add_done_callback(self._spilled)
+        future.add_done_callback(partial(self._spilled, store, key, ns))
 
-    def _spilled(self, future: Future[bool]) -> None:
+    def _spilled(self, store: BlockStore, key: list[int], ns: str, future: Future[bool]) -> None:
         with self._lock:
             self._pending.discard(future)
         error = future.exception() if not future.cancelled() else None
@@ -344,8 +389,18 @@ class PersistentPromptCache(LRUPromptCache):
             self._warn_once(f"spill:{type(error).__name__}", "blockkv: spilling a prompt cache failed: %s", error)
         if error is None and not future.cancelled() and future.result():
             self._count(spills=1)
+        elif error is None and not future.cancelled() and store.remote is not None and self._kept(store, key, ns):
+            self._count(spills=1, spills_not_uploaded=1)  # the bucket did not acknowledge it: stored locally
         else:
             self._count(spill_failures=1)
+
+    def _kept(self, store: BlockStore, key: list[int], ns: str) -> bool:
+        """Whether the local tier holds the entry a spill the bucket did not take was for."""
+        try:
+            match = store.find_exact(key, ns)
+            return match is not None and store.tier_of(match.entry) == "disk"  # another node's copy is not ours
+        except Exception:  # noqa: BLE001 - a store that cannot say: not stored
+            return False
 
     # -- lifetime -----------------------------------------------------------
     def flush(self) -> None:

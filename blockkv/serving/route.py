@@ -25,6 +25,7 @@ import http.client
 import itertools
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -32,9 +33,19 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from blockkv.serving.auth import (
+    NODE_KEY_ENV,
+    ApiKeys,
+    add_key_options,
+    bearer,
+    keys_from,
+    read_key_file,
+    with_keys,
+)
 from blockkv.serving.bounded_server import BoundedHTTPServer
 from blockkv.serving.digests import SALT_ENV, digest_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
@@ -71,12 +82,12 @@ class Router:
     """The fleet and the choice of a node for a prompt."""
 
     def __init__(self, urls: list[str], tokenizer: PromptTokenizer | None, salt: str | None,
-                 node_timeout: float) -> None:
+                 node_timeout: float, node_key: str | None = None) -> None:
         if not urls:
             raise ValueError("at least one --node is needed")
         if len(set(urls)) != len(urls):
             raise ValueError("a --node is given twice")
-        self.nodes = [Node(url) for url in urls]
+        self.nodes = [Node(url, headers=bearer(node_key)) for url in urls]
         self.tokenizer = tokenizer
         self.node_timeout = node_timeout
         self._key = digest_key(salt)
@@ -177,11 +188,11 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path.startswith("/v1/models"):
             self._relay("GET", None, None)
-        elif self.path == "/health":
-            self._reply(200, {"status": "ok", "nodes": {n.url: {"up": n.up, "residency": n.block_size > 0,
-                                                                "in_flight": n.queue()[1],
-                                                                "active_cost": round(n.active_cost(), 1)}
-                                                        for n in self.router.nodes}})
+        elif self.path == "/health":  # 503 with every node down: a balancer in front sends elsewhere
+            up = any(n.up for n in self.router.nodes)
+            self._reply(200 if up else 503, {"status": "ok" if up else "no node up", "nodes": {
+                n.url: {"up": n.up, "residency": n.block_size > 0, "in_flight": n.queue()[1],
+                        "active_cost": round(n.active_cost(), 1)} for n in self.router.nodes}})
         else:
             self._reply(404, {"error": "Not Found"})
 
@@ -242,7 +253,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             conn.connect()
             conn.sock.settimeout(self.router.node_timeout)  # the first byte may wait for a long prefill
-            headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
+            headers = {"Content-Type": self.headers.get("Content-Type", "application/json"), **node.headers}
             conn.request(method, node.prefix + self.path, body=body, headers=headers)
             return conn, conn.getresponse()
         except BaseException:
@@ -316,12 +327,12 @@ def _is_utf8(data: bytes) -> bool:
     return True
 
 
-def serve(router: Router, host: str, port: int, client_timeout: float = CLIENT_TIMEOUT_S,
-          max_connections: int = MAX_CONNECTIONS) -> BoundedHTTPServer:
-    """An HTTP server for ``router`` on ``host:port`` (not yet serving)."""
+def serve(router: Router, host: str, port: int, keys: ApiKeys = ApiKeys(()),
+          client_timeout: float = CLIENT_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> BoundedHTTPServer:
+    """An HTTP server for ``router`` on ``host:port`` (not yet serving), answering only ``keys`` if any."""
     if not client_timeout > 0:
         raise ValueError(f"--client-timeout must be positive, got {client_timeout}")
-    handler = type("RouteHandler", (Handler,), {"router": router, "timeout": client_timeout})
+    handler = with_keys(type("RouteHandler", (Handler,), {"router": router, "timeout": client_timeout}), keys)
     return BoundedHTTPServer((host, port), handler, max_connections)
 
 
@@ -350,7 +361,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--use-default-chat-template", action="store_true", help="if the nodes use it")
     p.add_argument("--trust-remote-code", action="store_true", help="if the nodes use it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_key_options(p, "The clients' keys: the nodes get --node-api-key-file's instead.")
+    p.add_argument("--node-api-key-file", type=Path, metavar="FILE",
+                   help=f"the key this router sends every node (one of the nodes' --api-key; default "
+                   f"${NODE_KEY_ENV}): the clients' keys stay the router's to check, and the residency it "
+                   "follows has no client to borrow one from")
     return p
+
+
+def _node_key(args: argparse.Namespace) -> str | None:
+    """The key sent to the nodes: the file's one key, else ``$BLOCKKV_NODE_API_KEY``."""
+    if args.node_api_key_file is None:
+        return os.environ.get(NODE_KEY_ENV) or None
+    keys = read_key_file(args.node_api_key_file, "--node-api-key-file")
+    if len(keys) != 1:
+        raise ValueError(f"--node-api-key-file {args.node_api_key_file}: must hold one key")
+    return keys[0]
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -369,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                                     chat_template_args=args.chat_template_args,
                                     use_default_chat_template=args.use_default_chat_template,
                                     trust_remote_code=args.trust_remote_code)
-        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout)
-        server = serve(router, args.host, args.port, args.client_timeout, args.max_connections)
+        keys = keys_from(args)
+        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout, node_key=_node_key(args))
+        server = serve(router, args.host, args.port, keys, args.client_timeout, args.max_connections)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"blockkv route: error: {e}\n")
     if threading.current_thread() is threading.main_thread():

@@ -8,8 +8,11 @@ replaces the names the server looks up when it starts (``run``,
 ``LRUPromptCache`` and ``_run_http_server``) so the prompt cache it builds is a
 ``PersistentPromptCache`` configured with the server's own KV-quantisation and
 chat-template flags; its HTTP server also answers ``GET /metrics``
-(``metrics.py``) and, for ``blockkv route``, what the server holds
-(``GET /blockkv/events``, ``GET /blockkv/residency``: ``publish.py``).
+(``metrics.py``), ``POST /blockkv/flush`` (``flush.py``) and, for ``blockkv
+route``, what the server holds (``GET /blockkv/events``, ``GET
+/blockkv/residency``: ``publish.py``); with API keys every path but
+``/health`` needs one (``auth.py``), and ``--per-key-cache`` gives each key a
+cache of its own (``tenants.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from blockkv.human import format_size, parse_cap, parse_count, parse_option
+from blockkv.human import format_size, parse_count, parse_option
 from blockkv.local.directory import default_root
+from blockkv.serving import tenants
+from blockkv.serving.auth import add_key_options, keys_from, with_keys
+from blockkv.serving.budget import FLOOR_BYTES, describe, parse_budget
 from blockkv.serving.digests import SALT_ENV, digest_key
+from blockkv.serving.flush import flush_handler
 from blockkv.serving.identity import KVQuant
 from blockkv.serving.metrics import ServeMetrics
 from blockkv.serving.metrics import install as install_metrics
@@ -61,9 +68,11 @@ def _own_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cache-bytes",
-        type=parse_cap,
-        default=DEFAULT_CACHE_BYTES,
-        help=f"byte cap of the disk tier per model, e.g. 20G (default: {format_size(DEFAULT_CACHE_BYTES)})",
+        type=parse_budget,
+        default=None,
+        help=f"cap of the disk tier per model: bytes (20G) or a share of the disk holding --cache-dir (10%%: of "
+        f"what the tier holds plus the free space, read again at each store, at least "
+        f"{format_size(FLOOR_BYTES)}) (default: {format_size(DEFAULT_CACHE_BYTES)})",
     )
     parser.add_argument(
         "--min-restore-tokens",
@@ -93,6 +102,13 @@ def _own_parser() -> argparse.ArgumentParser:
         help=f"salt of the prefix digests this server publishes for blockkv route; the same on every node "
         f"and the router (default: ${SALT_ENV}, else none)",
     )
+    add_key_options(parser, "A blockkv route in front sends one of them (its --node-api-key-file).")
+    parser.add_argument(
+        "--per-key-cache",
+        action="store_true",
+        help="each API key reads and writes a prompt cache of its own (RAM and disk): no tenant learns from "
+        "cached_tokens what another sent; requests are then served one at a time",
+    )
     return parser
 
 
@@ -102,6 +118,28 @@ def _loaded_models(model_provider: Any, key: Any) -> list[Any] | None:
     if model_provider.model_key != key:
         return None
     return [m for m in (model_provider.model, model_provider.draft_model) if m is not None]
+
+
+def check_model(rest: list[str]) -> None:
+    """Refuse a ``--model`` that is neither a directory nor a Hugging Face repo id
+    now: mlx-lm loads it only on the first request, and would answer every one
+    with 404 "generation thread died"."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model")
+    model = parser.parse_known_args(rest)[0].model
+    if model is None or Path(model).expanduser().is_dir():
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise FileNotFoundError(f"--model {model}: no such directory, and not a Hugging Face repo id") from None
+
+
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in ``directory`` (its permissions, and not a read-only mount)."""
+    return os.access(directory, os.W_OK | os.X_OK) and not os.statvfs(directory).f_flag & os.ST_RDONLY
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -143,6 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = dict(args.remote_option) if args.remote_option else None
         check_remote(args.remote, options)
+        check_model(rest)
+        if args.cache_dir.exists() and not args.cache_dir.is_dir():
+            raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a directory")
+        if args.cache_dir.is_dir() and not _writable(args.cache_dir):
+            raise ValueError(f"--cache-dir {args.cache_dir} is read-only: serve stores there, and would run "
+                             "RAM-only; give it a writable directory (blockkv export reads a read-only root)")
+        keys = keys_from(args)
+        if args.per_key_cache and not keys:
+            raise ValueError("--per-key-cache needs API keys (--api-key, --api-key-file or $BLOCKKV_API_KEY)")
         # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
         # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
         unreachable = None
@@ -150,12 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             from blockkv.remote.options import probe_bucket
 
             unreachable = probe_bucket(args.remote, options)
-    except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
+    except (ValueError, TypeError, ImportError, FileNotFoundError, PermissionError) as e:
         own.exit(2, f"blockkv serve: error: {e}\n")
     if unreachable:
         log.warning("blockkv: %s; serving from the local cache until it answers", unreachable)
 
     publish = _may_publish_residency(rest, args.fleet_salt)
+    cache_bytes = args.cache_bytes if args.cache_bytes is not None else DEFAULT_CACHE_BYTES
     caches: list[ResidentPromptCache] = []
     metrics = ServeMetrics(lambda: list(caches))
     original_run: Callable[..., Any] = server.run
@@ -168,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             args.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             own.exit(2, f"blockkv serve: error: cannot create --cache-dir {args.cache_dir}: {e}\n")
+        log.info("blockkv: disk tier in %s, capped at %s%s", args.cache_dir, describe(cache_bytes, args.cache_dir),
+                 "" if args.cache_bytes is not None else " (the default: --cache-bytes SIZE or --cache-bytes 10% "
+                 "to change it)")
         cli = model_provider.cli_args
         kv = KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start)
 
@@ -178,13 +229,14 @@ def main(argv: list[str] | None = None) -> int:
                 journal=journal,
                 model_key=(cli.model, cli.adapter_path, cli.draft_model),  # mlx-lm's key of the default model
                 cache_dir=args.cache_dir,
-                cache_bytes=args.cache_bytes,
+                cache_bytes=cache_bytes,
                 min_restore_tokens=args.min_restore_tokens,
                 kv=kv,
                 chat_template=cli.chat_template or None,
                 remote=args.remote,
                 remote_options=options,
                 models=functools.partial(_loaded_models, model_provider),
+                isolate_namespaces=args.per_key_cache,
             )
             caches.append(cache)
             metrics.watch(cache)
@@ -193,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
         http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
         handler = residency_handler(server.APIHandler, journal) if publish else server.APIHandler
+        handler = flush_handler(handler, lambda: list(caches))
+        handler = with_keys(tenants.tagging_handler(handler) if args.per_key_cache else handler, keys)
+
         def run_http_server(*a: Any, **k: Any) -> Any:
             for cache in caches:  # before /health answers: the first request does not pay the open, and
                 cache.open_published()  # a restarted node publishes its disk before the router asks
@@ -205,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             setattr(server, "LRUPromptCache", original_cache_class)
             setattr(server, "_run_http_server", http_server)
 
+    try:
+        without_tenants = tenants.install(server) if args.per_key_cache else lambda: None
+    except ValueError as e:
+        own.exit(2, f"blockkv serve: error: {e}\n")
     # SIGTERM (systemd, docker stop) shuts down like Ctrl-C, so pending spills are flushed.
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
@@ -220,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.run = original_run
         without_metrics()
+        without_tenants()
         sys.argv = saved_argv
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
@@ -227,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             cache.close()
             stats = cache.tier_stats
             log.info(
-                "blockkv: disk tier closed (%s): %d spills, %d failed, %d disk hits, %d bucket hits",
-                cache.cache_dir, stats["spills"], stats["spill_failures"], stats["disk_hits"], stats["bucket_hits"],
+                "blockkv: disk tier closed (%s): %d spills%s, %d failed, %d disk hits, %d bucket hits",
+                cache.cache_dir, stats["spills"],
+                f" ({stats['spills_not_uploaded']} not in the bucket yet)" if stats["spills_not_uploaded"] else "",
+                stats["spill_failures"], stats["disk_hits"], stats["bucket_hits"],
             )
     return 0
 

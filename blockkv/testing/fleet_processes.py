@@ -63,9 +63,11 @@ class Process:
         return Process(self.args, log, self.env, self.port, self.host)
 
     def stop(self, bound: float = 60.0) -> int | None:
-        """Ctrl-C (a node flushes its spills), then kill after ``bound`` seconds; the exit status."""
+        """SIGTERM, as a service manager stops it (a node flushes its spills; unlike
+        Ctrl-C it is not ignored in a background job), then kill after ``bound``
+        seconds; the exit status."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=bound)
             except subprocess.TimeoutExpired:

@@ -37,6 +37,7 @@ def test_rm_by_id_and_by_namespace_in_the_default_root(tmp_path: Path) -> None:
     by_id = blockkv("rm", root, "-f", "rm-test", ids["b"][:8])  # ROOT -f FP ENTRY: ids after the options
     assert by_id.returncode == 0, by_id.stderr
     assert ids["b"] in by_id.stdout and "blockkv gc -f rm-test" in by_id.stdout
+    assert "removed 1 entries; " in by_id.stdout and " still on disk in this fingerprint" in by_id.stdout  # not freed
     hint = by_id.stdout.split("'")[1]  # the gc it names works as printed
     assert blockkv(*hint.split()[1:], root, "--grace", "0").returncode == 0
     left = json.loads(blockkv("ls", root, "--json").stdout)["entries"]

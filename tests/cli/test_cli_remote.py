@@ -199,8 +199,9 @@ def test_evict_and_gc_against_the_bucket(endpoint: str) -> None:  # noqa: F811
     blocks_kept = {b.ref.name for n in keep for b in entries[n]["layout"].blocks}
     target = sum(listed[n].size for n in keep) + sum(sizes[b] for b in blocks_kept)
     before = snapshot(endpoint, bucket_name)
-    dry, unnamed, both, gc_young = run_all(
+    dry, told, unnamed, both, gc_young = run_all(
         ["evict", "--remote", url, "--to", str(target), "--all", "--dry-run", "--json"],
+        ["evict", "--remote", url, "--to", str(target), "--all", "--dry-run"],
         ["gc", "--remote", url],  # changes the bucket: must name a fingerprint or say --all
         ["gc", str(Path.cwd()), "--remote", url, "--all"],
         ["gc", "--remote", url, "-f", node.FP_DIR, "--json", *TIMING],  # everything is young yet
@@ -208,6 +209,7 @@ def test_evict_and_gc_against_the_bucket(endpoint: str) -> None:  # noqa: F811
     )
     (fp,) = parsed(dry)["fingerprints"]
     assert fp["headers"] == [names[1]] and [e["id"] for e in fp["entries"]] == [entry_id(names[1])]
+    assert told.returncode == 0 and "once uploaded more than 3600 s ago" in told.stdout  # bucket gc goes by age
     assert unnamed.returncode == 2 and "--all" in unnamed.stderr
     assert both.returncode == 2 and "not both" in both.stderr
     (run,) = parsed(gc_young)["fingerprints"]
@@ -245,3 +247,7 @@ def test_bad_remote_arguments_are_usage_errors(endpoint: str) -> None:  # noqa: 
     ]
     for (argv, message), proc in zip(cases, run_all(*(argv for argv, _ in cases), env=env_for(endpoint))):
         assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr)
+    typo, right = run_all(["ls", "--remote", f"s3://{bucket_name}/flet"],
+                          ["ls", "--remote", f"s3://{bucket_name}/fleet"], env=env_for(endpoint))
+    assert typo.returncode == 0 and "no blockkv store under" in typo.stderr  # an empty fleet, or a typo: it asks
+    assert right.returncode == 0 and "no blockkv store" not in right.stderr

@@ -54,7 +54,7 @@ def test_cache_dir_is_kept_and_reused_by_the_next_run(tmp_path: Path, capsys: py
     assert demo.main([*SMALL, "--cold-checks", "0", "--cache-dir", str(cache_dir)]) == 0
     first = capsys.readouterr().out
     assert _row(first, "first run")["from disk"] == 0
-    assert any(cache_dir.iterdir())
+    assert [d.name.split("_")[0] for d in cache_dir.iterdir() if d.is_dir()] == ["tiny-llama-demo"]  # not "model"
     # Same seed, same weights, same identity: the second run starts warm from disk.
     assert demo.main([*SMALL, "--cold-checks", "0", "--cache-dir", str(cache_dir)]) == 0
     second = capsys.readouterr().out

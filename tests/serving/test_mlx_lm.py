@@ -23,6 +23,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from blockkv.format.header import Header, decode_header, encode_header
 from blockkv.fs import Buffer, FileLayer
 from blockkv.mlx_lm import PersistentPromptCache
+from blockkv.serving.budget import DiskShare
 from blockkv.serving.demo import Agent
 from blockkv.serving.identity import KVQuant
 from blockkv.testing.faults import FaultyFileLayer
@@ -653,3 +654,30 @@ def test_disk_matches_shorter_than_the_minimum_are_not_restored(llama: Model, ca
             cache.insert_cache(llama.key, stored[:ram_len], head)
             assert cache.fetch_nearest_cache(llama.key, prompt)[1] == rest
             assert (cache.tier_stats["ram_hits"], cache.tier_stats["disk_hits"]) == stats
+
+
+def test_a_share_of_the_disk_caps_each_store_as_the_disk_fills(llama: Model, cache_dir: Path) -> None:
+    """``DiskShare``: the cap is the share of what the store holds plus the free
+    space under the root, read again at each store, and never below the floor
+    (here a share too small to matter: the floor is the cap, and the store
+    evicts to it)."""
+    share = DiskShare(0.25)
+    with ShortPromptCache(cache_dir=cache_dir, cache_bytes=share) as cache:
+        llama.agent.ask_tokens(llama.encode(60, seed=21), cache)
+        cache.flush()
+        (store,) = cache.stores()
+        held = store.total_bytes
+        low = share.cap(cache_dir, held)  # other jobs write to this disk meanwhile: the cap moves with them
+        cap = store.max_bytes
+        high = share.cap(cache_dir, held)
+        assert held > 0 and min(low, high) <= cap <= max(low, high)
+    tiny_floor = 64 << 10
+    with ShortPromptCache(cache_dir=cache_dir / "small", cache_bytes=DiskShare(1e-12, floor=tiny_floor)) as cache:
+        for seed in range(30, 36):
+            llama.agent.ask_tokens(llama.encode(60, seed=seed), cache)
+        cache.flush()
+        (store,) = cache.stores()
+        assert store.max_bytes == tiny_floor and 0 < store.total_bytes <= tiny_floor
+        assert len(store) < cache.tier_stats["spills"]  # it stored more than the floor holds, and evicted to it
+    with pytest.raises(ValueError, match="share of the disk"):
+        DiskShare(1.5)

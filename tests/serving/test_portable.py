@@ -144,11 +144,29 @@ def test_cache_prompt_file_imports_where_serve_finds_it(tmp_path: Path) -> None:
                            "--model", str(model_dir)], capture_output=True, text=True, timeout=300)
     assert back.returncode == 0, back.stderr
     assert raw(load_prompt_cache(str(out))) == raw(load_prompt_cache(str(made)))
+    fp = json.loads(cli.stdout)["fingerprint"]
+    by_fp = [sys.executable, "-m", "blockkv", "export", str(root), entry_id, "-o", str(out), "-f", fp]
+    named = subprocess.run(by_fp, capture_output=True, text=True, timeout=300)
+    assert named.returncode == 0 and "--as-model PATH" in named.stdout, named.stderr  # it says the name is no path
+    assert load_prompt_cache(str(out), return_metadata=True)[1]["model"] == ident.model_id
+    placed = subprocess.run([*by_fp, "--as-model", str(model_dir)], capture_output=True, text=True, timeout=300)
+    assert placed.returncode == 0 and "--as-model" not in placed.stdout, placed.stderr
+    assert load_prompt_cache(str(out), return_metadata=True)[1]["model"] == str(model_dir)  # mlx_lm.generate's
     stores = sorted(p.name for p in root.iterdir())
     missing = subprocess.run([sys.executable, "-m", "blockkv", "export", str(root), entry_id, "-o", str(out),
                               "--model", str(model_dir), "--kv-bits", "8"], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "no store for --model" in missing.stderr
     assert sorted(p.name for p in root.iterdir()) == stores  # an export makes no store
+    (blobs,) = root.glob("*/blobs")
+    stray = blobs / "00" / ("0" * 64)  # a block nothing references: what opening the store would sweep
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"not ours to judge")
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not a prompt-cache file")
+    refused = subprocess.run([sys.executable, "-m", "blockkv", "import", str(root), str(text_file), "--model",
+                              str(model_dir)], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "not a safetensors file" in refused.stderr
+    assert stray.exists()  # refused before the store was opened: nothing swept
 
 
 def hostile(path: Path, how: str) -> None:

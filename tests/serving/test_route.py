@@ -356,11 +356,13 @@ def test_reads_from_a_node_are_bounded_and_another_salt_is_ignored(fakes: list[F
     assert set(node.held["RAM"]) == set() and node.epoch is None
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+def _post(url: str, body: dict[str, Any] | None, path: str = "/v1/chat/completions"
+          ) -> tuple[int, dict[str, str], bytes]:
+    """POST ``body`` to ``url + path`` (GET if None): status, headers, body."""
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+    request = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=BOUND_S) as response:
@@ -392,6 +394,8 @@ def test_a_silent_or_refusing_node_is_skipped_and_the_answer_is_a_nodes_own(fake
         fakes.remove(live)
         status, _, body = _post(front, {"messages": [{"role": "user", "content": "hi"}]})
         assert status == 503 and b"no blockkv serve node answered" in body
+        status, _, body = _post(front, None, "/health")  # a balancer in front must not send here
+        assert status == 503 and json.loads(body)["status"] == "no node up"
     finally:
         server.shutdown()
         server.server_close()

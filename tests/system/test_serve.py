@@ -4,6 +4,7 @@ answers exactly like a cold greedy run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,9 @@ class Server:
         argv = [*command, "--model", str(model), "--cache-dir", str(cache_dir)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "INFO"]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            # Ctrl-C must reach it even when the tests run as a background job (`nohup ... &`
+            # ignores SIGINT, and an ignored signal stays ignored across exec)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_default_sigint)
         deadline = time.monotonic() + START_BOUND_S
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -100,9 +104,14 @@ class Server:
         return log
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spills(log: str) -> tuple[int, int]:
     """(spills written, spills failed) from the server's shutdown line."""
-    closed = re.search(r"blockkv: disk tier closed \(.*\): (\d+) spills, (\d+) failed", log)
+    closed = re.search(r"blockkv: disk tier closed \(.*\): (\d+) spills(?: \(\d+ not in the bucket yet\))?, "
+                       r"(\d+) failed", log)
     assert closed is not None, log
     return int(closed.group(1)), int(closed.group(2))
 
@@ -220,7 +229,10 @@ def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path)
      (["--cache-bytes", "0"], "at least 1 byte"), (["--cache-bytes", "0.4"], "at least 1 byte"),
      (["--remote", "http://bucket/prefix"], "s3://"), (["--remote", "s3://b/p", "--remote-option", "grace"], "KEY=VALUE"),
      (["--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
-     (["--remote-option", "region=auto"], "without remote")],
+     (["--remote-option", "region=auto"], "without remote"),
+     (["--model", "/nonexistent/model"], "not a Hugging Face repo id"),
+     (["--per-key-cache"], "needs API keys"), (["--cache-bytes", "150%"], "not a share of the disk"),
+     (["--cache-dir", "/etc/hosts"], "is a file, not a directory"), (["--api-key-file", "/nonexistent/keys"], "cannot read it")],
 )
 def test_bad_blockkv_flags_are_usage_errors(tmp_path: Path, argv: list[str], message: str) -> None:
     cache_dir = tmp_path / "kv"
@@ -266,6 +278,7 @@ def test_warmed_system_prompt_hits_first_and_metrics_count_every_tier(tmp_path: 
     (cap,) = [v for k, v in after.items() if k.startswith("blockkv_disk_cap_bytes")]
     (used,) = [v for k, v in after.items() if k.startswith("blockkv_disk_bytes")]
     assert cap == 16 << 30 and 0 < used <= cap
+    assert f"capped at 16.0 GiB per model (the default" in log  # a fresh install says what it chose
 
 
 def test_an_entry_that_does_not_fit_the_model_is_a_miss_and_the_server_lives(tmp_path: Path) -> None:
@@ -298,3 +311,34 @@ def test_an_entry_that_does_not_fit_the_model_is_a_miss_and_the_server_lives(tmp
     assert all(a.choices[0].message.content is not None for a in answers)
     assert answers[0].usage.prompt_tokens_details.cached_tokens == 0  # the planted entry was not served
     assert "restored" not in log and len(re.findall(r"does not fit the model", log)) == 1
+
+
+@contextlib.contextmanager
+def _read_only(directory: Path) -> Iterator[None]:
+    """``directory`` read-only for this process: its mode for a user, a read-only
+    bind mount for root (whom no mode stops)."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        try:
+            yield
+        finally:
+            directory.chmod(0o755)
+        return
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_a_read_only_cache_dir_is_refused_at_start(tmp_path: Path) -> None:
+    """On a cache directory it cannot write, serve would find nothing to store
+    to and run RAM-only; it says so and exits instead."""
+    cache_dir = tmp_path / "kv"
+    cache_dir.mkdir()
+    with _read_only(cache_dir):
+        out = subprocess.run([sys.executable, "-m", "blockkv", "serve", "--model", str(tmp_path), "--cache-dir",
+                              str(cache_dir)], capture_output=True, text=True, timeout=REQUEST_BOUND_S)
+    assert out.returncode == 2 and "is read-only" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

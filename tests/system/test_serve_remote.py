@@ -6,7 +6,11 @@ greedy run."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,3 +94,50 @@ def test_a_wrong_remote_is_refused_when_the_cache_is_made(tmp_path: Path, kwargs
     remote must fail at construction instead of leaving every model RAM-only."""
     with pytest.raises(error):
         PersistentPromptCache(cache_dir=tmp_path, **kwargs)
+
+
+def test_spills_kept_locally_through_a_bucket_outage_are_counted_as_stored(tmp_path: Path) -> None:
+    """A bucket nobody answers for: the server starts on its local tier, and
+    its shutdown line counts what it stored there (and says the bucket lacks
+    it), not as failures; a server started afterwards restores it from disk."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    model_dir = build_model_dir(tmp_path / "model", "llama")
+    options = [f"endpoint_url={dead}", "timeout=2", "connect_timeout=1", "max_retries=0",
+               *(f"{k}={v}" for k, v in node.CREDENTIALS.items())]
+    command = [sys.executable, "-m", "blockkv", "serve", "--remote", "s3://down/fleet",
+               *(arg for option in options for arg in ("--remote-option", option))]
+    system = {"role": "system", "content": sample_text(300, seed=1)}
+    first = Server(command, model_dir, tmp_path / "kv", tmp_path / "a.log")
+    try:
+        first.chat([system, {"role": "user", "content": sample_text(12, seed=4)}])
+    finally:
+        log = first.stop(signal.SIGTERM)
+    spilled, failed = _spills(log)
+    assert spilled > 0 and failed == 0, log
+    assert re.search(rf"{spilled} spills \({spilled} not in the bucket yet\)", log), log
+    second = Server([sys.executable, "-m", "blockkv", "serve"], model_dir, tmp_path / "kv", tmp_path / "b.log")
+    try:
+        later = second.chat([system, {"role": "user", "content": sample_text(12, seed=5)}])
+    finally:
+        second.stop(signal.SIGTERM)
+    assert _cached(later) > 0
+
+
+def test_no_credentials_is_said_at_start_not_ridden_out_as_an_outage(tmp_path: Path) -> None:
+    """No key given and no instance metadata service to give one: exit 2 with one
+    line saying so, before anything is created (obstore's error was a 403 from
+    the metadata service, which serve took for a bucket outage)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["AWS_METADATA_ENDPOINT"] = dead  # obstore's last resort, answering nothing
+    cache_dir = tmp_path / "kv"
+    out = subprocess.run([sys.executable, "-m", "blockkv", "serve", "--model", str(tmp_path), "--cache-dir",
+                          str(cache_dir), "--remote", "s3://team/fleet", "--remote-option", f"endpoint_url={dead}",
+                          "--remote-option", "connect_timeout=2", "--remote-option", "max_retries=0"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "no credentials for s3://team/fleet" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not cache_dir.exists()
