@@ -111,8 +111,8 @@ class PausedAfterReading(FileLayer):
         self._maybe_pause(path)
         return ok
 
-    def read(self, path: Path) -> bytes:
-        data = super().read(path)
+    def read(self, path: Path, limit: int | None = None) -> bytes:
+        data = super().read(path, limit)
         self._maybe_pause(path)
         return data
 

@@ -428,7 +428,7 @@ def test_a_missing_bucket_keeps_the_local_tier_of_a_prompt_cache(
 
 def test_serve_with_a_missing_bucket_exits_2_naming_it(tmp_path: Path, endpoint: str) -> None:  # noqa: F811
     proc = subprocess.run(
-        [sys.executable, "-m", "blockkv", "serve", "--model", str(tmp_path / "no-model"), "--cache-dir",
+        [sys.executable, "-m", "blockkv", "serve", "--model", str(tmp_path), "--cache-dir",
          str(tmp_path / "c"), "--remote", "s3://no-such-bucket/fleet",
          *(arg for k, v in {"endpoint_url": endpoint, **node.CREDENTIALS}.items()
            for arg in ("--remote-option", f"{k}={v}"))],

@@ -588,9 +588,9 @@ class ExplodingFileLayer(FileLayer):
         if self.armed:
             raise RuntimeError("the disk controller fell off")
 
-    def read(self, path: Path) -> bytes:
+    def read(self, path: Path, limit: int | None = None) -> bytes:
         self._explode()
-        return super().read(path)
+        return super().read(path, limit)
 
     def read_into(self, path: Path, buffer: bytearray) -> memoryview:
         self._explode()
