@@ -5,7 +5,11 @@ a clear error."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,8 @@ import pytest
 from blockkv.local.directory import ROOT_MARKER, default_root
 from blockkv.local.executors import _MAX_CORE_THREADS, core_threads
 from blockkv.local.locks import DirLock, TxnLock
+
+NOBODY = 65534  # an unprivileged uid that owns nothing here
 
 
 @pytest.fixture
@@ -48,12 +54,32 @@ def test_core_threads_follow_the_machine_within_bounds() -> None:
                            _MAX_CORE_THREADS))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may open any file: the error needs an ordinary user")
+@contextlib.contextmanager
+def _as_another_user() -> Iterator[None]:
+    """This process as user ``nobody`` while inside (root's file access is
+    not checked, so as root the test drops to another effective user and back;
+    an ordinary user is already not the lock file's owner's match)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(NOBODY)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
 @pytest.mark.parametrize("lock", [DirLock, TxnLock])
-def test_a_lock_file_this_user_may_not_open_is_a_clear_error(tmp_path: Path, lock: type) -> None:
-    path = tmp_path / "LOCK"
-    path.write_text("")
-    path.chmod(0)
-    kwargs = {"timeout": 1.0} if lock is TxnLock else {}
-    with pytest.raises(PermissionError, match="another user"):
-        lock(path, **kwargs)
+def test_a_lock_file_this_user_may_not_open_is_a_clear_error(lock: type) -> None:
+    # a directory every user may enter (pytest's own tmp_path is root's alone)
+    directory = Path(tempfile.mkdtemp(prefix="blockkv-lock-"))
+    try:
+        directory.chmod(0o755)
+        path = directory / "LOCK"
+        path.write_text("")
+        path.chmod(0)
+        kwargs = {"timeout": 1.0} if lock is TxnLock else {}
+        with _as_another_user(), pytest.raises(PermissionError, match="another user"):
+            lock(path, **kwargs)
+    finally:
+        shutil.rmtree(directory)
