@@ -46,14 +46,10 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,39 +143,19 @@ def session(texts: Texts, shape: Shape, turns: int) -> list[list[dict[str, str]]
 # ---------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
-    """One ``blockkv serve`` subprocess on 127.0.0.1, logging to a file."""
+    """One ``blockkv serve`` process on 127.0.0.1 (the fleet kit's ``Process``,
+    logging to a file) and an ``openai`` client on it."""
 
     def __init__(self, model: Path, cache_dir: Path, log: Path) -> None:
         from openai import OpenAI
 
-        self.port = _free_port()
-        self.log = log
-        argv = [sys.executable, "-m", "blockkv", "serve", "--model", str(model), "--cache-dir", str(cache_dir),
-                "--host", "127.0.0.1", "--port", str(self.port)]
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_BOUND_S
-        while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"server did not come up:\n{log.read_text()[-4000:]}")
-            time.sleep(0.2)
-        self.client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
-                             timeout=REQUEST_BOUND_S, max_retries=0)
+        from blockkv.testing.fleet_processes import Process
 
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                return True
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
+        self.process = Process(["serve", "--model", str(model), "--cache-dir", str(cache_dir)], log)
+        self.process.wait_ready(START_BOUND_S)
+        self.client = OpenAI(base_url=f"{self.process.url}/v1", api_key="none",
+                             timeout=REQUEST_BOUND_S, max_retries=0)
 
     def ask(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, float]:
         """One streamed chat request: TTFT, whole time, prompt and cached tokens."""
@@ -201,14 +177,10 @@ class Server:
         return {"ttft_s": ttft, "total_s": total, "prompt_tokens": usage.prompt_tokens, "cached_tokens": cached}
 
     def stop(self) -> None:
-        """Ctrl-C as a user would: the disk tier finishes its writes and closes."""
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=START_BOUND_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"server ignored Ctrl-C:\n{self.log.read_text()[-4000:]}") from None
+        """SIGTERM, as a service manager stops it: the disk tier finishes its
+        writes and closes (Ctrl-C is ignored when the run is a background job)."""
+        if self.process.stop(START_BOUND_S) == -signal.SIGKILL:
+            raise RuntimeError(f"server did not stop on SIGTERM:\n{self.process.log.read_text()[-4000:]}")
 
 
 def drop_page_cache(root: Path) -> int:
