@@ -28,9 +28,9 @@ from blockkv.fs import FileLayer
 from blockkv.local import writers
 from blockkv.local.adoptions import Adoptions
 from blockkv.local.catalog import Catalog
-from blockkv.local.disk_tier import DiskTier
 from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory, read_identity
+from blockkv.local.disk_tier import DiskTier, Read
 from blockkv.local.executors import Executors
 from blockkv.local.index import Index
 from blockkv.local.index_keeper import IndexKeeper
@@ -39,7 +39,7 @@ from blockkv.local.recovery import Recovery
 from blockkv.local.retention import Retention
 from blockkv.local.writers import IntentFile
 from blockkv.records import CHECKPOINT_NS, CheckReport, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
-from blockkv.tiers import NoTier, Read, Tier
+from blockkv.tiers import BackingTier, NoTier, Tier
 
 if TYPE_CHECKING:
     from blockkv.bucket.bucket import Bucket
@@ -99,7 +99,6 @@ class BlockStore:
         self._fs = fs or FileLayer()
         self._clock = clock
         self._dir = Directory(self.directory, self.identity, self._fs)
-        self._pool = self._dir.pool
         self.stats: dict[str, float] = dict.fromkeys(
             ("restores", "spills", "restore_ms_last", "bytes_written", "bytes_deduplicated", "bytes_read",
              "verify_failures", "bucket_errors"), 0)
@@ -107,7 +106,7 @@ class BlockStore:
         self._executor = Executors()  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
-        self._remote: Tier = NoTier()  # the bucket's tier with remote=; local invariants stay as they are
+        self._remote: BackingTier = NoTier()  # the bucket's tier with remote=; local invariants stay as they are
         if remote is not None or remote_options is not None:
             if remote is None:
                 raise ValueError("remote_options given without remote")
@@ -126,7 +125,8 @@ class BlockStore:
         self._keeper = IndexKeeper(self._dir, lock, self._recovery, self._catalog, self._intents.directory,
                                    map_size=index_map_size, lock_timeout=self.lock_timeout, warn=self._warn)
         self._retention = Retention(self._dir, self._keeper, self._catalog, self._commits, self, clock, self._warn)
-        self._disk = DiskTier(self._dir, self.identity, verify, self._executor, self._retention, clock, self.stats)
+        self._disk = DiskTier(self._dir, self.identity, verify, self._executor, self._retention,
+                              self._remote.heal_block, clock, self.stats)  # a rotten block healed from the tier
         self._adoptions = Adoptions(self._commits, lambda: self.max_bytes,
                                     lambda landed: self._remote.remove_replaced(self._retention.landed(landed)))
         try:
@@ -334,17 +334,18 @@ class BlockStore:
         return Loaded(caches, tuple(header.tokens[:p].tolist()), attachments, entry.checkpoint)
 
     def _read(self, entry: Entry, cut: int | None) -> Read | None:
-        """From the disk, or from the tier if only it holds the entry (what that
-        fetched is kept in the background: ``Adoptions``)."""
+        """From the disk, or from the tier behind it if only that holds the
+        entry (what it fetched is kept in the background: ``Adoptions``)."""
+        tier: Tier = self._disk
         if self._remote.is_remote_only(entry.id):
             self._adoptions.settle(entry.id)  # a restore of it may be making it local right now
             self._retention.refresh()  # this handle or another may have made it local
             if entry.id not in self._catalog and self._remote.is_remote_only(entry.id):
-                restored = self._remote.restore(entry, cut)
-                if restored is not None and restored[1] is not None:
-                    self._adoptions.submit(entry.id, restored[1], self._remote.adopted)
-                return restored[0] if restored is not None else None
-        return self._disk.restore(entry, cut, self._remote.heal_block)  # a rotten block healed from the tier
+                tier = self._remote
+        restored = tier.restore(entry, cut)
+        if restored is not None and restored[1] is not None:
+            self._adoptions.submit(entry.id, restored[1], self._remote.adopted)
+        return None if restored is None else restored[0]
 
     @_open_only
     def restore_async(self, entry: Entry, prefix_len: int | None = None) -> Future[Loaded | None]:

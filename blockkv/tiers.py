@@ -1,12 +1,15 @@
-"""What ``BlockStore`` asks of the tier behind its disk, and the store without one.
+"""What ``BlockStore`` asks of its tiers, and the store without a second one.
 
-The local directory answers first and keeps every invariant it has alone; a
-tier (``remote/tier.py``'s ``RemoteTier``, a bucket a fleet shares) adds
-entries the disk lacks, heals a block the disk holds rotten, and takes what
-the store wrote. It never calls back into the store: a restore from it
-returns what it fetched and what to keep of it (``Adoption``), and the store
-hands that to ``local/adoptions.py``. ``NoTier`` is a store without
-``remote=``: every question answered as the disk alone would.
+Both tiers present one ``Tier``: an entry read back, with what to keep
+locally of what the read fetched (``Restored``). The local disk
+(``local/disk_tier.py``'s ``DiskTier``) answers first and keeps every
+invariant it has alone, with nothing to keep; the tier behind it
+(``BackingTier``: ``remote/tier.py``'s ``RemoteTier``, a bucket a fleet
+shares) also adds entries the disk lacks, heals a block the disk holds
+rotten, and takes what the store wrote. Neither calls back into the store:
+the store hands what a restore fetched to ``local/adoptions.py``.
+``NoTier`` is a store without ``remote=``: every question answered as the
+disk alone would.
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from blockkv.format.blocks import BlockRef
-from blockkv.local.adoptions import Adoption
-from blockkv.local.disk_tier import Read
+from blockkv.local.disk_tier import Restored
 from blockkv.records import Entry, Match
 
 if TYPE_CHECKING:
@@ -26,6 +28,10 @@ if TYPE_CHECKING:
 
 
 class Tier(Protocol):
+    def restore(self, entry: Entry, cut: int | None) -> Restored | None: ...
+
+
+class BackingTier(Tier, Protocol):
     bucket: Bucket | None
     uploaded_bytes: int
 
@@ -35,7 +41,6 @@ class Tier(Protocol):
     def find(self, tokens: np.ndarray, ns: str, local: Match | None, exact: bool = False) -> Match | None: ...
     def has_durable_prefix(self, tokens: np.ndarray, ns: str) -> bool: ...
     def is_remote_only(self, entry_id: str) -> bool: ...
-    def restore(self, entry: Entry, cut: int | None) -> tuple[Read, Adoption | None] | None: ...
     def adopted(self, entry_id: str) -> None: ...
     def used(self, entry: Entry) -> None: ...
     def heal_block(self, entry: Entry, block: str) -> bool: ...
@@ -68,7 +73,7 @@ class NoTier:
     def is_remote_only(self, entry_id: str) -> bool:
         return False
 
-    def restore(self, entry: Entry, cut: int | None) -> tuple[Read, Adoption | None] | None:
+    def restore(self, entry: Entry, cut: int | None) -> Restored | None:
         return None
 
     def adopted(self, entry_id: str) -> None:

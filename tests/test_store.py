@@ -246,8 +246,8 @@ def test_restore_full_and_partial_bit_exact(tmp_path: Path, llama: Any) -> None:
         entry = s.find_exact(t).entry
         assert_same_kv(s.restore(entry).caches, caches, 700)
         reads: list[str] = []
-        real_read = s._pool.read_exact
-        s._pool.read_exact = lambda name, bufs, on_read=None: reads.append(name) or real_read(name, bufs, on_read)  # type: ignore[method-assign]
+        real_read = s._dir.pool.read_exact
+        s._dir.pool.read_exact = lambda name, bufs, on_read=None: reads.append(name) or real_read(name, bufs, on_read)  # type: ignore[method-assign]
         loaded = s.restore(entry, prefix_len=300)
         assert len(reads) == 2  # ceil(300 / 256) token blocks, nothing else
         assert loaded.tokens == tuple(t[:300])

@@ -32,7 +32,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 import numpy as np
 
@@ -54,8 +53,8 @@ from blockkv.format.descriptor import blocks_for_prefix, with_xxh3
 from blockkv.format.header import Header, Identity, decode_header
 from blockkv.format.layout import entry_id_of, fingerprint_dirname, header_name
 from blockkv.format.rebuild import ParsedEntry
-from blockkv.local.adoptions import Adoption
 from blockkv.local.directory import Directory
+from blockkv.local.disk_tier import Restored
 from blockkv.records import Entry, Match
 from blockkv.remote.breaker import Breaker
 from blockkv.remote.files import HeaderCache
@@ -262,8 +261,7 @@ class RemoteTier:
         self._forget(record.id, header_name(record.ns, record.id))
 
     # -- restore -----------------------------------------------------------------------------
-    def restore(self, entry: Entry, cut: int | None
-                ) -> tuple[tuple[Header, list[Any], dict[str, Any], int], Adoption | None] | None:
+    def restore(self, entry: Entry, cut: int | None) -> Restored | None:
         """A remote-only entry's caches (cut to ``cut`` tokens when given), from
         the blocks the cut needs (remote_restore.py): ((header, caches,
         attachments, block bytes read), what to keep of what it fetched), or

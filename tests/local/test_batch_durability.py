@@ -58,7 +58,7 @@ def test_blocks_are_durable_as_a_batch_before_they_are_referenced(tmp_path: Path
     assert sorted(ev[i][1] for i in renames) == sorted(blocks)
     last_tmp = max(i for i, (kind, n) in enumerate(ev) if kind == "tmp-durable" and is_block_name(n))
     assert last_tmp < min(renames)  # nothing is named before every block is durable
-    shards = {str(store._pool.path(n).parent) for n in blocks}
+    shards = {str(store._dir.pool.path(n).parent) for n in blocks}
     dir_syncs = [n for kind, n in ev[max(renames):refs] if kind == "fsync-dir"]
     assert sorted(dir_syncs) == sorted(shards)  # once per shard, after the renames, before refs
     loaded = store.restore(store.find_exact(tokens).entry)

@@ -84,7 +84,7 @@ def test_flipped_block_byte_is_a_miss_for_every_kind(tmp_path: Path, kind: str, 
                 assert store.store(tokens, caches)  # rewrites the quarantined block
             entry = store.find_exact(tokens).entry
             name = rng.choice(names)
-            path = store._pool.path(name)
+            path = store._dir.pool.path(name)
             data = bytearray(path.read_bytes())
             at = round_ if round_ < 4 else rng.randrange(len(data))  # frame header first, then anywhere
             data[at] ^= rng.randrange(1, 256)
@@ -116,7 +116,7 @@ def test_a_wrong_xxh3_in_the_header_convicts_the_header_not_the_block(
         path.write_bytes(encode_header(Header(header.identity, header.ns, header.tokens, header.descriptor,
                                               header.checkpoint, xxh3)))
         assert store.restore(entry, prefix_len) is None
-        assert all(store._pool.exists(n) for n in entry.blocks)  # no good block deleted
+        assert all(store._dir.pool.exists(n) for n in entry.blocks)  # no good block deleted
         other = store.find_exact(tokens, ns="other")
         assert other is not None
         loaded = store.restore(other.entry, prefix_len)
