@@ -93,7 +93,7 @@ def build_model(kind: str, path: Path) -> Path:
     import mlx.core as mx
 
     from blockkv.serving.demo import DEMO_MODEL
-    from blockkv.testing.model_dir import build_model_dir
+    from blockkv.model_dir import build_model_dir
 
     build_model_dir(path, "llama", overrides=MODELS[kind] or DEMO_MODEL)
     if kind == "llama-1b-kv":  # the real model's bytes per token: bf16 weights, so bf16 KV
@@ -114,7 +114,7 @@ class Texts:
         return len(self._tok.encode(text).ids)
 
     def of(self, tokens: int, seed: int) -> str:
-        from blockkv.testing.model_dir import sample_text
+        from blockkv.model_dir import sample_text
 
         words = max(1, tokens // 2)
         for _ in range(8):  # a few corrections of the words-per-token estimate

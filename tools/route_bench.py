@@ -69,7 +69,7 @@ from blockkv.serving.digests import digest_key, prefix_digests
 from blockkv.serving.route import NODE_HEADER
 from blockkv.serving.route_tokens import PromptTokenizer
 from blockkv.testing.fleet_processes import Process, free_port
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 
 SALT = "route bench"
 WORKLOADS = {  # the flags each --workload sets, unless given

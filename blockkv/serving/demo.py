@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from blockkv.human import format_ms, format_size, render_table
 from blockkv.serving.prompt_cache import PersistentPromptCache
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 
 # Small enough to build in a second, big enough that prefilling a long system
 # prompt takes visible time on a laptop CPU.

@@ -3,8 +3,8 @@
 fault-injecting file layer (``faults``), a recording one that produces
 power-loss crash states (``powerloss``), ``PoolTests``, the tests every
 ``BlobPool`` backend must pass (``pool_tests``), ``BucketTests``, what the
-bucket protocol needs of an S3-compatible server (``bucket_tests``), tiny real models and model
-directories (``models``, ``model_dir``), moto's S3 server with a steppable
+bucket protocol needs of an S3-compatible server (``bucket_tests``), tiny real models
+(``models``; a loadable model directory is ``blockkv.model_dir``'s), moto's S3 server with a steppable
 clock (``moto_clock``), and serve nodes and routers as processes
 (``fleet_processes``).
 

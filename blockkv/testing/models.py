@@ -3,7 +3,6 @@ real forward passes in milliseconds instead of using hand-made stand-ins."""
 
 from __future__ import annotations
 
-import copy
 import importlib
 from collections.abc import Sequence
 from typing import Any
@@ -19,122 +18,12 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-_VOCAB = 256
-
-# kind -> (mlx_lm.models module, config). Every config: 64 hidden, vocab 256.
-_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    # Plain KVCache per layer.
-    "llama": (
-        "llama",
-        {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "rms_norm_eps": 1e-5,
-            "vocab_size": _VOCAB,
-            "tie_word_embeddings": True,
-        },
-    ),
-    # RotatingKVCache (window 16, wraps fast) on layer 0, KVCache on layer 1.
-    "gemma3": (
-        "gemma3_text",
-        {
-            "model_type": "gemma3_text",
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 32,
-            "vocab_size": _VOCAB,
-            "query_pre_attn_scalar": 32,
-            "sliding_window": 16,
-            "sliding_window_pattern": 2,
-        },
-    ),
-    # ArraysCache (conv state + SSM state) per layer.
-    "mamba": (
-        "mamba",
-        {
-            "model_type": "mamba",
-            "vocab_size": _VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "state_size": 8,
-            "num_hidden_layers": 2,
-            "conv_kernel": 4,
-            "use_bias": False,
-            "use_conv_bias": True,
-            "time_step_rank": 4,
-        },
-    ),
-    # ChunkedKVCache (chunk 32) on layers 0-2, KVCache on layer 3 (llama4 needs 4).
-    "chunked": (
-        "llama4",
-        {
-            "model_type": "llama4",
-            "text_config": {
-                "model_type": "llama4_text",
-                "attention_bias": False,
-                "attention_chunk_size": 32,
-                "head_dim": 16,
-                "hidden_size": 64,
-                "interleave_moe_layer_step": 8,  # > layers: dense MLPs only (CPU gather_mm is fp32-only)
-                "intermediate_size": 64,
-                "intermediate_size_mlp": 128,
-                "max_position_embeddings": 4096,
-                "num_attention_heads": 4,
-                "num_experts_per_tok": 1,
-                "num_hidden_layers": 4,
-                "num_key_value_heads": 2,
-                "num_local_experts": 2,
-                "rms_norm_eps": 1e-5,
-                "rope_scaling": None,
-                "rope_theta": 10000.0,
-                "use_qk_norm": True,
-                "vocab_size": _VOCAB,
-            },
-        },
-    ),
-    # CacheList(ArraysCache, RotatingKVCache | KVCache) per layer.
-    "cachelist": (
-        "baichuan_m1",
-        {
-            "model_type": "baichuan_m1",
-            "vocab_size": _VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rope_theta": 10000.0,
-            "sliding_window": 16,
-            "sliding_window_layers": [0],
-            "conv_window": 2,
-            "rms_norm_eps": 1e-5,
-        },
-    ),
-}
-
-KINDS: tuple[str, ...] = tuple(_CONFIGS)
-
-
-def model_config(kind: str) -> tuple[str, dict[str, Any]]:
-    """(mlx_lm.models module name, a copy of the config) of a tiny ``kind``."""
-    if kind not in _CONFIGS:
-        raise ValueError(f"unknown model kind {kind!r}; expected one of {KINDS}")
-    module, config = _CONFIGS[kind]
-    return module, copy.deepcopy(config)
+from blockkv.model_configs import KINDS, VOCAB, model_config  # noqa: F401 - KINDS: the kit's kinds are these
 
 
 def tiny_model(kind: str, seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.Module:
     """A 64-wide random-weight model of ``kind`` (see ``KINDS``), weights in ``dtype``."""
-    if kind not in _CONFIGS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
-    module_name, config = _CONFIGS[kind]
+    module_name, config = model_config(kind)
     module = importlib.import_module(f"mlx_lm.models.{module_name}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -195,7 +84,7 @@ def concatenate_cache(model: nn.Module) -> list[ConcatenateKVCache]:
 def random_tokens(n: int, seed: int = 0) -> list[int]:
     """``n`` reproducible token ids below the tiny vocabulary size."""
     state = mx.random.key(seed)
-    return mx.random.randint(0, _VOCAB, (n,), key=state).tolist()
+    return mx.random.randint(0, VOCAB, (n,), key=state).tolist()
 
 
 def chunked_cache_fills() -> bool:

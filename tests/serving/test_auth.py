@@ -27,7 +27,7 @@ from mlx_lm.models.cache import load_prompt_cache
 from blockkv.serving.auth import ApiKeys
 from blockkv.serving.route import NODE_HEADER
 from blockkv.testing.fleet_processes import Process
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 
 BOUND_S = 120.0  # safety bound on a request or a wait (not a timing assertion)
 SALT = "auth test"

@@ -64,7 +64,7 @@ def test_cache_dir_is_kept_and_reused_by_the_next_run(tmp_path: Path, capsys: py
 
 
 def test_local_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from blockkv.testing.model_dir import build_model_dir
+    from blockkv.model_dir import build_model_dir
 
     model = build_model_dir(tmp_path / "local-model", "llama", seed=3)
     assert demo.main([*SMALL, "--cold-checks", "1", "--model", str(model)]) == 0

@@ -14,7 +14,7 @@ import pytest
 
 from blockkv.format.layout import fingerprint_dirname
 from blockkv.serving.identity import FingerprintWords, KVQuant, describe_fingerprint, identity_from_key, model_identity
-from blockkv.testing.model_dir import build_model_dir
+from blockkv.model_dir import build_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from blockkv.serving.budget import DiskShare
 from blockkv.serving.demo import Agent
 from blockkv.serving.identity import KVQuant
 from blockkv.testing.faults import FaultyFileLayer
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import prefill
 
 MAX_TOKENS = 8

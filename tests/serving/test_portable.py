@@ -24,7 +24,7 @@ from blockkv.serving.cache_fit import ModelLayout
 from blockkv.serving.identity import KVQuant, model_identity
 from blockkv.serving.portable import PromptCacheFileError
 from blockkv.serving.warm import cache_prompt_tokens
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import (
     chunked_cache_fills,
     concatenate_cache,

@@ -37,7 +37,7 @@ from blockkv.serving.scoring import (
     start_cost,
 )
 from blockkv.testing.fleet_processes import Process
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import random_tokens
 
 SALT = "route test"

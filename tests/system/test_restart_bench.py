@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tool_scripts import load
 
-from blockkv.testing.model_dir import build_model_dir
+from blockkv.model_dir import build_model_dir
 
 
 def test_each_turn_extends_the_last_and_texts_have_the_sizes_asked(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from blockkv.serving.digests import digest_key, prefix_digests
 from blockkv.serving.route import NODE_HEADER
 from blockkv.serving.route_tokens import PromptTokenizer
 from blockkv.testing.fleet_processes import Process
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 
 SALT = "fleet test"
 MAX_TOKENS = 6

@@ -27,7 +27,7 @@ from blockkv import BlockStore
 from blockkv.serving.demo import Agent
 from blockkv.serving.identity import model_identity
 from blockkv.serving.warm import system_tokens
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import prefill
 
 MAX_TOKENS = 8

@@ -24,7 +24,7 @@ from blockkv.bucket.bucket import Bucket
 from blockkv.bucket.bucket_reader import list_bucket_fingerprints
 from blockkv.mlx_lm import PersistentPromptCache
 from blockkv.serving.demo import Agent
-from blockkv.testing.model_dir import build_model_dir, sample_text
+from blockkv.model_dir import build_model_dir, sample_text
 
 
 def test_a_second_server_restores_from_the_bucket_what_the_first_served(endpoint: str, tmp_path: Path) -> None:  # noqa: F811

@@ -19,7 +19,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from blockkv.testing.models import model_config
+from blockkv.model_configs import model_config
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|end|>", "<|system|>", "<|user|>", "<|assistant|>")
 EOS_TOKEN = "<|end|>"

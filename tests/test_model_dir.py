@@ -8,7 +8,7 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from blockkv.testing.model_dir import KINDS, build_model_dir, sample_text
+from blockkv.model_dir import KINDS, build_model_dir, sample_text
 
 _CACHE_TYPES = {"llama": {KVCache}, "gemma3": {RotatingKVCache, KVCache}, "mamba": {ArraysCache}}
 
