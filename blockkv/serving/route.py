@@ -47,12 +47,13 @@ from blockkv.serving.auth import (
     with_keys,
 )
 from blockkv.serving.bounded_server import BoundedHTTPServer
-from blockkv.serving.digests import SALT_ENV, digest_key, prefix_digests
+from blockkv.serving.digests import BLOCK_SIZE, SALT_ENV, digest_key, prefix_digests
 from blockkv.serving.fleet import Follower, Node
 from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
 from blockkv.serving.scoring import (
     Matches,
     Option,
+    Sessions,
     Start,
     order,
     queue_cost,
@@ -94,6 +95,7 @@ class Router:
         self._followers = [Follower(node, self._key) for node in self.nodes]
         self._ids = itertools.count()
         self._choosing = threading.Lock()
+        self.sessions = Sessions()
 
     def start(self) -> None:
         for follower in self._followers:
@@ -117,8 +119,10 @@ class Router:
             return None
         return tokens if len(tokens) <= MAX_PROMPT_TOKENS else None
 
-    def rank(self, tokens: list[int] | None) -> list[tuple[Node, Start, list[str]]]:
-        """Usable nodes, best first (scoring.order), each with its start and the prompt's digests in its block size."""
+    def rank(self, tokens: list[int] | None, record: bool = False) -> list[tuple[Node, Start, list[str]]]:
+        """Usable nodes, best first (scoring.order), each with its start and the
+        prompt's digests in its block size; ``record``: the prompt is being routed
+        (its conversation's turn is counted)."""
         now = time.monotonic()
         usable = [n for n in self.nodes if n.usable(now)] or list(self.nodes)  # none usable: try them all anyway
         length = len(tokens) if tokens is not None else 0
@@ -147,11 +151,16 @@ class Router:
         # a node whose residency is unknown (just restarted, not publishing yet, another salt) may hold
         # anything: it is taken to start as well as the best known node, so its queue decides its share
         best = min(starts.values(), key=lambda s: s.cost, default=start_cost(length, Matches()))
+        conversation = digests(BLOCK_SIZE)
+        meets = self.sessions.meets(self.sessions.turn(conversation))
+        if record:
+            self.sessions.record(conversation)
         options = []
         for node in usable:
             start = starts.get(node.url) or Start(best.cost, "unknown", 0)
             work, in_flight = node.queue()
-            options.append(Option(start, queue_cost(work, in_flight, node.active_cost()), in_flight, node.routed))
+            options.append(Option(start, queue_cost(work, in_flight, node.active_cost(), meets), in_flight,
+                                  node.routed))
         return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
 
     def candidates(self, tokens: list[int] | None, request_id: int) -> Iterator[tuple[Node, Start]]:
@@ -159,7 +168,7 @@ class Router:
         yielded: ranking and charging the first are one step, so requests arriving
         together see each other's queue."""
         with self._choosing:
-            ranked = self.rank(tokens)
+            ranked = self.rank(tokens, record=True)
             if ranked:
                 ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2])
         for i, (node, start, digests) in enumerate(ranked):

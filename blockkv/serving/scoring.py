@@ -11,7 +11,14 @@ token, plus the work already queued on it:
 - each request in flight on the node adds its own unfinished start cost (its
   prefill, until its first token streams back) plus the node's active cost:
   measured from the times to first token it streams (``Pace``), ``ACTIVE_COST``
-  until it has been.
+  until it has been;
+- a request in flight is a session that stays on the node (its prefix is
+  there), and so is the new one: they meet on this turn and on the turns the
+  new one's conversation still sends, so the active cost is charged that
+  many times (``Sessions``: measured from the prompts routed). A node whose
+  sessions keep it busy is left by a new session once that costs more than
+  restoring the shared prefix elsewhere; a later turn, with fewer turns left
+  and more to restore, stays.
 
 The cheapest option per node is taken; the cheapest node wins, ties going to
 the node with fewer requests in flight, then fewer routed so far. This is
@@ -23,6 +30,8 @@ node is left exactly when the queue on it costs more than the prefill it saves.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Restoring a token costs this fraction of prefilling it: the project measured a
@@ -69,9 +78,54 @@ def start_cost(length: int, m: Matches) -> Start:
     return best
 
 
-def queue_cost(unstarted_work: float, in_flight: int, active_cost: float = ACTIVE_COST) -> float:
-    """What the requests in flight on a node add: their unfinished start cost plus ``active_cost`` each."""
-    return unstarted_work + active_cost * in_flight
+def queue_cost(unstarted_work: float, in_flight: int, active_cost: float = ACTIVE_COST, meets: float = 1.0) -> float:
+    """What the requests in flight on a node add: their unfinished start cost,
+    plus ``active_cost`` for each of them on each of the ``meets`` turns the
+    new request's conversation meets them (``Sessions.meets``)."""
+    return unstarted_work + active_cost * in_flight * meets
+
+
+class Sessions:
+    """How many turns a conversation sends, measured from the prompts routed
+    instead of assumed: a prompt whose chain of block digests holds the last
+    digest of an earlier prompt is that conversation's next turn, any other a
+    new conversation. The mean is prompts over new conversations, both counts
+    forgetting old prompts. With every conversation on the node that holds it,
+    two sessions placed together meet on every turn they both still send: on
+    tools/route_bench.py's soak (12 sessions of 8 turns, 3 clients, 2 system
+    prompts) an active cost charged once left every session of one system
+    prompt on one node (48/32/16 requests a node). Not thread-safe (the
+    router's choosing lock guards it)."""
+
+    MEMORY = 0.02  # weight of the newest prompt in the counts: about the last 50 prompts
+    LIMIT = 4096  # conversations remembered (their last prompts' digests)
+
+    def __init__(self) -> None:
+        self._last: OrderedDict[str, int] = OrderedDict()  # a prompt's last digest -> its turn
+        self._prompts = 0.0
+        self._new = 0.0
+
+    def turn(self, digests: Sequence[str]) -> int:
+        """A prompt's turn in its conversation (1: a new one), from its digests."""
+        return next((self._last[d] + 1 for d in reversed(digests) if d in self._last), 1)
+
+    def record(self, digests: Sequence[str]) -> None:
+        """A prompt with these digests was routed."""
+        turn = self.turn(digests)
+        self._prompts += self.MEMORY * (1.0 - self._prompts)
+        self._new += self.MEMORY * (float(turn == 1) - self._new)
+        if digests:
+            self._last[digests[-1]] = turn
+            self._last.move_to_end(digests[-1])
+            while len(self._last) > self.LIMIT:
+                self._last.popitem(last=False)
+
+    def meets(self, turn: int) -> float:
+        """The turns a prompt at ``turn`` meets a session placed beside it: this
+        one and those a conversation of the mean length sends after it (1 until
+        measured)."""
+        mean = self._prompts / self._new if self._new > 0 else 1.0
+        return max(1.0, mean - turn + 1)
 
 
 class Pace:

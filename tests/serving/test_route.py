@@ -32,12 +32,13 @@ from blockkv.serving.scoring import (
     DISK_COST,
     Matches,
     Option,
+    Sessions,
     Start,
     order,
     start_cost,
 )
-from blockkv.testing.fleet_processes import Process
 from blockkv.model_dir import build_model_dir, sample_text
+from blockkv.testing.fleet_processes import Process
 from blockkv.testing.models import random_tokens
 
 SALT = "route test"
@@ -182,6 +183,56 @@ def test_a_routed_prompt_counts_as_hot_until_events_confirm_it() -> None:
     a.begin(8, 1.0, digests[:1])
     a.abandon(8)  # never reached the node
     assert a.predicted == {} and a.queue() == (0.0, 0)
+
+
+def _conversations(sessions: Sessions, count: int, turns: int, name: str = "c") -> None:
+    """``count`` conversations of ``turns`` prompts routed, each prompt holding the last one's digests."""
+    for k in range(count):
+        for t in range(turns):
+            sessions.record([f"{name}{k}/{i}" for i in range(t + 1)])
+
+
+def test_a_conversations_turns_are_counted_from_the_digests_it_extends() -> None:
+    sessions = Sessions()
+    assert sessions.meets(1) == 1.0  # nothing measured: a request in flight is met once
+    _conversations(sessions, 60, 8)
+    assert sessions.turn(["c7/0"]) == 2 and sessions.turn(["new"]) == 1 and sessions.turn([]) == 1
+    assert sessions.meets(1) == pytest.approx(8.0, abs=1.0)  # a new one meets a neighbour on its 8 turns
+    assert sessions.meets(8) < 2.0 and sessions.meets(20) == 1.0  # the last turns: met about once
+    _conversations(sessions, 200, 1, "single")
+    assert sessions.meets(1) == pytest.approx(1.0, abs=0.05)  # single prompts since: forgotten
+
+
+def test_a_new_session_leaves_the_node_its_family_keeps_busy() -> None:
+    """A request in flight is a session that stays where it is served, and so is
+    a new one: they would meet on every turn, so a new session of a system
+    prompt goes to a node that restores the prompt from the bucket rather than
+    join another session on the node holding it (#33 case 1: 48/32/16 requests
+    a node before, every session of one system prompt on one node). A later
+    turn, with fewer turns left, stays."""
+    router = _router(2)
+    busy, spare = router.nodes
+    system, turn = random_tokens(48 * 32, seed=6), random_tokens(160, seed=7)
+    digests = prefix_digests(system + turn, KEY, 32)
+    busy.held["RAM"].update(digests[:48])
+    busy.held["DISK"].update(digests[:48])  # spilled, so in the bucket too
+    busy.remote = spare.remote = True
+    busy.begin(1, 160.0, [])
+    busy.started(1)  # another session's turn, its prefill done: only the decode is left
+    assert ACTIVE_COST < 48 * 32 * BUCKET_COST  # met once, it costs less than a restore
+    node, start, _ = router.rank(system + turn)[0]
+    assert node is busy and start.tier == "ram"  # nothing measured: met once
+    _conversations(router.sessions, 60, 8)
+    assert 8 * ACTIVE_COST > 48 * 32 * BUCKET_COST  # on all 8 turns, more
+    node, start, _ = router.rank(system + turn)[0]
+    assert node is spare and start.tier == "bucket"
+    router.sessions.record(digests[:48])  # the prompt was turn 1 of its conversation: the next is turn 2
+    later = system + turn + random_tokens(200, seed=8)
+    busy.held["RAM"].update(prefix_digests(later, KEY, 32))
+    busy.held["DISK"].update(prefix_digests(later, KEY, 32))
+    assert router.sessions.turn(prefix_digests(later, KEY, 32)) == 2
+    node, start, _ = router.rank(later)[0]
+    assert node is busy and start.tier == "ram"  # 7 turns left: less than restoring its 1,700 tokens
 
 
 Answer = tuple[int, bytes] | Callable[[str, bytes], tuple[int, bytes]]
