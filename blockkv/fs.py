@@ -195,11 +195,7 @@ class FileLayer:
 
     # -- composed operations ----------------------------------------------
     def fsync_dir(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            self.fsync(fd)
-        finally:
-            os.close(fd)
+        self._sync_dir(path, self.fsync)
 
     def makedirs(self, path: Path) -> None:
         """Create ``path`` (0700) and any missing parents, making each new name durable."""
@@ -321,9 +317,15 @@ class FileLayer:
 
     def _plain_fsync_dir(self, path: Path) -> None:
         """macOS: a directory's changes into the drive's cache; a later ``fsync_dir`` flushes them."""
+        self._sync_dir(path, self.plain_fsync)
+
+    @staticmethod
+    def _sync_dir(path: Path, sync: Callable[[int], None]) -> None:
+        """Open directory ``path`` and apply ``sync`` to it: its names are
+        made durable through an fd of the directory itself."""
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
-            self.plain_fsync(fd)
+            sync(fd)
         finally:
             os.close(fd)
 
