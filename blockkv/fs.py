@@ -157,6 +157,11 @@ class FileLayer:
                 raise OversizedError(f"{path}: {size} bytes, more than the {limit} it can be; not read")
             return f.read(size)
 
+    def read_head(self, path: Path, n: int) -> bytes:
+        """The first ``n`` bytes of the file (all of it if it is shorter)."""
+        with open(self.open_regular(path), "rb", buffering=0) as f:
+            return f.read(n)
+
     def read_exact(self, path: Path, buffers: Sequence[memoryview],
                    on_read: Callable[[Sequence[memoryview]], None] | None = None) -> bool:
         """Fill ``buffers`` in order from the file with scatter reads, if the file
