@@ -157,6 +157,11 @@ class FileLayer:
                 raise OversizedError(f"{path}: {size} bytes, more than the {limit} it can be; not read")
             return f.read(size)
 
+    def read_head(self, path: Path, n: int) -> bytes:
+        """The first ``n`` bytes of the file (all of it if it is shorter)."""
+        with open(self.open_regular(path), "rb", buffering=0) as f:
+            return f.read(n)
+
     def read_exact(self, path: Path, buffers: Sequence[memoryview],
                    on_read: Callable[[Sequence[memoryview]], None] | None = None) -> bool:
         """Fill ``buffers`` in order from the file with scatter reads, if the file
@@ -195,11 +200,7 @@ class FileLayer:
 
     # -- composed operations ----------------------------------------------
     def fsync_dir(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            self.fsync(fd)
-        finally:
-            os.close(fd)
+        self._sync_dir(path, self.fsync)
 
     def makedirs(self, path: Path) -> None:
         """Create ``path`` (0700) and any missing parents, making each new name durable."""
@@ -321,9 +322,15 @@ class FileLayer:
 
     def _plain_fsync_dir(self, path: Path) -> None:
         """macOS: a directory's changes into the drive's cache; a later ``fsync_dir`` flushes them."""
+        self._sync_dir(path, self.plain_fsync)
+
+    @staticmethod
+    def _sync_dir(path: Path, sync: Callable[[int], None]) -> None:
+        """Open directory ``path`` and apply ``sync`` to it: its names are
+        made durable through an fd of the directory itself."""
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
-            self.plain_fsync(fd)
+            sync(fd)
         finally:
             os.close(fd)
 

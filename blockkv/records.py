@@ -137,6 +137,7 @@ class CheckReport:
     foreign_headers: list[str] = field(default_factory=list)  # another identity's: kept, never served
     newer_headers: list[str] = field(default_factory=list)  # a newer blockkv's format: kept, never served
     unreadable: list[str] = field(default_factory=list)  # headers, blocks and live intent files not read
+    oversized_blocks: list[str] = field(default_factory=list)  # longer than their frame can be: not read
     stale_tmp: list[str] = field(default_factory=list)  # temp files of dead writers (relative paths)
     in_flight: list[str] = field(default_factory=list)  # blocks of stores in progress: not findings
     index_missing: bool = False
@@ -146,7 +147,7 @@ class CheckReport:
     def clean(self) -> bool:
         return not (self.dangling or self.orphan_blocks or self.refcount_mismatches
                     or self.corrupt_headers or self.corrupt_blocks or self.stale_tmp or self.index_missing
-                    or self.unreadable or self.newer_headers)
+                    or self.unreadable or self.oversized_blocks or self.newer_headers)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "clean": self.clean}

@@ -31,7 +31,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 from mp_killloop import BLOCK_TOKENS, Journal, _lines, same_bits, spec_entry, store_one
 
 from blockkv import BlockStore
+from blockkv.testing.fleet_processes import free_port
 from blockkv.testing.moto_clock import write_offset
 
 IDENT = {"model_id": "tiny-fleet", "config_fingerprint": "fp-fleet-kill", "tokenizer_hash": "tok"}
@@ -192,12 +192,6 @@ class Figures:
     problems: list[str] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _make_bucket(endpoint: str, name: str) -> None:
     import boto3  # the test extra
 
@@ -267,7 +261,7 @@ def run(kills: int, seed: int, workdir: Path, seconds: float | None = None, kill
     journals.mkdir(parents=True)
     clock = workdir / "clock-offset"
     write_offset(clock, 0.0)
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     url = "s3://fleet-kill/fleet"
     server = subprocess.Popen([sys.executable, "-m", "blockkv.testing.moto_clock", "--port", str(port),

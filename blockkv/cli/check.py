@@ -64,6 +64,8 @@ PROBLEMS = {
     "orphan_blocks": "orphan block (nothing references it)",
     "refcount_mismatches": "refcount mismatch (block, index says, headers say)",
     "unreadable": "unreadable file (a transient error such as EMFILE or EIO; kept, never deleted)",
+    "oversized_blocks": "block file longer than its own frame allows (not read, so not convicted; "
+                        "kept unless nothing references it)",
     "newer_headers": "header of a newer blockkv format (kept, never served; blocks are not swept while it is here)",
     "bad_headers": "bad header (names a good block with another namespace key or size; the block is kept)",
     "unsealed_headers": "header not sealed with the fleet key (never served; left for an operator)",

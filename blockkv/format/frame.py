@@ -12,6 +12,7 @@ import math
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import zstandard
@@ -24,6 +25,7 @@ from blockkv.format.codec import DTYPES, tensor_from_descriptor
 MAGIC = b"BKVB"
 FRAME_VERSION = 1
 _HEADER = struct.Struct("<4sBBHQI")
+FRAME_HEAD_BYTES = _HEADER.size  # what ``frame_bound`` needs of a block file
 COMPRESSIONS: dict[str | None, int] = {None: 0, "zstd": 1}
 ZSTD_LEVEL = 2
 MAX_LAYOUT_BYTES = 1 << 16
@@ -85,13 +87,9 @@ def decode_block(name: str, data: bytes | memoryview, verify: bool = True, key: 
     Every declared size is bounded by the data actually present, so garbage
     raises CorruptBlockError without a large allocation."""
     view = memoryview(data).cast("B")
-    if view.nbytes < _HEADER.size:
-        raise corrupt_block(name, "shorter than its header")
-    magic, version, comp, reserved, raw, layout_len = _HEADER.unpack_from(view)
-    if magic != MAGIC or version != FRAME_VERSION or reserved != 0 or comp not in COMPRESSIONS.values():
-        raise corrupt_block(name, "bad magic, version or compression id")
+    comp, raw, layout_len = _head(name, view)
     body = _HEADER.size + layout_len
-    if layout_len > MAX_LAYOUT_BYTES or body > view.nbytes or raw > MAX_RAW_BYTES:
+    if body > view.nbytes:
         raise corrupt_block(name, "declared sizes exceed the data")
     layout_raw, stored = view[_HEADER.size : body], view[body:]
     layout = _parse_layout(name, layout_raw)
@@ -108,6 +106,44 @@ def decode_block(name: str, data: bytes | memoryview, verify: bool = True, key: 
     if finish_name(hasher(key, payload), bytes(layout_raw)) != name:
         raise corrupt_block(name, "content does not hash to the name")
     return payload
+
+
+def _head(name: str, view: memoryview) -> tuple[int, int, int]:
+    """The compression id, raw length and layout length a frame's fixed header
+    declares, each within the format's bounds; CorruptBlockError if ``view``
+    does not start with such a header."""
+    if view.nbytes < _HEADER.size:
+        raise corrupt_block(name, "shorter than its header")
+    magic, version, comp, reserved, raw, layout_len = _HEADER.unpack_from(view)
+    if magic != MAGIC or version != FRAME_VERSION or reserved != 0 or comp not in COMPRESSIONS.values():
+        raise corrupt_block(name, "bad magic, version or compression id")
+    if layout_len > MAX_LAYOUT_BYTES or raw > MAX_RAW_BYTES:
+        raise corrupt_block(name, "declared sizes exceed the format's bounds")
+    return comp, raw, layout_len
+
+
+class FrameBound(NamedTuple):
+    """How long a block file can be, from its frame's fixed header."""
+
+    most: int  # the bytes it may be read up to
+    exact: bool  # its length is fixed: a longer file is not this frame (``decode_block`` says so)
+
+
+def frame_bound(head: bytes | memoryview) -> FrameBound | None:
+    """How long a block file starting with ``head`` (its first
+    ``FRAME_HEAD_BYTES``) can be, from what its own frame declares, which the
+    format caps (``MAX_RAW_BYTES``): a check's bound, since an orphan has no
+    entry's header to size it. A raw payload is exactly its raw length; a zstd
+    one at most ``max_frame_bytes``, but not exactly: a zstd frame padded with
+    empty blocks decodes to the same bytes. None if ``head`` is no frame's
+    header: ``decode_block`` convicts the file on those bytes alone."""
+    try:
+        comp, raw, layout_len = _head("", memoryview(head).cast("B"))
+    except CorruptBlockError:
+        return None
+    if comp == COMPRESSIONS[None]:
+        return FrameBound(_HEADER.size + layout_len + raw, exact=True)
+    return FrameBound(max_frame_bytes(raw), exact=False)
 
 
 class Judgement(enum.Enum):

@@ -15,14 +15,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockkv.errors import BlockMissingError, CorruptError, NewerFormatError
+from blockkv.errors import BlockMissingError, CorruptError, NewerFormatError, OversizedError
 from blockkv.format.blocks import block_key
 from blockkv.format.descriptor import blocks_for_prefix
-from blockkv.format.frame import Judgement, Verdict, judge_block
+from blockkv.format.frame import Judgement, Verdict
 from blockkv.local import writers
 from blockkv.local.directory import Directory
 from blockkv.local.index import BlockRow, read_only_block_rows
 from blockkv.local.locks import DirLock
+from blockkv.local.verdicts import judge_file
 from blockkv.records import CheckReport, EntryRecord
 
 Progress = Callable[[int, int], None]
@@ -64,11 +65,12 @@ def _corrupt(verdict: Verdict, keys: Keys, name: str) -> bool:
 
 
 def _verdict(directory: Directory, name: str, keys: Keys) -> Verdict | None:
-    """One block file judged under the keys its headers name it with
-    (``frame.judge_block``); None if it is gone. Any other error (EMFILE, EIO,
-    MemoryError) is raised: it proves nothing about the block."""
+    """One block file judged under the keys its headers name it with, read no
+    further than its own frame allows (``verdicts.judge_file``); None if it is
+    gone. Any other error (EMFILE, EIO, MemoryError, OversizedError) is
+    raised: it proves nothing about the block."""
     try:
-        return judge_block(name, directory.pool.read(name), keys.get(name, []))
+        return judge_file(directory.pool, name, keys.get(name, []))
     except BlockMissingError:
         return None
 
@@ -77,7 +79,8 @@ def verify_blocks(directory: Directory, progress: Progress | None = None) -> Ver
     """Hash every block file: name → its verdict, and the blocks a transient
     error kept us from reading (never corrupt). The slow part of a check, so it
     runs without the directory lock (a block deleted meanwhile is left out; one
-    written meanwhile, or found corrupt here, is hashed again by ``inspect_directory``)."""
+    written meanwhile, found corrupt here or longer than its frame can be, is
+    looked at again by ``inspect_directory``, which reports it)."""
     keys = block_keys(directory)
     names = sorted(directory.pool.names())
     out: dict[str, Verdict] = {}
@@ -85,6 +88,8 @@ def verify_blocks(directory: Directory, progress: Progress | None = None) -> Ver
     for done, name in enumerate(names, 1):
         try:
             verdict = _verdict(directory, name, keys)
+        except OversizedError:
+            pass  # left to inspect_directory: its size is read again under the lock, no bytes
         except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
             unreadable.append(name)
         else:
@@ -157,6 +162,9 @@ def inspect_directory(directory: Directory, rows: dict[str, BlockRow] | None,
     for done, name in enumerate(fresh, 1):
         try:
             verdict = _verdict(directory, name, keys)
+        except OversizedError:  # not read, not convicted: an orphan still, if nothing references it
+            rest.pop(name, None)
+            report.oversized_blocks.append(name)
         except Exception:  # noqa: BLE001 - not proof of corruption: neither corrupt nor an orphan
             rest.pop(name, None)
             report.unreadable.append(directory.rel(directory.pool.path(name)))
@@ -234,7 +242,7 @@ def repair(directory: Directory, report: CheckReport) -> None:
     corrupt = []
     for name in report.corrupt_blocks:
         try:
-            if _corrupt(judge_block(name, directory.pool.read(name), keys.get(name, [])), keys, name):
+            if _corrupt(judge_file(directory.pool, name, keys.get(name, [])), keys, name):
                 corrupt.append(name)
         except Exception:  # noqa: BLE001 - gone, or unreadable now: not proof
             continue

@@ -95,6 +95,13 @@ class LocalPool:
         except FileNotFoundError:
             raise BlockMissingError(f"block {name} is not in the pool") from None
 
+    def read_head(self, name: str, n: int) -> bytes:
+        """The first ``n`` bytes of a block file (all of it if it is shorter)."""
+        try:
+            return self._fs.read_head(self.path(name), n)
+        except FileNotFoundError:
+            raise BlockMissingError(f"block {name} is not in the pool") from None
+
     def read_exact(self, name: str, buffers: Sequence[memoryview],
                    on_read: Callable[[Sequence[memoryview]], None] | None = None) -> bool:
         """The restore's fast path (FileLayer.read_exact)."""

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import KVCache
 
 from blockkv import BlockStore, NewerFormatError
 from blockkv.format.codec import codec_for, register_codec
+from blockkv.format.frame import frame_head
 from blockkv.format.header import Header, decode_header, encode_header
 from blockkv.fs import FileLayer
 from blockkv.local.index import SETTLED, Index
@@ -398,6 +399,85 @@ def test_a_block_file_larger_than_its_largest_frame_is_not_read(
     assert not result["restored"]
     assert result["grew_kib"] < 128 << 10, result
     assert block.stat().st_size == 1 << 30
+
+
+_MEASURE_CHECK = textwrap.dedent("""
+    import json, os, resource, sys
+    from pathlib import Path
+    from blockkv import BlockStore
+    from blockkv.fs import FileLayer
+    from blockkv.local.directory import Directory, read_identity
+    from blockkv.local.directory_check import check_directory
+    root, ident, planted = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
+
+    def status_kib(field):
+        return int(open("/proc/self/status").read().split(field + ":")[1].split()[0])
+
+    def peak_growth_kib(run):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) starts again from here
+        before = status_kib("VmRSS")
+        result = run()
+        return result, status_kib("VmHWM") - before
+
+    # a safety net only: today's bug must fail this test, not exhaust the machine
+    resource.setrlimit(resource.RLIMIT_AS, (status_kib("VmSize") * 1024 + (3 << 30), resource.RLIM_INFINITY))
+    out = {}
+    with BlockStore(root, **ident) as s:
+        fp = s.directory
+        for src, dst in zip(planted[::2], planted[1::2]):  # after the open, whose recovery sweeps orphans unread
+            os.rename(src, dst)
+        report, out["check_grew_kib"] = peak_growth_kib(  # `blockkv check`
+            lambda: check_directory(Directory(fp, read_identity(fp), FileLayer())))
+        out["check"] = report.to_json()
+        report, out["repair_grew_kib"] = peak_growth_kib(lambda: s.check(repair=True))  # `check --repair`
+        out["repair"] = report.to_json()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="measures peak RSS through /proc (Linux)")
+def test_check_reads_no_block_file_past_its_own_frame(
+    tmp_path: Path, stored: tuple[list[int], list[Any]]
+) -> None:
+    """An orphan block has no entry's header to bound its read, so ``check``
+    bounds every block by its frame's own header (#32's leftover: it was read
+    whole). Four files at 1 GiB (sparse: they cost the disk nothing, a reader
+    everything), none of them read: a referenced zstd block and an orphan copy
+    of it, longer than a zstd frame can be, are not convicted (a size is no
+    proof); an orphan raw frame, longer than its header fixes, and an orphan
+    of zeros are convicted on their first bytes. Repair keeps the referenced
+    block and its entry, and deletes the orphans as it deletes any block
+    nothing references."""
+    tokens, cache = stored
+    root, ident = tmp_path / "root", {**IDENT, "compression": "zstd"}
+    with BlockStore(root, **ident) as s:
+        assert s.store(tokens, cache)
+        fp, referenced = s.directory, _block(s)
+    orphan, raw, zeros = (fp / "blobs" / n[:2] / n for n in (blake3.blake3(bytes([i])).hexdigest() for i in range(3)))
+    (tmp_path / orphan.name).write_bytes(referenced.read_bytes())
+    (tmp_path / raw.name).write_bytes(frame_head(16, b'[["uint8", [16]]]') + b'[["uint8", [16]]]')
+    (tmp_path / zeros.name).touch()
+    for path in (*(tmp_path / p.name for p in (orphan, raw, zeros)), referenced):
+        with open(path, "r+b") as f:
+            f.truncate(1 << 30)
+    planted = []
+    for path in (orphan, raw, zeros):
+        path.parent.mkdir(exist_ok=True)
+        planted += [str(tmp_path / path.name), str(path)]
+    argv = [sys.executable, "-c", _MEASURE_CHECK, str(root), json.dumps(ident), *planted]
+    out = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300).stdout)
+    for run in ("check", "repair"):
+        assert out[f"{run}_grew_kib"] < 128 << 10, out
+        report = out[run]
+        assert report["oversized_blocks"] == sorted([orphan.name, referenced.name]), report
+        assert report["corrupt_blocks"] == sorted([raw.name, zeros.name]) and report["dangling"] == [], report
+        assert report["orphan_blocks"] == sorted([orphan.name, raw.name, zeros.name]), report
+    assert "deleted 3 unreferenced block(s)" in out["repair"]["actions"], out["repair"]
+    assert not any(p.exists() for p in (orphan, raw, zeros))
+    assert referenced.stat().st_size == 1 << 30
+    with BlockStore(root, **ident) as s:
+        assert s.find_exact(tokens) is not None  # kept: a miss at restore, never dropped on its size
 
 
 def test_symlinked_fingerprint_directory_is_refused(tmp_path: Path, stored: tuple[list[int], list[Any]]) -> None:

@@ -313,6 +313,17 @@ class FakeNode:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def wait_for_hits(self, path: str, count: int = 1, *, alive: Callable[[], bool] = lambda: True,
+                      bound: float = BOUND_S) -> bool:
+        """Until ``path`` has been asked for ``count`` times: True; False as soon as
+        ``alive()`` is false (whatever sends the requests has stopped) or ``bound`` seconds pass."""
+        deadline = time.monotonic() + bound
+        while self.hits.count(path) < count:
+            if not alive() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def close(self) -> None:
         if self.server is not None:
             self.server.shutdown()
@@ -353,9 +364,7 @@ def test_a_node_whose_residency_is_not_as_published_is_routed_without_it(
     follower = Follower(node, KEY)
     follower.start()
     try:
-        deadline = time.monotonic() + BOUND_S
-        while "/blockkv/residency" not in fake.hits and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert fake.wait_for_hits("/blockkv/residency")
         time.sleep(0.2)
         assert node.epoch is None and node.block_size == 0 and node.up  # unknown residency, still a node
     finally:
@@ -386,10 +395,7 @@ def test_a_malformed_events_answer_never_stops_the_following(
     follower = Follower(node, KEY)
     follower.start()
     try:
-        deadline = time.monotonic() + BOUND_S
-        while fake.hits.count("/blockkv/events") < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert fake.hits.count("/blockkv/events") >= 3 and follower._thread.is_alive()
+        assert fake.wait_for_hits("/blockkv/events", 3) and follower._thread.is_alive()
         assert node.up
         assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
     finally:
@@ -525,8 +531,7 @@ def test_a_huge_request_costs_the_router_its_body_and_holds_up_no_other(
         results: list[Any] = []
         sender = threading.Thread(target=lambda: results.append(_post_raw(router.url, huge)))
         sender.start()
-        while not any(p == "/v1/chat/completions" for p in fake.hits) and sender.is_alive():
-            time.sleep(0.05)  # the huge request has reached the node
+        assert fake.wait_for_hits("/v1/chat/completions", alive=sender.is_alive)  # the huge request reached the node
         small = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         sender.join(BOUND_S)
         assert small.choices[0].message.content == "ok" and small_answered.is_set()
@@ -572,11 +577,10 @@ def test_an_event_flood_costs_the_router_a_bounded_memory(
         baseline = _status_mib(router.proc.pid, "VmRSS")
         limit = baseline + 400  # MAX_DIGESTS kept (~40 MiB) and one answer being parsed (~150 MiB)
         bound = MemoryBound(router, limit)
-        deadline = time.monotonic() + 4 * BOUND_S
-        while fake.hits.count("/blockkv/events") < 12 and router.proc.poll() is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        flooded = fake.wait_for_hits("/blockkv/events", 12, alive=lambda: router.proc.poll() is None,
+                                     bound=4 * BOUND_S)
         assert router.proc.poll() is None, f"killed at over {limit:.0f} MiB resident"
+        assert flooded
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
         assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
         assert bound.peak_mib() <= limit

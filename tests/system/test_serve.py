@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,10 +23,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockkv import BlockStore
+from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.serving.demo import Agent
 from blockkv.serving.identity import model_identity
 from blockkv.serving.warm import system_tokens
-from blockkv.model_dir import build_model_dir, sample_text
+from blockkv.testing.fleet_processes import free_port
 from blockkv.testing.models import prefill
 
 MAX_TOKENS = 8
@@ -36,17 +36,11 @@ START_BOUND_S = 180.0
 REQUEST_BOUND_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """One ``blockkv serve`` subprocess on 127.0.0.1, logging to a file."""
 
     def __init__(self, command: list[str], model: Path, cache_dir: Path, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.log = log
         argv = [*command, "--model", str(model), "--cache-dir", str(cache_dir)]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "INFO"]
