@@ -74,6 +74,5 @@ def bench_mlx_load(src: KVSource, work: Path, reps: int) -> dict[str, float]:
         "file_bytes_whole": size,
         "load_eval_s": t_load,
         "load_eval_child_s": child["seconds"],
-        "load_eval_child_first_s": child["first_seconds"],
         "load_peak_rss_delta": child["peak_delta"],
     }

@@ -45,6 +45,7 @@ class Config:
     remote_tokens: int  # the entry restored from a bucket (moto's server on loopback)
     remote_nodes: int  # nodes sharing a bucket in the agent upload comparison
     remote_entries: int  # entries in the bucket a fresh node opens against
+    first_pairs: int = 9  # fresh processes each, alternating, for the first restore against mlx-lm's first load
     block_tokens: int = 256
 
 
@@ -81,5 +82,5 @@ QUICK = replace(  # the CI smoke run: the full run with tiny sizes
     index_sizes=(20, 60), find_queries=100,
     size_tokens=(256, 1024),
     large_shape=Shape(layers=2, kv_heads=2, head_dim=64), large_tokens=(256, 2048),
-    remote_tokens=256, remote_entries=10,
+    remote_tokens=256, remote_entries=10, first_pairs=2,
 )

@@ -41,6 +41,18 @@ def child_restore(spec: dict[str, Any]) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def first_runs(ours: dict[str, Any], theirs: dict[str, Any], pairs: int) -> tuple[list[float], list[float]]:
+    """The first restore (spec ``ours``) and mlx-lm's first load (``theirs``), each
+    in ``pairs`` fresh processes, alternating, which goes first alternating too:
+    a restarted server's first hit, with enough samples for a median."""
+    firsts: tuple[list[float], list[float]] = ([], [])
+    for i in range(pairs):
+        runs = [(ours, firsts[0]), (theirs, firsts[1])]
+        for spec, times in runs if i % 2 == 0 else runs[::-1]:
+            times.append(child_restore({**spec, "reps": 1})["first_seconds"])
+    return firsts
+
+
 def status_kib(field: str) -> int:
     """A field of /proc/self/status in KiB (VmRSS, VmHWM)."""
     with open("/proc/self/status") as f:

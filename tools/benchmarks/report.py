@@ -176,10 +176,12 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
         ),
         (
             f"| blockkv's first restore in a fresh process (page cache warm): a restarted server's first hit; "
-            f"one process each, so one sample each "
+            f"median of {len(bk['first_restore_samples_s'])} processes each, alternating with mlx-lm's "
+            f"(ours {', '.join(f'{t * 1e3:.0f}' for t in bk['first_restore_samples_s'])} ms) "
             f"| {bk['first_restore_child_s'] * 1e3:.0f} ms ({gbps(b1, bk['first_restore_child_s'])}) "
-            f"| mlx-lm's first load there {ml['load_eval_child_first_s'] * 1e3:.0f} ms "
-            f"| {ml['load_eval_child_first_s'] / bk['first_restore_child_s']:.2f}x |"
+            f"| mlx-lm's first load there {bk['mlx_first_load_child_s'] * 1e3:.0f} ms "
+            f"({', '.join(f'{t * 1e3:.0f}' for t in bk['mlx_first_load_samples_s'])}) "
+            f"| {bk['mlx_first_load_child_s'] / bk['first_restore_child_s']:.2f}x |"
         ),
         (
             f"| **blockkv partial restore**, {cfg.partial_tokens} tokens | {bk['partial_restore_s'] * 1e3:.0f} ms, "

@@ -25,7 +25,7 @@ from blockkv.format.rebuild import ParsedEntry, Target
 from blockkv.fs import FileLayer
 
 from .config import Config
-from .fresh_process import child_restore
+from .fresh_process import child_restore, first_runs
 from .harness import io_delta, median_time, open_store
 from .sources import KVSource, check_restored, eval_caches
 
@@ -69,8 +69,8 @@ def reads_alone(store: BlockStore, entry: Entry) -> Callable[[], None]:
             targets.append(target)
             yield target
 
-    parsed.rebuild(None, keep, lambda name: store._pool.stat(name).size)
-    pool, io = store._pool, ThreadPoolExecutor(2)
+    parsed.rebuild(None, keep, lambda name: store._dir.pool.stat(name).size)
+    pool, io = store._dir.pool, ThreadPoolExecutor(2)
     heads = {t.ref.name: memoryview(bytearray(len(t.frame_prefix))) for t in targets}
 
     def run() -> None:
@@ -162,17 +162,15 @@ def bench_restore(cfg: Config, src: KVSource, work: Path) -> dict[str, Any]:
     out["partial_blocks_expected"] = math.ceil(cfg.partial_tokens / cfg.block_tokens)
     out["partial_rchar"] = io["rchar"]
 
-    child = child_restore(
-        {
-            "kind": "blockkv",
-            "root": str(root),
-            "block_tokens": cfg.block_tokens,
-            "tokens": src.tokens[:n1],
-            "reps": cfg.reps,
-        }
-    )
+    ours = {"kind": "blockkv", "root": str(root), "block_tokens": cfg.block_tokens, "tokens": src.tokens[:n1]}
+    child = child_restore({**ours, "reps": cfg.reps})
     out["restore_peak_rss_delta"] = child["peak_delta"]
     out["full_restore_child_s"] = child["seconds"]
-    out["first_restore_child_s"] = child["first_seconds"]
+    mlx_file = work / "first-load.safetensors"
+    save_prompt_cache(str(mlx_file), src.caches(n1))
+    first, mlx_first = first_runs(ours, {"kind": "mlx", "path": str(mlx_file)}, cfg.first_pairs)
+    mlx_file.unlink()
+    out["first_restore_child_s"], out["first_restore_samples_s"] = statistics.median(first), first
+    out["mlx_first_load_child_s"], out["mlx_first_load_samples_s"] = statistics.median(mlx_first), mlx_first
     shutil.rmtree(root)
     return out

@@ -83,6 +83,13 @@ def targets(cfg: Config, r: dict[str, Any]) -> list[Target]:
             "x",
         ),
         Target(
+            "first restore in a fresh process (a restarted server's first hit) vs mlx-lm's first load, medians",
+            bk["mlx_first_load_child_s"] / bk["first_restore_child_s"],
+            ">=",
+            1.0,
+            "x",
+        ),
+        Target(
             f"partial restore of {cfg.partial_tokens} tokens: block files read",
             bk["partial_blocks_read"],
             "==",
