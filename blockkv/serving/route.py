@@ -152,9 +152,7 @@ class Router:
         # anything: it is taken to start as well as the best known node, so its queue decides its share
         best = min(starts.values(), key=lambda s: s.cost, default=start_cost(length, Matches()))
         conversation = digests(BLOCK_SIZE)
-        meets = self.sessions.meets(self.sessions.turn(conversation))
-        if record:
-            self.sessions.record(conversation)
+        meets = self.sessions.meets(self.sessions.record(conversation) if record else self.sessions.turn(conversation))
         options = []
         for node in usable:
             start = starts.get(node.url) or Start(best.cost, "unknown", 0)

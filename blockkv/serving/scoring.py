@@ -109,8 +109,8 @@ class Sessions:
         """A prompt's turn in its conversation (1: a new one), from its digests."""
         return next((self._last[d] + 1 for d in reversed(digests) if d in self._last), 1)
 
-    def record(self, digests: Sequence[str]) -> None:
-        """A prompt with these digests was routed."""
+    def record(self, digests: Sequence[str]) -> int:
+        """A prompt with these digests was routed; returns its ``turn``."""
         turn = self.turn(digests)
         self._prompts += self.MEMORY * (1.0 - self._prompts)
         self._new += self.MEMORY * (float(turn == 1) - self._new)
@@ -119,6 +119,7 @@ class Sessions:
             self._last.move_to_end(digests[-1])
             while len(self._last) > self.LIMIT:
                 self._last.popitem(last=False)
+        return turn
 
     def meets(self, turn: int) -> float:
         """The turns a prompt at ``turn`` meets a session placed beside it: this
