@@ -63,7 +63,8 @@ PROBLEMS = {
     "dangling": "dangling entry (needs a missing or corrupt block)",
     "orphan_blocks": "orphan block (nothing references it)",
     "refcount_mismatches": "refcount mismatch (block, index says, headers say)",
-    "unreadable": "unreadable file (a transient error such as EMFILE or EIO; kept, never deleted)",
+    "unreadable": "unreadable file (a transient error such as EMFILE or EIO: not proof of corruption; an unreadable "
+                  "block nothing references is also an orphan, which --repair deletes)",
     "oversized_blocks": "block file longer than its own frame allows (not read, so not convicted; "
                         "kept unless nothing references it)",
     "newer_headers": "header of a newer blockkv format (kept, never served; blocks are not swept while it is here)",
