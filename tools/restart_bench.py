@@ -377,7 +377,10 @@ def main() -> int:
     out = args.out or REPO / "docs"
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="blockkv-restart-", dir=args.workdir))
-    command = "python tools/restart_bench.py" + (" --quick" if args.quick else "")
+    command = "python tools/restart_bench.py" + "".join(
+        f" {flag}" + ("" if value is True else f" {value}")
+        for flag, value in (("--quick", args.quick), ("--models", args.models), ("--turns", args.turns),
+                            ("--long-tokens", args.long_tokens)) if value)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "platform": platform.platform(), "cores": os.cpu_count(),
                               "loadavg_before": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
