@@ -35,7 +35,7 @@ a CPU; it still prefills at ~10-80 tokens/s on 2 cores, so its session has 4
 turns and its document 8k tokens.
 
     python tools/restart_bench.py --quick --out DIR   # ~1-2 min: demo model, 3 turns of 400 tokens, 1.5k-token document
-    python tools/restart_bench.py                     # docs/restart-bench.{md,json,png}; about an hour on 2 cores
+    python tools/restart_bench.py                     # docs/restart-bench.{md,json,png}; 72 min on 2 cores
 """
 
 from __future__ import annotations
