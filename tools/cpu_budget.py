@@ -90,7 +90,7 @@ def main() -> int:
                 rows += [line(f"{k} ({args.restore_tokens} tokens, alternating with the next row)" if k == "mlx-lm load"
                               else k, *v) for k, v in got.items()]
             floor = reads_alone(store, entry)
-            rows.append(line("scatter reads alone, 2 threads", *alternate({"reads": floor}, args.reps)["reads"]))
+            rows.append(line("scatter reads alone, the restore's reading threads", *alternate({"reads": floor}, args.reps)["reads"]))
         small = KVSource.random(FULL.shape, args.store_tokens, seed=2)
         root, saved = work / "store", work / "saved.safetensors"
         handle: list[BlockStore] = []

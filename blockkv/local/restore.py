@@ -106,7 +106,7 @@ class EntryRead:
     def _fill_all(self, targets: Iterator[Target]) -> Iterator[Target]:
         # every target made before the first read: made beside the reading threads, the
         # slicing fought them for the GIL (272 MiB warm, alternating: 70-87 ms -> 58-74 ms);
-        # two threads: one block's read overlaps another's check
+        # several reading threads (executors.py): one block's read overlaps another's check
         return self._io.map(self._fill, list(targets))
 
     def _stored_bytes(self, name: str) -> int:

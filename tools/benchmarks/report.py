@@ -157,8 +157,8 @@ def render_markdown(cfg: Config, r: dict[str, Any], old: str) -> str:
             f"verified / unverified {bk['full_restore_s'] / bk['full_restore_noverify_s']:.2f}x |"
         ),
         (
-            f"| the reads alone: every block's scatter read into allocated destination arrays (2 threads, no header, "
-            f"no check, no allocation), alternating with the full restore only (see the analysis) "
+            f"| the reads alone: every block's scatter read into allocated destination arrays (the restore's reading "
+            f"threads, no header, no check, no allocation), alternating with the full restore only (see the analysis) "
             f"| {bk['reads_alone_s'] * 1e3:.0f} ms ({gbps(b1, bk['reads_alone_s'])}) "
             f"| full restore {bk['full_restore_beside_reads_s'] * 1e3:.0f} ms (mlx-lm's load, in the alternation above, "
             f"{bk['same_process_mlx_load_s'] * 1e3:.0f} ms) | restore / reads "

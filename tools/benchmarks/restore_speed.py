@@ -13,7 +13,6 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,7 @@ def same_process(variants: Mapping[str, Callable[[], Any]], caches: list[KVCache
 
 def reads_alone(store: BlockStore, entry: Entry) -> Callable[[], None]:
     """The floor of any restore of ``entry`` that reads its blocks into mlx
-    arrays: the scatter reads alone (two threads, as a restore's), every rep
+    arrays: the scatter reads alone (on the store's own reading threads, as a restore's), every rep
     into the same destination arrays, allocated once; no header, no check, no
     cache objects. What it returns times one pass."""
     parsed = ParsedEntry.parse(store._dir.header_bytes(entry.ns, entry.id))
@@ -70,7 +69,7 @@ def reads_alone(store: BlockStore, entry: Entry) -> Callable[[], None]:
             yield target
 
     parsed.rebuild(None, keep, lambda name: store._dir.pool.stat(name).size)
-    pool, io = store._dir.pool, ThreadPoolExecutor(2)
+    pool, io = store._dir.pool, store._executor("read")
     heads = {t.ref.name: memoryview(bytearray(len(t.frame_prefix))) for t in targets}
 
     def run() -> None:
