@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from blockkv import moved
 from blockkv.errors import (
     BlockKVError,
     BlockMissingError,
@@ -64,6 +65,8 @@ __all__ = [
     "trimmable",
 ]
 __version__ = "0.1.0"
+
+moved.install()  # old import paths of moved modules, for one minor version (moved.py)
 
 
 def __getattr__(name: str) -> Any:

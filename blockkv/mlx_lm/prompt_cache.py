@@ -35,9 +35,9 @@ from mlx_lm.models.cache import LRUPromptCache
 from blockkv import BlockStore
 from blockkv.format.codec import codec_for, encode_cache, record_offsets
 from blockkv.fs import FileLayer
-from blockkv.serving.budget import DiskShare
-from blockkv.serving.cache_fit import ModelLayout
-from blockkv.serving.identity import KVQuant, StoreIdentity, identity_from_key
+from blockkv.mlx_lm.budget import DiskShare
+from blockkv.mlx_lm.cache_fit import ModelLayout
+from blockkv.mlx_lm.identity import KVQuant, StoreIdentity, identity_from_key
 
 __all__ = ["PersistentPromptCache"]
 
@@ -434,7 +434,9 @@ def check_remote(remote: str | None, remote_options: Mapping[str, str] | None) -
     if not isinstance(remote, str):
         raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(remote).__name__}")
     from blockkv.pool.s3 import parse_url
-    from blockkv.remote.options import split_options  # needs obstore: pip install 'blockkv[s3]'
+    from blockkv.remote.options import (
+        split_options,  # needs obstore: pip install 'blockkv[s3]'
+    )
 
     parse_url(remote)
     split_options(remote_options)
