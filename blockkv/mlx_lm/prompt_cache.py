@@ -28,7 +28,7 @@ from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mlx_lm.models.cache import LRUPromptCache
 
@@ -184,7 +184,7 @@ class PersistentPromptCache(LRUPromptCache):
         try:
             store = BlockStore(self.cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                                tokenizer_hash=ident.tokenizer_hash,
-                               max_bytes=share.floor if share is not None else self._cache_bytes,
+                               max_bytes=share.floor if share is not None else cast(int, self._cache_bytes),
                                limit=share.limit(self.cache_dir, lambda: opened[0].total_bytes if opened else 0)
                                if share is not None else None,
                                block_tokens=self._block_tokens, fs=self._fs, remote=remote,
