@@ -137,6 +137,7 @@ class PersistentPromptCache(LRUPromptCache):
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
         self._stores: dict[Any, BlockStore] = {}
         self._open_failures: dict[Any, _OpenFailure] = {}
+        self._open_lock = threading.Lock()
         self._models = models
         self._layouts: dict[Any, ModelLayout | None] = {}
         self._pending: set[Future[bool]] = set()
@@ -181,6 +182,11 @@ class PersistentPromptCache(LRUPromptCache):
         store = self._stores.get(model)
         if store is not None:
             return store
+        with self._open_lock:  # serve opens the default model's store on a thread of its own too
+            store = self._stores.get(model)
+            return store if store is not None else self._try_open(model)
+
+    def _try_open(self, model: Any) -> BlockStore | None:
         failed = self._open_failures.get(model)
         if failed is not None and time.monotonic() - failed.at < RETRY_OPEN_S:
             return None
@@ -199,11 +205,14 @@ class PersistentPromptCache(LRUPromptCache):
         self._stores[model] = store
         return store
 
-    def disk_tier_off(self, model: Any) -> str | None:
-        """Why model key ``model`` has no disk tier now (its last open's error), or None if it has one or has not
-        been tried yet."""
-        failed = None if model in self._stores else self._open_failures.get(model)
-        return failed.reason if failed is not None else None
+    def disk_tier(self, model: Any) -> tuple[str, str | None]:
+        """Whether model key ``model`` has its disk tier now, without opening it:
+        ``("on", None)``, ``("off", why)`` (its last open failed; tried again at
+        its next use) or ``("not open yet", None)``."""
+        if model in self._stores:
+            return "on", None
+        failed = self._open_failures.get(model)
+        return ("off", failed.reason) if failed is not None else ("not open yet", None)
 
     def _open_store(self, ident: Any, remote: str | None) -> BlockStore:
         """The model's store; if its bucket refuses it (missing, another

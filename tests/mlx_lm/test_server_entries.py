@@ -193,7 +193,8 @@ def test_a_store_that_cannot_open_yet_opens_at_a_later_use(
     caches, _ = prefill(llama.model, tokens)
     logs = caplog.at_level(logging.INFO, logger="blockkv.mlx_lm.prompt_cache")
     with logs, ShortPromptCache(cache_dir=tmp_path / "cache") as cache:
-        assert cache.store_for(key) is None and cache.disk_tier_off(key) is not None
+        assert cache.disk_tier(key) == ("not open yet", None) and cache.store_for(key) is None
+        assert cache.disk_tier(key)[0] == "off" and str(late) in str(cache.disk_tier(key)[1])
         cache.insert_cache(key, tokens, caches)
         assert cache.fetch_nearest_cache(key, tokens + [3])[1] == [3]  # RAM-only meanwhile
         shutil.copytree(llama.root, late)
@@ -201,7 +202,7 @@ def test_a_store_that_cannot_open_yet_opens_at_a_later_use(
         while cache.store_for(key) is None:
             assert time.monotonic() < deadline, "the store never opened"
             time.sleep(RETRY_OPEN_S / 4)
-        assert cache.disk_tier_off(key) is None
+        assert cache.disk_tier(key) == ("on", None)
         cache.insert_cache(key, tokens + [3], copy.deepcopy(prefill(llama.model, [3], cache=caches)[0]))
         cache.flush()
         assert cache.tier_stats["spills"] == 1
