@@ -10,8 +10,10 @@ quantisation, so two models or two revisions never share entries.
 
 The disk tier never raises into the caller: a cache object blockkv has no codec
 for stays in the RAM tier (one warning per class), a store that cannot be
-opened leaves its model RAM-only, and a failing read or write is a miss or a
-not-stored. A restored cache list that does not fit the model's own layout
+opened leaves its model RAM-only until a later use opens it, and a failing
+read or write is a miss or a not-stored. An entry whose caches hold fewer
+tokens than its key (a draft model's) or whose key names images is stored as
+what the disk can hold exactly (``storable``). A restored cache list that does not fit the model's own layout
 (``cache_fit``: a planted or imported entry of another model) is a miss too,
 never handed to mlx-lm, whose generation thread would die on it. What the RAM
 tier does is exactly what ``LRUPromptCache`` does.
