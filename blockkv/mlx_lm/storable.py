@@ -44,9 +44,9 @@ def storable(tokens: list[int], caches: list[Any]) -> tuple[list[int], list[Any]
     keep = min([text_prefix_len(tokens), *held])
     if keep == len(tokens) and all(o == keep for o in held):
         return tokens, caches
-    if keep <= 0 or None in offsets:  # a state without an offset holds every token of the key: it cannot be cut
+    if keep <= 0 or len(held) < len(offsets):  # a state without an offset holds every token of the key: no cut
         return None
-    cut = [_cut_copy(c, offset - keep) for c, offset in zip(caches, offsets)]
+    cut = [_cut_copy(c, offset - keep) for c, offset in zip(caches, held)]
     if any(c is None for c in cut):
         return None
     return tokens[:keep], cut

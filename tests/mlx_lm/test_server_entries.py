@@ -208,3 +208,19 @@ def test_a_store_that_cannot_open_yet_opens_at_a_later_use(
         assert cache.tier_stats["spills"] == 1
     assert len([r for r in caplog.records if "RAM-only" in r.getMessage()]) == 1
     assert len([r for r in caplog.records if "opened after" in r.getMessage()]) == 1
+
+
+def test_an_image_key_over_a_state_that_cannot_be_cut_stays_in_ram(tmp_path: Path) -> None:
+    """An SSM's state holds every token of the key, the image's included: no
+    prefix of it can be stored, so the entry is the RAM tier's alone."""
+    mamba = Model(build_model_dir(tmp_path / "mamba", "mamba"))
+    text = mamba.encode(20, seed=8)
+    caches, _ = prefill(mamba.model, text)
+    with ShortPromptCache(cache_dir=tmp_path / "cache") as cache:
+        cache.insert_cache(mamba.key, text[:5] + [-3, -3] + text[7:], caches)
+        cache.flush()
+        store = cache.store_for(mamba.key)
+        assert store is not None and store.entries() == []
+        stats = cache.tier_stats
+        assert (stats["ram_only_inserts"], stats["spills"], stats["spill_failures"]) == (1, 0, 0)
+        assert len(cache) == 1
