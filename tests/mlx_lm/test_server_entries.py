@@ -224,3 +224,25 @@ def test_an_image_key_over_a_state_that_cannot_be_cut_stays_in_ram(tmp_path: Pat
         stats = cache.tier_stats
         assert (stats["ram_only_inserts"], stats["spills"], stats["spill_failures"]) == (1, 0, 0)
         assert len(cache) == 1
+
+
+def test_a_quantised_model_cache_beside_a_draft_one_token_behind_is_one_entry(llama: Model, tmp_path: Path) -> None:
+    """--draft-model with --kv-bits: the model's caches crossed the quantised
+    start, the draft's (one token behind) not yet, so one entry mixes
+    QuantizedKVCache and KVCache; both come back at the common length, bit for bit."""
+    draft = Model(build_model_dir(tmp_path / "draft", "llama", seed=3))
+    key = (str(llama.root), None, str(draft.root))
+    tokens = llama.encode(40, seed=9)
+    kv = KVQuant(bits=8, group_size=32, start=len(tokens))
+    main = [c.to_quantized(group_size=kv.group_size, bits=kv.bits) for c in prefill(llama.model, tokens)[0]]
+    behind, _ = prefill(draft.model, tokens[:-1])
+    want = _rows(main, len(tokens) - 1) + _rows(behind)
+    with ShortPromptCache(cache_dir=tmp_path / "cache", kv=kv) as cache:
+        cache.insert_cache(key, tokens, main + behind)
+    with ShortPromptCache(cache_dir=tmp_path / "cache", kv=kv,
+                          models=lambda k: [llama.model, draft.model]) as cache:
+        restored = _restored(cache, key, tokens[:-1])
+        assert [type(c) for c in restored] == [QuantizedKVCache] * len(main) + [KVCache] * len(behind)
+        _assert_bit_exact(_rows(restored), want)
+        served, rest = cache.fetch_nearest_cache(key, tokens + [5])
+        assert served is not None and rest == tokens[-1:] + [5] and cache.tier_stats["misfits"] == 0
