@@ -32,16 +32,17 @@ heads, head_dim 64, float32; 20 turns, a 12k-token document) and
 layers, 8 KV heads, head_dim 64; bfloat16, so 32 KiB of KV per token as the
 real model) and a narrow residual (hidden 128) so that it prefills at all on
 a CPU; it still prefills at ~10-80 tokens/s on 2 cores, so its session has 4
-turns and its document 8k tokens. ``smollm2-135m``: a real model,
+turns and its document 8k tokens. And ``smollm2-135m``: a real model,
 SmolLM2-135M-Instruct 4-bit (``blockkv.real_model``, fetched from PyPI once;
-30 layers, 3 KV heads, head_dim 64; float32 KV, as its float32 norms make it); MLX's CPU backend prefills it
-at ~5-10 tokens/s, so its session has 3 turns and its document 2k tokens
-(about an hour of the full run on 2 cores, estimated from that rate: not run yet).
+30 layers, 3 KV heads, head_dim 64; float32 KV, as its float32 norms make
+it); MLX's CPU backend prefills it at ~5-10 tokens/s, so its session has 3
+turns and its document 2k tokens (~17k prefilled tokens: 30-60 min more of
+the full run on 2 cores, estimated from that rate; not run yet).
 
     python tools/restart_bench.py --quick --out DIR   # ~1-2 min: demo model, 3 turns of 400 tokens, 1.5k-token document
     python tools/restart_bench.py --quick --models smollm2-135m --turns 4 --system-tokens 150 --tool-tokens 40 --long-tokens 300 --out DIR
                                                       # the real model, short prompts (docs/benchmarks.md's table)
-    python tools/restart_bench.py                     # docs/restart-bench.{md,json,png}; 72 min on 2 cores
+    python tools/restart_bench.py                     # docs/restart-bench.{md,json,png}; 72 min on 2 cores before smollm2-135m
 """
 
 from __future__ import annotations
