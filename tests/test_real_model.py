@@ -57,3 +57,15 @@ def test_unpermute_inverts_llama_cpps_q_k_permutation(heads: int, rows: int, col
     permuted = llama_cpp_permute(original)
     assert not mx.array_equal(permuted, original).item()
     assert mx.array_equal(_unpermute(permuted, heads), original).item()
+
+
+def test_tokenizer_keeps_special_tokens_whole_and_round_trips_text(real_model: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(real_model / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 49152
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False).ids
+    assert ids[0] == tokenizer.token_to_id("<|im_start|>") and ids[-1] == tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.encode("in 2024", add_special_tokens=False).tokens[-4:] == ["2", "0", "2", "4"]  # one digit each
+    text = "Grüße aus Köln — 東京 🙂, tabs\tand  two spaces"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids) == text
