@@ -1,6 +1,6 @@
 """The real model's builder: concurrent builds agree, a failed download is an
 error, and the q/k rows go back to mlx-lm's order. (Its answers are checked
-through real servers in tests/system/test_real_model.py.)"""
+through real servers in tests/system/test_serve_real_model.py.)"""
 
 from __future__ import annotations
 

@@ -77,8 +77,8 @@ def test_real_model(real_model: Path, capsys: pytest.CaptureFixture[str]) -> Non
     """--real-model: the same demo on SmolLM2-135M-Instruct (the session's build). The
     CPU prefills it at a few tokens a second, so the prompts here are shorter than
     the one block a restore from disk needs: this checks the run, the entry found
-    again and the greedy output; restores on this model are tests/system/test_real_model.py's."""
-    argv = ["--real-model", "--sessions", "1", "--turns", "1", "--system-words", "20", "--user-words", "3",
+    again and the greedy output; restores on this model are tests/system/test_serve_real_model.py's."""
+    argv = ["--real-model", "--sessions", "1", "--turns", "1", "--system-words", "5", "--user-words", "2",
             "--max-tokens", "2", "--cold-checks", "1"]
     assert demo.main(argv) == 0
     out = capsys.readouterr().out
