@@ -1,10 +1,11 @@
 """``blockkv route``: one OpenAI-compatible address for a fleet of ``blockkv
 serve`` nodes, sending each request where it should start fastest.
 
-It tokenizes a request as the nodes will (route_tokens.py), looks up how much
-of it each node holds in RAM, on its disk or (fleet-wide) in the bucket
-(fleet.py, from the nodes' residency events), weighs that against what is
-queued on each (scoring.py) and relays the request to the best node, then the
+This module is the HTTP front; placement.py chooses the node: it tokenizes a
+request as the nodes will (route_tokens.py), looks up how much of it each node
+holds in RAM, on its disk or (fleet-wide) in the bucket (fleet.py, from the
+nodes' residency events) and weighs that against what is queued on each
+(scoring.py). The front relays the request to the best node, then the
 node's answer back byte for byte, streamed as it comes, with
 ``X-Blockkv-Node: <url>``. A conversation's next turn follows the node that
 served the last one because that node now holds it; no session id is needed.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import http.client
-import itertools
 import json
 import logging
 import math
@@ -31,35 +31,24 @@ import re
 import signal
 import sys
 import threading
-import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from blockkv.router.bounded_server import BoundedHTTPServer
-from blockkv.router.fleet import Follower, Node
+from blockkv.router.fleet import Node
+from blockkv.router.placement import Router
 from blockkv.router.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
-from blockkv.router.scoring import (
-    Matches,
-    Option,
-    Sessions,
-    Start,
-    order,
-    queue_cost,
-    start_cost,
-)
 from blockkv.wire.auth import (
     NODE_KEY_ENV,
     ApiKeys,
     add_key_options,
-    bearer,
     keys_from,
     read_key_file,
     with_keys,
 )
-from blockkv.wire.residency import BLOCK_SIZE, SALT_ENV, digest_key, prefix_digests
+from blockkv.wire.residency import SALT_ENV
 from blockkv.wire.shedding import (
     HEADER_TIMEOUT_S,
     LARGE_SHARE,
@@ -74,9 +63,6 @@ MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413)
 BODY_MEMORY = 256 << 20  # the request bodies held across all connections: past it a request is answered 503
 MIN_BODY_MEMORY = math.ceil(MAX_BODY_BYTES / LARGE_SHARE / (1 << 20)) << 20  # holds one largest body
 # A longer request is routed by load alone: tokenizing costs the router ~120 bytes of memory and
-# ~1.5 µs per prompt byte (a 1 MiB body is ~150k tokens), and a 128k-token prompt is ~0.5 MiB of text.
-MAX_TOKENIZED_BYTES = 1 << 20
-MAX_PROMPT_TOKENS = 1 << 18  # and so is a prompt of more tokens: its digests are at most 8,192
 MAX_ANSWER_BYTES = 1 << 30  # a node's answer is cut off past this
 CONNECT_TIMEOUT_S = 3.0
 CLIENT_TIMEOUT_S = 60.0  # longest wait for a client's next byte (a request half sent, an answer not read)
@@ -87,102 +73,6 @@ _DONE = b"data: [DONE]"
 _PATH = re.compile(r"[\x21-\x7e]+")  # what a node is sent: printable ASCII, no space (RFC 3986's characters)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authenticate",
                "proxy-authorization"}
-
-
-class Router:
-    """The fleet and the choice of a node for a prompt."""
-
-    def __init__(self, urls: list[str], tokenizer: PromptTokenizer | None, salt: str | None,
-                 node_timeout: float, node_key: str | None = None) -> None:
-        if not urls:
-            raise ValueError("at least one --node is needed")
-        if len(set(urls)) != len(urls):
-            raise ValueError("a --node is given twice")
-        self.nodes = [Node(url, headers=bearer(node_key)) for url in urls]
-        self.tokenizer = tokenizer
-        self.node_timeout = node_timeout
-        self._key = digest_key(salt)
-        self._followers = [Follower(node, self._key) for node in self.nodes]
-        self._ids = itertools.count()
-        self._choosing = threading.Lock()
-        self.sessions = Sessions()
-
-    def start(self) -> None:
-        for follower in self._followers:
-            follower.start()
-
-    def stop(self) -> None:
-        for follower in self._followers:
-            follower.stop()
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def prompt(self, path: str, body: bytes) -> list[int] | None:
-        """The request's prompt tokens, or None (routed by load alone)."""
-        if self.tokenizer is None or path not in (*CHAT_PATHS, *TEXT_PATHS) or len(body) > MAX_TOKENIZED_BYTES:
-            return None
-        try:
-            tokens = self.tokenizer.tokens(path, json.loads(body))
-        except Exception as e:  # noqa: BLE001 - the node will answer whatever this was; only the choice suffers
-            log.debug("blockkv route: request not tokenized (%r); routed by load", e)
-            return None
-        return tokens if len(tokens) <= MAX_PROMPT_TOKENS else None
-
-    def rank(self, tokens: list[int] | None, record: bool = False) -> list[tuple[Node, Start, list[str]]]:
-        """Usable nodes, best first (scoring.order), each with its start and the
-        prompt's digests in its block size; ``record``: the prompt is being routed
-        (its conversation's turn is counted)."""
-        now = time.monotonic()
-        usable = [n for n in self.nodes if n.usable(now)] or list(self.nodes)  # none usable: try them all anyway
-        length = len(tokens) if tokens is not None else 0
-        digests_by_size: dict[int, list[str]] = {}
-
-        def digests(size: int) -> list[str]:
-            if tokens is None or not size:
-                return []
-            if size not in digests_by_size:
-                digests_by_size[size] = prefix_digests(tokens, self._key, size)
-            return digests_by_size[size]
-
-        def capped(blocks: int, size: int) -> int:
-            return min(blocks * size, max(length - 1, 0))  # a node always computes the last prompt token
-
-        held = {n.url: n.matched_blocks(digests(n.block_size), now) for n in self.nodes}
-        bucket = {size: max((held[n.url][1] for n in self.nodes if n.remote and n.block_size == size), default=0)
-                  for size in {n.block_size for n in self.nodes}}
-        starts = {}
-        for node in usable:
-            if node.block_size:
-                ram, disk = held[node.url]
-                size = node.block_size
-                starts[node.url] = start_cost(length, Matches(capped(ram, size), capped(disk, size),
-                                                              capped(bucket[size], size)))
-        # a node whose residency is unknown (just restarted, not publishing yet, another salt) may hold
-        # anything: it is taken to start as well as the best known node, so its queue decides its share
-        best = min(starts.values(), key=lambda s: s.cost, default=start_cost(length, Matches()))
-        conversation = digests(BLOCK_SIZE)
-        meets = self.sessions.meets(self.sessions.record(conversation) if record else self.sessions.turn(conversation))
-        options = []
-        for node in usable:
-            start = starts.get(node.url) or Start(best.cost, "unknown", 0)
-            work, in_flight = node.queue()
-            options.append(Option(start, queue_cost(work, in_flight, node.active_cost(), meets), in_flight,
-                                  node.routed))
-        return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
-
-    def candidates(self, tokens: list[int] | None, request_id: int) -> Iterator[tuple[Node, Start]]:
-        """The nodes to try, best first, each already charged with the request when
-        yielded: ranking and charging the first are one step, so requests arriving
-        together see each other's queue."""
-        with self._choosing:
-            ranked = self.rank(tokens, record=True)
-            if ranked:
-                ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2])
-        for i, (node, start, digests) in enumerate(ranked):
-            if i:
-                node.begin(request_id, start.cost, digests)
-            yield node, start
 
 
 class Handler(BaseHTTPRequestHandler):

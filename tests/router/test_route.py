@@ -24,7 +24,8 @@ import pytest
 
 from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.router.fleet import Follower, Node, read_json
-from blockkv.router.route import BODY_MEMORY, MAX_BODY_BYTES, MAX_TOKENIZED_BYTES, NODE_HEADER, Router, serve
+from blockkv.router.placement import MAX_TOKENIZED_BYTES, Router
+from blockkv.router.route import BODY_MEMORY, MAX_BODY_BYTES, NODE_HEADER, serve
 from blockkv.router.route_tokens import PromptTokenizer
 from blockkv.router.scoring import (
     ACTIVE_COST,
