@@ -152,6 +152,9 @@ def open_env(path: Path, map_size: int, *, max_dbs: int, sync: bool) -> SharedEn
             shared = _ENVS[(resolved, *key)]
             shared.users += 1
             return shared
+        # first: a stale environment's turnstile is re-taken below, in this directory
+        # even when the whole of it was deleted (a damaged index thrown away)
+        path.mkdir(mode=0o700, exist_ok=True)
         # liblmdb refuses a second environment on one lock file: one whose data
         # file was replaced in place is dead. Close it once no transaction is
         # inside it; its handles get an error and reopen (``Index.replaced``).
@@ -160,7 +163,6 @@ def open_env(path: Path, map_size: int, *, max_dbs: int, sync: bool) -> SharedEn
                 stale.env.close()
             for k in [k for k, v in _ENVS.items() if v is stale]:
                 del _ENVS[k]
-        path.mkdir(mode=0o700, exist_ok=True)
         txns = TxnLock(path, timeout=TXN_TIMEOUT)
         try:
             env, key = _open_locked(path, txns, map_size, max_dbs, sync)
