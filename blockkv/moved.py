@@ -40,7 +40,7 @@ MOVED: dict[str, str | None] = {
     "blockkv.serving.scoring": "blockkv.router.scoring",
     "blockkv.serving.fleet": "blockkv.router.fleet",
     "blockkv.serving.route_tokens": "blockkv.router.route_tokens",
-    "blockkv.serving.bounded_server": "blockkv.router.bounded_server",
+    "blockkv.serving.bounded_server": "blockkv.wire.bounded_server",
     "blockkv.serving.digests": "blockkv.wire.residency",
     "blockkv.serving.auth": "blockkv.wire.auth",
     "blockkv.testing.model_dir": "blockkv.model_dir",

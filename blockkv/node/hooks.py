@@ -9,10 +9,12 @@ call blockkv replaces names that module looks up at run time, and only these:
   parsed (``on_run``: the cache directory, the KV-quantisation flags).
 - ``LRUPromptCache`` (the RAM prompt cache ``run`` builds): a factory of
   ``ResidentPromptCache``, mlx-lm's RAM tier with blockkv's disk tier below it.
-- ``_run_http_server`` (serves ``APIHandler``): opens the disk tier first, so
-  the first request does not pay the open and a restarted node publishes its
-  disk before ``/health`` answers, then serves blockkv's subclass of mlx-lm's
-  handler (API keys, ``/metrics``, ``/blockkv/flush``, residency).
+- ``_run_http_server`` (serves ``APIHandler`` on a ``ThreadingHTTPServer``):
+  opens the disk tier first, so the first request does not pay the open and a
+  restarted node publishes its disk before ``/health`` answers, then serves
+  blockkv's subclass of mlx-lm's handler (API keys, ``/metrics``,
+  ``/blockkv/flush``, residency) on blockkv's bounded server (connections
+  capped, header deadlines, idle timeouts: ``wire/bounded_server.py``).
 - ``ResponseGenerator._is_batchable`` and ``_serve_single``, with
   ``--per-key-cache`` only: each request alone, inside its key's namespace
   (``tenants.py``).
@@ -37,6 +39,7 @@ class ServeHooks:
     on_run: Callable[[Any], None]  # called with mlx-lm's model provider before its run() starts
     make_cache: Callable[..., Any]  # called as mlx-lm calls LRUPromptCache(max_size, max_bytes)
     handler: Callable[[type], type]  # blockkv's request handler class over mlx-lm's APIHandler
+    server_class: type  # the HTTP server class mlx-lm builds, called as cls(address, handler)
     before_serving: Callable[[], None]  # called once the model is loaded, before the HTTP server answers
     per_key: bool  # --per-key-cache: each request served alone in its key's namespace
 
@@ -77,6 +80,7 @@ def install(server: Any, hooks: ServeHooks) -> Callable[[], None]:
     def run_http_server(*args: Any, **kwargs: Any) -> Any:
         hooks.before_serving()
         kwargs["handler_class"] = hooks.handler(kwargs.get("handler_class") or server.APIHandler)
+        kwargs["server_class"] = hooks.server_class
         return original_http(*args, **kwargs)
 
     replacements.replace(server, "run", run)

@@ -42,7 +42,9 @@ from blockkv.node.journal import Journal
 from blockkv.node.metrics import ServeMetrics, with_metrics_path
 from blockkv.node.residency_endpoint import ResidentPromptCache, residency_handler
 from blockkv.wire.auth import ApiKeys, add_key_options, keys_from, with_keys
+from blockkv.wire.bounded_server import add_connection_options, bounded_server_class
 from blockkv.wire.residency import SALT_ENV, digest_key
+from blockkv.wire.shedding import shedding
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ def _own_parser() -> argparse.ArgumentParser:
         f"and the router (default: ${SALT_ENV}, else none)",
     )
     add_key_options(parser, "A blockkv route in front sends one of them (its --node-api-key-file).")
+    add_connection_options(parser)
     parser.add_argument(
         "--per-key-cache",
         action="store_true",
@@ -270,7 +273,8 @@ class _Node:
 
     def hooks(self) -> hooks.ServeHooks:
         return hooks.ServeHooks(on_run=self.on_run, make_cache=self.make_cache, handler=self.handler,
-                                before_serving=self.open_caches, per_key=self.args.per_key_cache)
+                                server_class=self.server_class(), before_serving=self.open_caches,
+                                per_key=self.args.per_key_cache)
 
     def on_run(self, model_provider: Any) -> None:
         """Only now, with every flag parsed: --help or a typo must not create directories."""
@@ -321,7 +325,14 @@ class _Node:
         handler = with_metrics_path(handler, self.metrics)
         if self.args.per_key_cache:
             handler = tenants.tagging_handler(handler)
-        return with_keys(handler, self.keys)
+        handler = shedding(with_keys(handler, self.keys))  # shed before the key is known: wrap the keyed class
+        handler.timeout = self.args.client_timeout  # each read and write: an idle connection is closed
+        return handler
+
+    def server_class(self) -> type:
+        """The HTTP server mlx-lm builds: connections admitted and bounded by blockkv's shedder."""
+        return bounded_server_class("blockkv serve", self.args.max_connections, self.args.max_pending,
+                                    self.args.header_timeout)
 
     def open_caches(self) -> None:
         """Open the default model's store before serving, so a restarted node

@@ -36,7 +36,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blockkv.router.bounded_server import BoundedHTTPServer
 from blockkv.router.fleet import Node
 from blockkv.router.placement import Router
 from blockkv.router.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
@@ -48,6 +47,7 @@ from blockkv.wire.auth import (
     read_key_file,
     with_keys,
 )
+from blockkv.wire.bounded_server import CLIENT_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer, add_connection_options
 from blockkv.wire.residency import SALT_ENV
 from blockkv.wire.shedding import (
     HEADER_TIMEOUT_S,
@@ -65,8 +65,6 @@ MIN_BODY_MEMORY = math.ceil(MAX_BODY_BYTES / LARGE_SHARE / (1 << 20)) << 20  # h
 # A longer request is routed by load alone: tokenizing costs the router ~120 bytes of memory and
 MAX_ANSWER_BYTES = 1 << 30  # a node's answer is cut off past this
 CONNECT_TIMEOUT_S = 3.0
-CLIENT_TIMEOUT_S = 60.0  # longest wait for a client's next byte (a request half sent, an answer not read)
-MAX_CONNECTIONS = 256
 DRAIN_S = 120.0  # on SIGTERM or Ctrl-C: longest wait for the answers being relayed
 NODE_HEADER = "X-Blockkv-Node"
 _DONE = b"data: [DONE]"
@@ -316,17 +314,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"the nodes' --fleet-salt (default: ${SALT_ENV}, else none)")
     p.add_argument("--node-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="longest wait for a node's next byte, prefill included (default: %(default)s)")
-    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, metavar="SECONDS",
-                   help="longest wait for a client's next byte; an idle connection is closed (default: %(default)s)")
-    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
-                   help="connections served at once, a thread each: a new one drops the oldest still sending its "
-                   "headers, and is answered 503 only when every one is past them (default: %(default)s)")
-    p.add_argument("--max-pending", type=int, metavar="N",
-                   help="of those, the most still sending their headers, so not yet past the key check (default: "
-                   "3/4 of --max-connections: the rest are kept for requests that passed it)")
-    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="SECONDS",
-                   help="a connection's request line and headers must arrive within this, however they trickle "
-                   "(default: %(default)s)")
+    add_connection_options(p)
     p.add_argument("--body-memory", type=int, default=BODY_MEMORY >> 20, metavar="MIB",
                    help="the request bodies held at once across all connections; a request past it is answered 503 "
                    f"(default: %(default)s; at least {MIN_BODY_MEMORY >> 20}: bodies over 1 MiB may take 3/4 of it, "

@@ -1,6 +1,7 @@
-"""The router's HTTP server: ``http.server``'s threading server with every
-resource a client can hold bounded (shedding.py), and a shutdown that drops
-nothing in flight.
+"""The HTTP server of ``blockkv route`` and ``blockkv serve``: ``http.server``'s
+threading server with every resource a client can hold bounded (shedding.py),
+and a shutdown that drops nothing in flight. (mlx-lm's server builds its own
+``ThreadingHTTPServer``; serve hands it this class instead: node/hooks.py.)
 
 - a connection is served by a thread of its own, at most ``max_connections``
   at once, of which at most ``max_pending`` still sending their headers; a new
@@ -17,6 +18,7 @@ whoever makes the handler class; the handler class must be ``shedding()``'s.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import socket
 import sys
@@ -32,9 +34,14 @@ from blockkv.wire.shedding import (
 
 log = logging.getLogger(__name__)
 
-BUSY = error_response(503, "Service Unavailable", openai_error(
-    "blockkv route: every connection slot is serving a request; retry shortly", "server_error",
-    "too_many_connections"), retry_after=1)
+CLIENT_TIMEOUT_S = 60.0  # longest wait for a client's next byte (a request half sent, an answer not read)
+MAX_CONNECTIONS = 256
+
+def busy(name: str) -> bytes:
+    """The whole 503 answer of a server whose every connection slot serves a request."""
+    return error_response(503, "Service Unavailable", openai_error(
+        f"{name}: every connection slot is serving a request; retry shortly", "server_error",
+        "too_many_connections"), retry_after=1)
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
@@ -42,10 +49,12 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     request_queue_size = 128
+    name = "blockkv route"  # in its log lines and its 503
 
     def __init__(self, address: tuple[str, int], handler: Any, max_connections: int,
                  max_pending: int | None = None, header_timeout: float = HEADER_TIMEOUT_S) -> None:
         self.shedder = Shedder(max_connections, max_pending, header_timeout)
+        self._busy = busy(self.name)
         self._warned_full = False
         try:
             super().__init__(address, handler)
@@ -56,12 +65,12 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.shedder.arrive(request):
             if not self._warned_full:
-                log.warning("blockkv route: %d requests at once; more are answered 503",
+                log.warning("%s: %d requests at once; more are answered 503", self.name,
                             self.shedder.max_connections)
                 self._warned_full = True
             try:
                 request.settimeout(1.0)
-                request.sendall(BUSY)
+                request.sendall(self._busy)
             except OSError:
                 pass
             super().shutdown_request(request)
@@ -80,9 +89,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         """A client that left or stalled is no fault of the server's: one debug line, no traceback."""
         error = sys.exc_info()[1]
         if isinstance(error, (ConnectionError, socket.timeout)):
-            log.debug("blockkv route: client %s: %r", client_address, error)
+            log.debug("%s: client %s: %r", self.name, client_address, error)
         else:
-            log.exception("blockkv route: serving client %s failed", client_address)
+            log.exception("%s: serving client %s failed", self.name, client_address)
 
     def drain(self, bound: float) -> int:
         """Stop accepting, then wait up to ``bound`` seconds for the connections being
@@ -92,3 +101,32 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             return self.shedder.drain(bound)
         finally:
             self.shedder.stop()
+
+
+def bounded_server_class(name: str, max_connections: int, max_pending: int | None = None,
+                         header_timeout: float = HEADER_TIMEOUT_S) -> type[BoundedHTTPServer]:
+    """A ``BoundedHTTPServer`` made as ``http.server`` makes a server,
+    ``cls(address, handler)``: what mlx-lm's ``_run_http_server(server_class=...)`` takes."""
+
+    class Server(BoundedHTTPServer):
+        def __init__(self, address: tuple[str, int], handler: Any) -> None:
+            super().__init__(address, handler, max_connections, max_pending, header_timeout)
+
+    Server.name = name
+    return Server
+
+
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """The flags that bound what clients hold: the same for ``route`` and ``serve``."""
+    parser.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, metavar="SECONDS",
+                        help="longest wait for a client's next byte; an idle connection is closed "
+                        "(default: %(default)s)")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                        help="connections served at once, a thread each: a new one drops the oldest still sending "
+                        "its headers, and is answered 503 only when every one is past them (default: %(default)s)")
+    parser.add_argument("--max-pending", type=int, metavar="N",
+                        help="of those, the most still sending their headers, so not yet past the key check "
+                        "(default: 3/4 of --max-connections: the rest are kept for requests that passed it)")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="SECONDS",
+                        help="a connection's request line and headers must arrive within this, however they "
+                        "trickle (default: %(default)s)")
