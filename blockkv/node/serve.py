@@ -105,7 +105,7 @@ def _own_parser() -> argparse.ArgumentParser:
         "--per-key-cache",
         action="store_true",
         help="each API key reads and writes a prompt cache of its own (RAM and disk): no tenant learns from "
-        "cached_tokens what another sent; requests are then served one at a time",
+        "cached_tokens what another sent; requests of every key still run in one batch",
     )
     return parser
 
@@ -239,10 +239,11 @@ class _Node:
         self.metrics = ServeMetrics(lambda: list(self.caches))
         self.journal = Journal(digest_key(args.fleet_salt))
         self.model_provider: Any = None
+        self.tenancy = tenants.Tenancy() if args.per_key_cache else None
 
     def hooks(self) -> hooks.ServeHooks:
         return hooks.ServeHooks(on_run=self.on_run, make_cache=self.make_cache, handler=self.handler,
-                                before_serving=self.open_caches, per_key=self.args.per_key_cache)
+                                before_serving=self.open_caches, tenancy=self.tenancy)
 
     def on_run(self, model_provider: Any) -> None:
         """Only now, with every flag parsed: --help or a typo must not create directories."""
@@ -260,7 +261,11 @@ class _Node:
 
     def make_cache(self, max_size: int = 10, max_bytes: int = 1 << 63) -> ResidentPromptCache:
         cli = self.model_provider.cli_args
-        cache = ResidentPromptCache(
+        kind: type[ResidentPromptCache] = ResidentPromptCache
+        per_key: dict[str, Any] = {}
+        if self.tenancy is not None:
+            kind, per_key = tenants.PerKeyPromptCache, {"tenancy": self.tenancy}
+        cache = kind(
             max_size,
             max_bytes,
             journal=self.journal,
@@ -273,7 +278,7 @@ class _Node:
             remote=self.args.remote,
             remote_options=self.options,
             models=functools.partial(_loaded_models, self.model_provider),
-            isolate_namespaces=self.args.per_key_cache,
+            **per_key,
         )
         self.caches.append(cache)
         self.metrics.watch(cache)

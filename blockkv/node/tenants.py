@@ -1,25 +1,192 @@
 """``blockkv serve --per-key-cache``: each API key's requests read and write
 only that key's prompt cache, so no tenant learns from ``cached_tokens`` or
-the time to a first token what another sent.
+the time to a first token what another sent, and requests of different keys
+still run in one batch.
 
 The request handler tags each completion request with its key's namespace
-(``auth.namespace_of``: a digest, not the key); mlx-lm's generation thread
-serves it inside ``PersistentPromptCache.serving(ns)``, where the RAM tier
-keys entries ``(model, ns)`` and the stores run with ``isolate_namespaces``.
-mlx-lm's batch generator saves a request's caches after the request has left
-its hands, with nothing that says whose they were; so with per-key caches
-every request is served on its own (mlx-lm's sequential path, as it serves
-requests with images or a seed): the isolation costs the batching.
+(``auth.namespace_of``: a digest, not the key). mlx-lm's generation thread
+makes five prompt-cache calls, none saying which request it serves; a
+``Tenancy`` follows the requests through that thread so each call finds its
+namespace:
+
+- a lookup: the request mlx-lm tokenized last (``_tokenize`` runs right before
+  each lookup, on the batched path and the sequential one);
+- a save from the batch (end of a system/user segment, end of a request): the
+  batch generator's uid of the cache list it hands out
+  (``attributing_batch_generator`` remembers each uid's namespace when the
+  request joins the batch, and names the owner of every list it returns);
+- a save on the sequential path (requests with images, a seed, a draft
+  model, KV quantisation): the request ``_serve_single`` is serving.
+
+``PerKeyPromptCache`` then serves each call inside ``serving(ns)``, where the
+RAM tier keys entries ``(model, ns)`` and the stores run with
+``isolate_namespaces``. A call no request can be found for is a miss and is
+not stored (one warning): a cache is never served or saved under a guess.
+``hooks.py`` puts these in place only on mlx-lm versions whose generation
+loop was checked to make its calls this way (``BATCHED_MLX_LM``); on others
+every request is served alone, as before.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
+from blockkv.node.residency_endpoint import ResidentPromptCache
 from blockkv.wire.auth import namespace_of
 
+log = logging.getLogger(__name__)
+
 NAMESPACE_ATTRIBUTE = "blockkv_namespace"
+# mlx-lm releases whose ResponseGenerator._generate was read and tested with the hooks below:
+# [first, past the last) as version tuples
+BATCHED_MLX_LM = ((0, 32, 2), (0, 33))
+
+
+def batching_supported(version: str) -> bool:
+    """Whether per-key caches may keep mlx-lm ``version``'s batching (``BATCHED_MLX_LM``)."""
+    try:
+        parsed = tuple(int(part) for part in version.split(".")[:3])
+    except ValueError:
+        return False
+    return BATCHED_MLX_LM[0] <= parsed < BATCHED_MLX_LM[1]
+
+
+class Tenancy:
+    """Which key's namespace each prompt-cache call of mlx-lm's generation thread is for."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # .request: the namespace last tokenized; .single: the one served alone
+        self._owned: dict[int, tuple[Any, str | None]] = {}  # id(cache list) -> (the list, its namespace)
+        self._lock = threading.Lock()
+
+    def tokenized(self, request: Any) -> None:
+        """mlx-lm tokenized ``request``: the next lookup on this thread is its key's."""
+        self._local.request = getattr(request, NAMESPACE_ATTRIBUTE, None)
+
+    def request_namespace(self) -> str | None:
+        """The namespace of the request this thread tokenized last (None: untagged)."""
+        return getattr(self._local, "request", None)
+
+    def serving_alone(self, ns: str | None) -> None:
+        """``_serve_single`` serves a request of ``ns`` now (None: it is done)."""
+        self._local.single = ns
+
+    def own(self, cache: Any, ns: str | None) -> None:
+        """The batch generator handed out ``cache`` (a cache list) of a request of ``ns``."""
+        with self._lock:
+            self._owned[id(cache)] = (cache, ns)
+
+    def forget_owned(self) -> None:
+        """A new batch step: every list handed out by the last one was saved by now."""
+        with self._lock:
+            self._owned.clear()
+
+    def owner(self, cache: Any) -> str | None:
+        """The namespace ``cache`` is saved under: its batch request's, else the
+        request served alone now, else None."""
+        with self._lock:
+            owned = self._owned.pop(id(cache), None)
+        if owned is not None and owned[0] is cache:
+            return owned[1]
+        return getattr(self._local, "single", None)
+
+
+class PerKeyPromptCache(ResidentPromptCache):
+    """A ``ResidentPromptCache`` serving each call in the namespace ``tenancy`` finds for it."""
+
+    def __init__(self, *args: Any, tenancy: Tenancy, **kwargs: Any) -> None:
+        super().__init__(*args, isolate_namespaces=True, **kwargs)
+        self.tenancy = tenancy
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        ns = self.tenancy.request_namespace()
+        if ns is None:
+            self._warn_once("unattributed", "blockkv: a prompt-cache call with no key to serve it under; "
+                            "served and kept without a cache")
+            self._count(misses=1, tokens_prefilled=len(tokens))
+            return None, tokens
+        with self.serving(ns):
+            return super().fetch_nearest_cache(model, tokens)
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
+                     cache_type: str = "assistant") -> None:
+        ns = self.tenancy.owner(prompt_cache)
+        if ns is None:
+            self._warn_once("unattributed", "blockkv: a prompt-cache call with no key to serve it under; "
+                            "served and kept without a cache")
+            return
+        with self.serving(ns):
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+
+
+def attributing_batch_generator(base: type, tenancy: Tenancy) -> type:
+    """mlx-lm's ``BatchGenerator`` class ``base``, naming in ``tenancy`` the
+    namespace of every cache list it hands out (``hooks.py`` puts it in place)."""
+
+    class AttributingBatchGenerator(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.blockkv_namespaces: dict[int, str | None] = {}  # uid -> its request's namespace
+
+        def insert_segments(self, *args: Any, **kwargs: Any) -> Any:
+            uids = super().insert_segments(*args, **kwargs)
+            for uid in uids:  # mlx-lm looked this request's cache up just before
+                self.blockkv_namespaces[uid] = tenancy.request_namespace()
+            return uids
+
+        def extract_cache(self, uids: Any) -> Any:
+            extracted = super().extract_cache(uids)
+            for uid, (cache, _) in extracted.items():
+                tenancy.own(cache, self.blockkv_namespaces.get(uid))
+            return extracted
+
+        def next(self) -> Any:
+            tenancy.forget_owned()
+            prompt_responses, generation_responses = super().next()
+            for response in generation_responses:
+                if response.prompt_cache is not None:  # finished: mlx-lm saves it now
+                    tenancy.own(response.prompt_cache, self.blockkv_namespaces.pop(response.uid, None))
+            return prompt_responses, generation_responses
+
+        def remove(self, uids: Any, *args: Any, **kwargs: Any) -> Any:
+            removed = super().remove(uids, *args, **kwargs)
+            for uid in uids:
+                self.blockkv_namespaces.pop(uid, None)
+            return removed
+
+    return AttributingBatchGenerator
+
+
+def tokenizing(tokenize: Callable[..., Any], tenancy: Tenancy) -> Callable[..., Any]:
+    """mlx-lm's ``ResponseGenerator._tokenize``, telling ``tenancy`` whose request it tokenizes."""
+
+    def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        tenancy.tokenized(request)
+        return tokenize(self, tokenizer, request, args)
+
+    return _tokenize
+
+
+def serving_alone(serve_single: Callable[..., Any], tenancy: Tenancy) -> Callable[..., Any]:
+    """mlx-lm's ``ResponseGenerator._serve_single``, telling ``tenancy`` whose request it serves."""
+
+    def _serve_single(self: Any, request: Any, stream: Any) -> Any:
+        tenancy.serving_alone(getattr(request[1], NAMESPACE_ATTRIBUTE, None))
+        try:
+            return serve_single(self, request, stream)
+        finally:
+            tenancy.serving_alone(None)
+
+    return _serve_single
+
+
+def never_batchable(self: Any, args: Any) -> bool:
+    """``ResponseGenerator._is_batchable`` under per-key caches on an mlx-lm
+    outside ``BATCHED_MLX_LM``: every request is served alone."""
+    return False
 
 
 def tagging_handler(base: type) -> type:
@@ -32,23 +199,3 @@ def tagging_handler(base: type) -> type:
             return super().handle_completion(request, stop_words)
 
     return TaggingHandler
-
-
-def never_batchable(self: Any, args: Any) -> bool:
-    """``ResponseGenerator._is_batchable`` under per-key caches: no request joins a batch."""
-    return False
-
-
-def in_namespace(serve_single: Callable[..., Any]) -> Callable[..., Any]:
-    """mlx-lm's ``ResponseGenerator._serve_single`` serving each request inside
-    its key's namespace (``hooks.py`` puts it in place)."""
-
-    def serve(self: Any, request: Any, stream: Any) -> Any:
-        ns = getattr(request[1], NAMESPACE_ATTRIBUTE, None)
-        if ns is None:  # not tagged: no key to isolate it by, so nothing to serve it from
-            request[0].put(RuntimeError("blockkv: a request without a key under --per-key-cache"))
-            return None
-        with self.prompt_cache.serving(ns):
-            return serve_single(self, request, stream)
-
-    return serve
