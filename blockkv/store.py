@@ -74,6 +74,7 @@ class BlockStore:
         index_map_size: int = 256 << 20,
         lock_timeout: float = 10.0,
         isolate_namespaces: bool = False,
+        namespace_share: float | None = None,
         remote: str | None = None,
         remote_options: Mapping[str, str] | None = None,
     ) -> None:
@@ -81,8 +82,13 @@ class BlockStore:
                       max_bytes=max_bytes, limit=limit, block_tokens=block_tokens, compression=compression,
                       verify=verify, gc_grace=gc_grace, tmp_grace=tmp_grace, lock_timeout=lock_timeout,
                       isolate_namespaces=isolate_namespaces)
+        if namespace_share is not None and (isinstance(namespace_share, bool)
+                                            or not isinstance(namespace_share, (int, float))
+                                            or not 0 < namespace_share <= 1):
+            raise ValueError(f"namespace_share must be a fraction in (0, 1], got {namespace_share!r}")
         self.root = Path(root).expanduser()
         self.isolate_namespaces = isolate_namespaces
+        self.namespace_share = None if namespace_share is None else float(namespace_share)
         # the codec id in every header says how its blocks are named; the two modes' entries are foreign to each other
         self.identity = Identity(model_id, config_fingerprint, tokenizer_hash,
                                  KEYED_CODEC_ID if isolate_namespaces else CODEC_ID)

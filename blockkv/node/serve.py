@@ -107,6 +107,15 @@ def _own_parser() -> argparse.ArgumentParser:
         help="each API key reads and writes a prompt cache of its own (RAM and disk): no tenant learns from "
         "cached_tokens what another sent; requests of every key still run in one batch",
     )
+    parser.add_argument(
+        "--key-share",
+        type=tenants.parse_share,
+        default=tenants.DEFAULT_KEY_SHARE,
+        metavar="SHARE",
+        help="with --per-key-cache: the most one key holds of the RAM tier's entries and of the disk cap, as a "
+        "fraction or a percentage; past it a key's stores evict its own least recently used entries "
+        f"(default: {tenants.DEFAULT_KEY_SHARE * 100:.0f}%%)",
+    )
     return parser
 
 
@@ -264,7 +273,7 @@ class _Node:
         kind: type[ResidentPromptCache] = ResidentPromptCache
         per_key: dict[str, Any] = {}
         if self.tenancy is not None:
-            kind, per_key = tenants.PerKeyPromptCache, {"tenancy": self.tenancy}
+            kind, per_key = tenants.PerKeyPromptCache, {"tenancy": self.tenancy, "key_share": self.args.key_share}
         cache = kind(
             max_size,
             max_bytes,

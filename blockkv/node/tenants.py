@@ -29,20 +29,34 @@ every request is served alone, as before.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from blockkv import BlockStore
 from blockkv.node.residency_endpoint import ResidentPromptCache
 from blockkv.wire.auth import namespace_of
 
 log = logging.getLogger(__name__)
 
 NAMESPACE_ATTRIBUTE = "blockkv_namespace"
+DEFAULT_KEY_SHARE = 0.5  # the most of the RAM tier's entries and of the disk cap one key holds
 # mlx-lm releases whose ResponseGenerator._generate was read and tested with the hooks below:
 # [first, past the last) as version tuples
 BATCHED_MLX_LM = ((0, 32, 2), (0, 33))
+
+
+def parse_share(text: str) -> float:
+    """``--key-share``: a fraction (``0.25``) or a percentage (``25%``) in (0, 1]."""
+    try:
+        share = float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a fraction or a percentage: {text!r}") from None
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"a share must be above 0 and at most 100%, got {text!r}")
+    return share
 
 
 def batching_supported(version: str) -> bool:
@@ -95,11 +109,24 @@ class Tenancy:
 
 
 class PerKeyPromptCache(ResidentPromptCache):
-    """A ``ResidentPromptCache`` serving each call in the namespace ``tenancy`` finds for it."""
+    """A ``ResidentPromptCache`` serving each call in the namespace ``tenancy``
+    finds for it, each key holding at most ``key_share`` of the RAM tier's
+    entries (``max_size``, at least one) and of each store's byte cap, so that
+    one key's requests evict that key's least recently used entries, never
+    everyone's."""
 
-    def __init__(self, *args: Any, tenancy: Tenancy, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tenancy: Tenancy, key_share: float = DEFAULT_KEY_SHARE, **kwargs: Any) -> None:
+        if isinstance(key_share, bool) or not isinstance(key_share, (int, float)) or not 0 < key_share <= 1:
+            raise ValueError(f"key_share must be a fraction in (0, 1], got {key_share!r}")
         super().__init__(*args, isolate_namespaces=True, **kwargs)
         self.tenancy = tenancy
+        self.key_share = float(key_share)
+
+    def store_for(self, model: Any) -> BlockStore | None:
+        store = super().store_for(model)
+        if store is not None:
+            store.namespace_share = self.key_share  # read at each store, as the cap is
+        return store
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         ns = self.tenancy.request_namespace()
@@ -118,8 +145,23 @@ class PerKeyPromptCache(ResidentPromptCache):
             self._warn_once("unattributed", "blockkv: a prompt-cache call with no key to serve it under; "
                             "served and kept without a cache")
             return
+        self._keep_share((model, ns), tokens)
         with self.serving(ns):
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+
+    def _keep_share(self, ram_key: Any, tokens: list[int]) -> None:
+        """Before an insert under ``ram_key`` (mlx-lm's key of a namespace's
+        entries): if the namespace holds its share already, its own least
+        recently used entry leaves (mlx-lm's LRU would take anyone's)."""
+        held = [(key, t) for cache_type in self._lru._ordering for key, t in self._lru._lrus[cache_type]
+                if key == ram_key and t != tokens]
+        if len(held) < max(1, int(self.max_size * self.key_share)):
+            return
+        key, oldest = held[0]
+        self._lru.remove(key, oldest)
+        entry = self._trie.pop(key, oldest)
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
 
 
 def attributing_batch_generator(base: type, tenancy: Tenancy) -> type:

@@ -4,6 +4,7 @@ run in one batch, each key's caches stay its own."""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from blockkv import BlockStore
 from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.testing.fleet_processes import Process
 from blockkv.testing.streams import concurrently, no_eos_bias, overlap, stream_chat
+from blockkv.wire.auth import namespace_of
 
 DECODE_TOKENS = 400  # long enough that streams sent together are decoding together if batched
 
@@ -75,3 +78,33 @@ def test_a_request_served_alone_reads_and_saves_its_own_keys_cache(tenants: Tena
     first, again, other = (stream_chat(tenants.node.url, key, messages, 4, seed=3) for key in (d, d, e))
     assert first.cached_tokens == 0 and other.cached_tokens == 0
     assert again.cached_tokens == again.prompt_tokens - 1
+
+
+def test_a_key_past_its_share_evicts_its_own_entries_not_anothers(tmp_path: Path) -> None:
+    """--key-share: key b storing far more than its share of the disk cap
+    evicts b's own least recently used entries; key a's entry stays on disk."""
+    model = build_model_dir(tmp_path / "model", "llama")
+    a, b = (f"sk-{name}-{secrets.token_hex(12)}" for name in "ab")
+    (tmp_path / "keys").write_text(f"{a}\n{b}\n")
+    cap, share = 1 << 20, 0.5
+    node = Process(["serve", "--model", str(model), "--cache-dir", str(tmp_path / "kv"), "--per-key-cache",
+                    "--api-key-file", str(tmp_path / "keys"), "--cache-bytes", str(cap), "--key-share", f"{share}",
+                    "--log-level", "INFO"], tmp_path / "node.log")
+    try:
+        node.wait_ready()
+        stream_chat(node.url, a, _chat(sample_text(300, seed=60), 1), 4)
+        for i in range(10):  # each about a sixth of the cap: b stores well past its share, and past the cap
+            stream_chat(node.url, b, _chat(sample_text(300, seed=61 + i), 1), 4)
+    finally:
+        assert node.stop() == 0, node.log.read_text()
+    (directory,) = (d for d in (tmp_path / "kv").iterdir() if d.is_dir())
+    store = BlockStore.open_dir(directory, isolate_namespaces=True)
+    try:
+        ns_a, ns_b = (namespace_of(hashlib.sha256(key.encode()).digest()) for key in (a, b))
+        kept_a, kept_b = store.entries(ns_a), store.entries(ns_b)
+        held_b = sum(e.nbytes for e in kept_b)  # each entry's header and blocks: at least b's footprint
+    finally:
+        store.close()
+    assert kept_a, node.log.read_text()  # a's entry outlived b's flood
+    assert 0 < len(kept_b) < 10 and held_b <= cap * share  # b evicted its own, down to its share
+    assert held_b / len(kept_b) * 10 > cap  # b's ten chats would not have fitted the cap: b evicted a's before
