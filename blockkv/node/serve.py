@@ -39,7 +39,7 @@ from blockkv.node.flush import flush_handler
 from blockkv.node.journal import Journal
 from blockkv.node.metrics import ServeMetrics, with_metrics_path
 from blockkv.node.residency_endpoint import ResidentPromptCache, residency_handler
-from blockkv.wire.auth import ApiKeys, add_key_options, keys_from, with_keys
+from blockkv.wire.auth import ApiKeys, add_key_options, keys_from, read_key_file, with_keys
 from blockkv.wire.residency import SALT_ENV, digest_key
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,13 @@ def _own_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each API key reads and writes a prompt cache of its own (RAM and disk): no tenant learns from "
         "cached_tokens what another sent; requests of every key still run in one batch",
+    )
+    parser.add_argument(
+        "--operator-key-file",
+        type=Path,
+        metavar="FILE",
+        help="with --per-key-cache: the operator's API keys, one a line (also accepted as API keys): GET /metrics "
+        "with one shows every key's counts, labelled by key id; with any other key, that key's own counts only",
     )
     parser.add_argument(
         "--key-share",
@@ -214,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _checked(args: argparse.Namespace, rest: list[str]) -> tuple[ApiKeys, dict[str, str] | None, str | None]:
     """The flags' mistakes found before mlx-lm starts (``ValueError`` and kin):
-    the keys, the bucket's options, and why the bucket cannot be reached now (or None)."""
+    the keys (the operator's in ``args.operators``), the bucket's options, and
+    why the bucket cannot be reached now (or None)."""
     options = dict(args.remote_option) if args.remote_option else None
     check_remote(args.remote, options)
     check_model(rest)
@@ -223,7 +231,11 @@ def _checked(args: argparse.Namespace, rest: list[str]) -> tuple[ApiKeys, dict[s
     if args.cache_dir.is_dir() and not _writable(args.cache_dir):
         raise ValueError(f"--cache-dir {args.cache_dir} is read-only: serve stores there, and would run "
                          "RAM-only; give it a writable directory (blockkv export reads a read-only root)")
-    keys = keys_from(args)
+    operators = read_key_file(args.operator_key_file, "--operator-key-file") if args.operator_key_file else []
+    if operators and not args.per_key_cache:
+        raise ValueError("--operator-key-file needs --per-key-cache (without it every key reads every metric)")
+    args.operators = ApiKeys(operators)
+    keys = keys_from(args, also=operators)
     if args.per_key_cache and not keys:
         raise ValueError("--per-key-cache needs API keys (--api-key, --api-key-file or $BLOCKKV_API_KEY)")
     # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
@@ -245,7 +257,8 @@ class _Node:
         self.args, self.options, self.keys, self.publish = args, options, keys, publish
         self.cache_bytes = args.cache_bytes if args.cache_bytes is not None else DEFAULT_CACHE_BYTES
         self.caches: list[ResidentPromptCache] = []
-        self.metrics = ServeMetrics(lambda: list(self.caches))
+        self.metrics = ServeMetrics(lambda: list(self.caches),
+                                    tenants.key_stats_of(lambda: list(self.caches)) if args.per_key_cache else None)
         self.journal = Journal(digest_key(args.fleet_salt))
         self.model_provider: Any = None
         self.tenancy = tenants.Tenancy() if args.per_key_cache else None
@@ -297,7 +310,8 @@ class _Node:
         """mlx-lm's handler with blockkv's paths, behind the API keys."""
         handler = residency_handler(base, self.journal) if self.publish else base
         handler = flush_handler(handler, lambda: list(self.caches))
-        handler = with_metrics_path(handler, self.metrics)
+        handler = with_metrics_path(handler, self.metrics,
+                                    tenants.metrics_view(self.args.operators) if self.args.per_key_cache else None)
         if self.args.per_key_cache:
             handler = tenants.tagging_handler(handler)
         return with_keys(handler, self.keys)

@@ -37,11 +37,14 @@ from typing import Any
 
 from blockkv import BlockStore
 from blockkv.node.residency_endpoint import ResidentPromptCache
-from blockkv.wire.auth import namespace_of
+from blockkv.wire.auth import ApiKeys, namespace_of
 
 log = logging.getLogger(__name__)
 
 NAMESPACE_ATTRIBUTE = "blockkv_namespace"
+# what /metrics counts per key: the lookup's counters of PersistentPromptCache.tier_stats
+KEY_COUNTS = ("ram_hits", "disk_hits", "bucket_hits", "misses", "tokens_from_ram", "tokens_from_disk",
+              "tokens_from_bucket", "tokens_prefilled")
 DEFAULT_KEY_SHARE = 0.5  # the most of the RAM tier's entries and of the disk cap one key holds
 # mlx-lm releases whose ResponseGenerator._generate was read and tested with the hooks below:
 # [first, past the last) as version tuples
@@ -121,6 +124,12 @@ class PerKeyPromptCache(ResidentPromptCache):
         super().__init__(*args, isolate_namespaces=True, **kwargs)
         self.tenancy = tenancy
         self.key_share = float(key_share)
+        self._by_key: dict[str, dict[str, int]] = {}  # namespace -> KEY_COUNTS
+
+    def key_stats(self) -> dict[str, dict[str, int]]:
+        """``KEY_COUNTS`` of each namespace's lookups since the start."""
+        with self._lock:
+            return {ns: dict(counts) for ns, counts in self._by_key.items()}
 
     def store_for(self, model: Any) -> BlockStore | None:
         store = super().store_for(model)
@@ -136,7 +145,14 @@ class PerKeyPromptCache(ResidentPromptCache):
             self._count(misses=1, tokens_prefilled=len(tokens))
             return None, tokens
         with self.serving(ns):
-            return super().fetch_nearest_cache(model, tokens)
+            before = self.tier_stats  # the lookup's counters move on this thread only
+            found = super().fetch_nearest_cache(model, tokens)
+            after = self.tier_stats
+        with self._lock:
+            counts = self._by_key.setdefault(ns, dict.fromkeys(KEY_COUNTS, 0))
+            for name in KEY_COUNTS:
+                counts[name] += after[name] - before[name]
+        return found
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:
@@ -229,6 +245,39 @@ def never_batchable(self: Any, args: Any) -> bool:
     """``ResponseGenerator._is_batchable`` under per-key caches on an mlx-lm
     outside ``BATCHED_MLX_LM``: every request is served alone."""
     return False
+
+
+def key_stats_of(caches: Callable[[], list[Any]]) -> Callable[[], dict[str, dict[str, int]]]:
+    """Every key's lookup counts (``KEY_COUNTS``), by key id, summed over ``caches()``."""
+
+    def key_stats() -> dict[str, dict[str, int]]:
+        total: dict[str, dict[str, int]] = {}
+        for cache in caches():
+            for ns, counts in cache.key_stats().items():
+                mine = total.setdefault(key_id(ns), dict.fromkeys(KEY_COUNTS, 0))
+                for name, value in counts.items():
+                    mine[name] += value
+        return total
+
+    return key_stats
+
+
+def metrics_view(operators: ApiKeys) -> Callable[[Any], str | None]:
+    """Which ``/metrics`` a request reads: everything with an operator's key
+    (None), else its own key's counts (its key id)."""
+
+    def view(handler: Any) -> str | None:
+        if operators and operators.match(handler.headers.get("Authorization")) is not None:
+            return None
+        return key_id(namespace_of(handler.api_key))
+
+    return view
+
+
+def key_id(ns: str) -> str:
+    """The label /metrics shows for a key's namespace: a digest of a digest of
+    the key, saying nothing of it."""
+    return ns.removeprefix("key-")[:12]
 
 
 def tagging_handler(base: type) -> type:

@@ -82,11 +82,11 @@ def add_key_options(parser: argparse.ArgumentParser, who: str) -> None:
                         help="API keys, one a line (blank lines and lines starting with # skipped)")
 
 
-def keys_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ApiKeys:
-    """The keys ``add_key_options``' flags and ``$BLOCKKV_API_KEY`` name.
+def keys_from(args: argparse.Namespace, environ: dict[str, str] | None = None, also: Iterable[str] = ()) -> ApiKeys:
+    """The keys ``add_key_options``' flags and ``$BLOCKKV_API_KEY`` name, and ``also``.
     ``ValueError`` for an empty or unreadable file (a typo must not open the server)."""
     environ = os.environ if environ is None else environ
-    keys = list(args.api_key)
+    keys = [*args.api_key, *also]
     keys += [k.strip() for k in environ.get(KEY_ENV, "").split(",") if k.strip()]
     if args.api_key_file is not None:
         keys += read_key_file(args.api_key_file, "--api-key-file")

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from blockkv import BlockStore
 from blockkv.model_dir import build_model_dir, sample_text
+from blockkv.node.tenants import key_id
 from blockkv.testing.fleet_processes import Process
 from blockkv.testing.streams import concurrently, no_eos_bias, overlap, stream_chat
 from blockkv.wire.auth import namespace_of
@@ -33,11 +36,13 @@ class Tenants:
 def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
     tmp = tmp_path_factory.mktemp("tenants")
     model = build_model_dir(tmp / "model", "llama")
-    keys = {name: f"sk-{name}-{secrets.token_hex(12)}" for name in "abcde"}
-    key_file = tmp / "keys"
-    key_file.write_text("\n".join(keys.values()) + "\n")
+    keys = {name: f"sk-{name}-{secrets.token_hex(12)}" for name in ("a", "b", "c", "d", "e", "m", "operator")}
+    key_file, operator_file = tmp / "keys", tmp / "operator"
+    key_file.write_text("\n".join(k for name, k in keys.items() if name != "operator") + "\n")
+    operator_file.write_text(keys["operator"] + "\n")
     node = Process(["serve", "--model", str(model), "--cache-dir", str(tmp / "kv"), "--per-key-cache",
-                    "--api-key-file", str(key_file), "--log-level", "INFO"], tmp / "node.log")
+                    "--api-key-file", str(key_file), "--operator-key-file", str(operator_file),
+                    "--log-level", "INFO"], tmp / "node.log")
     try:
         node.wait_ready()
         yield Tenants(node, keys, model, tmp / "kv")
@@ -108,3 +113,32 @@ def test_a_key_past_its_share_evicts_its_own_entries_not_anothers(tmp_path: Path
     assert kept_a, node.log.read_text()  # a's entry outlived b's flood
     assert 0 < len(kept_b) < 10 and held_b <= cap * share  # b evicted its own, down to its share
     assert held_b / len(kept_b) * 10 > cap  # b's ten chats would not have fitted the cap: b evicted a's before
+
+
+def _metrics(url: str, key: str) -> dict[str, float]:
+    """GET /metrics with ``key``, parsed: sample name{labels} -> value."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        text = response.read().decode()
+    return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_show_a_key_its_own_counts_and_the_operator_every_keys(tenants: Tenants) -> None:
+    """/metrics with a tenant's key: that key's own lookup counts, nothing of
+    anyone else's (no totals either); with the operator's key: everything, each
+    key's counts labelled by a key id, never by the key."""
+    m, operator = tenants.keys["m"], tenants.keys["operator"]
+    sent = stream_chat(tenants.node.url, m, _chat(sample_text(80, seed=70), 1), 4)
+    stream_chat(tenants.node.url, tenants.keys["a"], _chat(sample_text(80, seed=71), 1), 4)
+    mine = key_id(namespace_of(hashlib.sha256(m.encode()).digest()))
+    own = _metrics(tenants.node.url, m)
+    assert own[f"blockkv_key_tokens_prefilled_total{{key={mine}}}"] == sent.prompt_tokens - sent.cached_tokens
+    lookups = own[f"blockkv_key_misses_total{{key={mine}}}"] + sum(
+        own[f"blockkv_key_hits_total{{key={mine}}}{{tier={tier}}}"] for tier in ("ram", "disk", "bucket"))
+    assert lookups == 1  # m's one request
+    assert all(f"key={mine}" in name for name in own), own  # nothing but m's own samples
+    everything = _metrics(tenants.node.url, operator)
+    labelled = {name.split("key=")[1].split("}")[0] for name in everything if "key=" in name}
+    assert mine in labelled and len(labelled) >= 2 and "blockkv_hits_total{tier=ram}" in everything
+    assert not any(k in name for k in tenants.keys.values() for name in everything)
