@@ -45,6 +45,7 @@ NAMESPACE_ATTRIBUTE = "blockkv_namespace"
 # what /metrics counts per key: the lookup's counters of PersistentPromptCache.tier_stats
 KEY_COUNTS = ("ram_hits", "disk_hits", "bucket_hits", "misses", "tokens_from_ram", "tokens_from_disk",
               "tokens_from_bucket", "tokens_prefilled")
+SHARED_NAMESPACE = ""  # the operator's (blockkv warm --shared): read by every key, written by none
 DEFAULT_KEY_SHARE = 0.5  # the most of the RAM tier's entries and of the disk cap one key holds
 # mlx-lm releases whose ResponseGenerator._generate was read and tested with the hooks below:
 # [first, past the last) as version tuples
@@ -138,21 +139,53 @@ class PerKeyPromptCache(ResidentPromptCache):
         return store
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        """The key's own nearest cache, or the shared namespace's (an operator's
+        ``blockkv warm --shared`` prompt) when that covers more of the prompt."""
         ns = self.tenancy.request_namespace()
         if ns is None:
             self._warn_once("unattributed", "blockkv: a prompt-cache call with no key to serve it under; "
                             "served and kept without a cache")
             self._count(misses=1, tokens_prefilled=len(tokens))
             return None, tokens
+        found, counted = self._lookup(ns, model, tokens)
+        if self._shared_length(model, tokens) > len(tokens) - len(found[1]):
+            shared, shared_counted = self._lookup(SHARED_NAMESPACE, model, tokens)
+            if len(shared[1]) < len(found[1]):  # the lookup served is the one counted
+                found, counted, shared_counted = shared, shared_counted, counted
+            self._count(**{name: -value for name, value in shared_counted.items()})
+        with self._lock:
+            counts = self._by_key.setdefault(ns, dict.fromkeys(KEY_COUNTS, 0))
+            for name in KEY_COUNTS:
+                counts[name] += counted[name]
+        return found
+
+    def _lookup(self, ns: str, model: Any, tokens: list[int]) -> tuple[tuple[list[Any] | None, list[int]],
+                                                                       dict[str, int]]:
+        """mlx-lm's lookup (RAM, then disk) in namespace ``ns``, and what it counted."""
         with self.serving(ns):
             before = self.tier_stats  # the lookup's counters move on this thread only
             found = super().fetch_nearest_cache(model, tokens)
             after = self.tier_stats
-        with self._lock:
-            counts = self._by_key.setdefault(ns, dict.fromkeys(KEY_COUNTS, 0))
-            for name in KEY_COUNTS:
-                counts[name] += after[name] - before[name]
-        return found
+        return found, {name: after[name] - before[name] for name in KEY_COUNTS}
+
+    def _shared_length(self, model: Any, tokens: list[int]) -> int:
+        """How much of ``tokens`` the shared namespace's entries on disk cover (0: none)."""
+        try:
+            store = self.store_for(model)
+            match = store.find(list(tokens), SHARED_NAMESPACE) if store is not None else None
+        except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
+            self._warn_once(f"shared:{type(e).__name__}", "blockkv: shared-namespace lookup failed (%s)", e)
+            return 0
+        return match.prefix_len if match is not None else 0
+
+    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str) -> None:
+        """Not a key's copy of an entry the shared namespace holds (a system
+        segment that is the operator's prompt): that one copy serves every key."""
+        store = self.store_for(model)
+        if ns and store is not None and store.find_exact(key, SHARED_NAMESPACE) is not None:
+            self._count(spills_skipped=1)
+            return
+        super()._spill(model, key, prompt_cache, ns)
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:

@@ -5,7 +5,10 @@ run in one batch, each key's caches stay its own."""
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,7 +39,7 @@ class Tenants:
 def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
     tmp = tmp_path_factory.mktemp("tenants")
     model = build_model_dir(tmp / "model", "llama")
-    keys = {name: f"sk-{name}-{secrets.token_hex(12)}" for name in ("a", "b", "c", "d", "e", "m", "operator")}
+    keys = {name: f"sk-{name}-{secrets.token_hex(12)}" for name in ("a", "b", "c", "d", "e", "m", "s", "t", "operator")}
     key_file, operator_file = tmp / "keys", tmp / "operator"
     key_file.write_text("\n".join(k for name, k in keys.items() if name != "operator") + "\n")
     operator_file.write_text(keys["operator"] + "\n")
@@ -142,3 +145,28 @@ def test_metrics_show_a_key_its_own_counts_and_the_operator_every_keys(tenants: 
     labelled = {name.split("key=")[1].split("}")[0] for name in everything if "key=" in name}
     assert mine in labelled and len(labelled) >= 2 and "blockkv_hits_total{tier=ram}" in everything
     assert not any(k in name for k in tenants.keys.values() for name in everything)
+
+
+def test_a_shared_system_prompt_serves_every_key_from_one_copy(tenants: Tenants, tmp_path: Path) -> None:
+    """``blockkv warm --shared`` while the server runs: two keys that never sent
+    it restore it on their first request, from the one entry of the shared
+    namespace; neither key stores a copy of that segment of its own."""
+    system = sample_text(300, seed=80)
+    (tmp_path / "system.txt").write_text(system)
+    warm = subprocess.run([sys.executable, "-m", "blockkv", "warm", str(tenants.root), str(tmp_path / "system.txt"),
+                           "--model", str(tenants.model), "--shared", "--json"], check=False, capture_output=True,
+                          text=True, timeout=300)
+    assert warm.returncode == 0, warm.stderr
+    warmed = json.loads(warm.stdout)["entry"]
+    s, t = (stream_chat(tenants.node.url, tenants.keys[name], _chat(system, seed), 4) for name, seed in (("s", 1),
+                                                                                                     ("t", 2)))
+    assert s.cached_tokens == t.cached_tokens == warmed["tokens"]  # first requests of both keys: restored
+    flush = urllib.request.Request(tenants.node.url + "/blockkv/flush", data=b"", method="POST",
+                                   headers={"Authorization": f"Bearer {tenants.keys['s']}"})
+    urllib.request.urlopen(flush, timeout=60).close()
+    (directory,) = (d for d in tenants.root.iterdir() if d.is_dir())
+    with BlockStore.open_dir(directory, isolate_namespaces=True) as store:
+        assert [e.id for e in store.entries("")] == [warmed["id"]]  # one copy
+        for name in ("s", "t"):
+            own = store.entries(namespace_of(hashlib.sha256(tenants.keys[name].encode()).digest()))
+            assert own and all(e.length != warmed["tokens"] for e in own)  # its conversation, not the system copy
