@@ -308,12 +308,13 @@ class _Node:
 
     def handler(self, base: type) -> type:
         """mlx-lm's handler with blockkv's paths, behind the API keys."""
-        handler = residency_handler(base, self.journal) if self.publish else base
+        operator = tenants.is_operator(self.args.operators) if self.args.per_key_cache else None
+        handler = residency_handler(base, self.journal, operator) if self.publish else base
         handler = flush_handler(handler, lambda: list(self.caches))
         handler = with_metrics_path(handler, self.metrics,
                                     tenants.metrics_view(self.args.operators) if self.args.per_key_cache else None)
         if self.args.per_key_cache:
-            handler = tenants.tagging_handler(handler)
+            handler = tenants.tagging_handler(handler, self.args.operators)
         return with_keys(handler, self.keys)
 
     def open_caches(self) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 from blockkv import BlockStore
 from blockkv.node.residency_endpoint import ResidentPromptCache
-from blockkv.wire.auth import ApiKeys, namespace_of
+from blockkv.wire.auth import TENANT_HEADER, ApiKeys, is_key_namespace, namespace_of
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +299,10 @@ def metrics_view(operators: ApiKeys) -> Callable[[Any], str | None]:
     """Which ``/metrics`` a request reads: everything with an operator's key
     (None), else its own key's counts (its key id)."""
 
+    operator = is_operator(operators)
+
     def view(handler: Any) -> str | None:
-        if operators and operators.match(handler.headers.get("Authorization")) is not None:
-            return None
-        return key_id(namespace_of(handler.api_key))
+        return None if operator(handler) else key_id(namespace_of(handler.api_key))
 
     return view
 
@@ -313,13 +313,23 @@ def key_id(ns: str) -> str:
     return ns.removeprefix("key-")[:12]
 
 
-def tagging_handler(base: type) -> type:
+def is_operator(operators: ApiKeys) -> Callable[[Any], bool]:
+    """Whether a request (its handler) carries one of the operator's keys."""
+    return lambda handler: bool(operators) and operators.match(handler.headers.get("Authorization")) is not None
+
+
+def tagging_handler(base: type, operators: ApiKeys) -> type:
     """mlx-lm's handler class ``base`` (checked by ``auth.with_keys``) tagging
-    each completion request with the namespace of the key that sent it."""
+    each completion request with the namespace of the key that sent it, or, sent
+    with an operator's key (a ``blockkv route`` in front), the namespace its
+    ``TENANT_HEADER`` names: the router's client's."""
+    operator = is_operator(operators)
 
     class TaggingHandler(base):  # type: ignore[misc, valid-type]
         def handle_completion(self, request: Any, stop_words: Any) -> Any:
-            setattr(request, NAMESPACE_ATTRIBUTE, namespace_of(self.api_key))
+            named = self.headers.get(TENANT_HEADER)
+            ns = named if is_key_namespace(named) and operator(self) else namespace_of(self.api_key)
+            setattr(request, NAMESPACE_ATTRIBUTE, ns)
             return super().handle_completion(request, stop_words)
 
     return TaggingHandler

@@ -51,14 +51,16 @@ from blockkv.router.scoring import (
 )
 from blockkv.wire.auth import (
     NODE_KEY_ENV,
+    TENANT_HEADER,
     ApiKeys,
     add_key_options,
     bearer,
     keys_from,
+    namespace_of,
     read_key_file,
     with_keys,
 )
-from blockkv.wire.residency import BLOCK_SIZE, SALT_ENV, digest_key, prefix_digests
+from blockkv.wire.residency import BLOCK_SIZE, SALT_ENV, digest_key, namespace_key, prefix_digests
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,10 @@ class Router:
     """The fleet and the choice of a node for a prompt."""
 
     def __init__(self, urls: list[str], tokenizer: PromptTokenizer | None, salt: str | None,
-                 node_timeout: float, node_key: str | None = None) -> None:
+                 node_timeout: float, node_key: str | None = None, per_key: bool = False) -> None:
+        """``per_key``: the nodes keep per-key caches (``serve --per-key-cache``,
+        this router's node key one of their operator keys): each request is
+        placed by its client key's residency and sent naming that key's namespace."""
         if not urls:
             raise ValueError("at least one --node is needed")
         if len(set(urls)) != len(urls):
@@ -96,6 +101,7 @@ class Router:
         self._ids = itertools.count()
         self._choosing = threading.Lock()
         self.sessions = Sessions()
+        self.per_key = per_key
 
     def start(self) -> None:
         for follower in self._followers:
@@ -119,26 +125,35 @@ class Router:
             return None
         return tokens if len(tokens) <= MAX_PROMPT_TOKENS else None
 
-    def rank(self, tokens: list[int] | None, record: bool = False) -> list[tuple[Node, Start, list[str]]]:
+    def rank(self, tokens: list[int] | None, record: bool = False,
+             ns: str = "") -> list[tuple[Node, Start, list[str]]]:
         """Usable nodes, best first (scoring.order), each with its start and the
         prompt's digests in its block size; ``record``: the prompt is being routed
-        (its conversation's turn is counted)."""
+        (its conversation's turn is counted). ``ns``: the client key's namespace
+        (per-key caches): what each node holds of it, or of the shared namespace."""
         now = time.monotonic()
         usable = [n for n in self.nodes if n.usable(now)] or list(self.nodes)  # none usable: try them all anyway
         length = len(tokens) if tokens is not None else 0
-        digests_by_size: dict[int, list[str]] = {}
+        digests_by_size: dict[tuple[int, str], list[str]] = {}
 
-        def digests(size: int) -> list[str]:
+        def digests(size: int, of: str = ns) -> list[str]:
             if tokens is None or not size:
                 return []
-            if size not in digests_by_size:
-                digests_by_size[size] = prefix_digests(tokens, self._key, size)
-            return digests_by_size[size]
+            if (size, of) not in digests_by_size:
+                digests_by_size[size, of] = prefix_digests(tokens, namespace_key(self._key, of), size)
+            return digests_by_size[size, of]
 
         def capped(blocks: int, size: int) -> int:
             return min(blocks * size, max(length - 1, 0))  # a node always computes the last prompt token
 
-        held = {n.url: n.matched_blocks(digests(n.block_size), now) for n in self.nodes}
+        def matched(node: Node) -> tuple[int, int]:
+            own = node.matched_blocks(digests(node.block_size), now)
+            if not ns:
+                return own
+            shared = node.matched_blocks(digests(node.block_size, ""), now)
+            return max(own[0], shared[0]), max(own[1], shared[1])
+
+        held = {n.url: matched(n) for n in self.nodes}
         bucket = {size: max((held[n.url][1] for n in self.nodes if n.remote and n.block_size == size), default=0)
                   for size in {n.block_size for n in self.nodes}}
         starts = {}
@@ -161,12 +176,12 @@ class Router:
                                   node.routed))
         return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
 
-    def candidates(self, tokens: list[int] | None, request_id: int) -> Iterator[tuple[Node, Start]]:
+    def candidates(self, tokens: list[int] | None, request_id: int, ns: str = "") -> Iterator[tuple[Node, Start]]:
         """The nodes to try, best first, each already charged with the request when
         yielded: ranking and charging the first are one step, so requests arriving
         together see each other's queue."""
         with self._choosing:
-            ranked = self.rank(tokens, record=True)
+            ranked = self.rank(tokens, record=True, ns=ns)
             if ranked:
                 ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2])
         for i, (node, start, digests) in enumerate(ranked):
@@ -233,9 +248,11 @@ class Handler(BaseHTTPRequestHandler):
         """Send the request to the best node that answers; relay its answer."""
         router = self.router
         request_id = router.next_id()
-        for node, start in router.candidates(tokens, request_id):  # queued there from now: its prefill may start
+        key = getattr(self, "api_key", None)  # the client's (auth.with_keys), with keys
+        ns = namespace_of(key) if router.per_key and key is not None else ""
+        for node, start in router.candidates(tokens, request_id, ns):  # queued there from now: its prefill may start
             try:
-                conn, response = self._send(node, method, body)
+                conn, response = self._send(node, method, body, ns)
             except (OSError, http.client.HTTPException) as e:
                 node.abandon(request_id)
                 node.failed(e)
@@ -255,12 +272,14 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._reply(503, {"error": "no blockkv serve node answered"})
 
-    def _send(self, node: Node, method: str, body: bytes | None) -> tuple[http.client.HTTPConnection, Any]:
+    def _send(self, node: Node, method: str, body: bytes | None,
+              ns: str) -> tuple[http.client.HTTPConnection, Any]:
         conn = node.connection(CONNECT_TIMEOUT_S)
         try:
             conn.connect()
             conn.sock.settimeout(self.router.node_timeout)  # the first byte may wait for a long prefill
-            headers = {"Content-Type": self.headers.get("Content-Type", "application/json"), **node.headers}
+            headers = {"Content-Type": self.headers.get("Content-Type", "application/json"), **node.headers,
+                       **({TENANT_HEADER: ns} if ns else {})}
             conn.request(method, node.prefix + self.path, body=body, headers=headers)
             return conn, conn.getresponse()
         except BaseException:
@@ -369,6 +388,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", help="if the nodes use it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_key_options(p, "The clients' keys: the nodes get --node-api-key-file's instead.")
+    p.add_argument("--per-key-cache", action="store_true",
+                   help="the nodes run 'serve --per-key-cache' and this router's node key is one of their "
+                   "--operator-key-file keys: each request is placed by its client key's own residency (and the "
+                   "shared namespace's) and served in that key's cache")
     p.add_argument("--node-api-key-file", type=Path, metavar="FILE",
                    help=f"the key this router sends every node (one of the nodes' --api-key; default "
                    f"${NODE_KEY_ENV}): the clients' keys stay the router's to check, and the residency it "
@@ -403,7 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                                     use_default_chat_template=args.use_default_chat_template,
                                     trust_remote_code=args.trust_remote_code)
         keys = keys_from(args)
-        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout, node_key=_node_key(args))
+        if args.per_key_cache and not keys:
+            raise ValueError("--per-key-cache needs the clients' API keys (--api-key, --api-key-file or "
+                             "$BLOCKKV_API_KEY)")
+        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout, node_key=_node_key(args),
+                        per_key=args.per_key_cache)
         server = serve(router, args.host, args.port, keys, args.client_timeout, args.max_connections)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"blockkv route: error: {e}\n")

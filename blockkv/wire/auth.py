@@ -66,10 +66,20 @@ class ApiKeys:
         return found
 
 
+KEY_NAMESPACE_PREFIX = "key-"
+TENANT_HEADER = "X-Blockkv-Tenant"  # the namespace a router's request is for (per-key caches behind a router)
+
+
 def namespace_of(digest: bytes) -> str:
     """The cache namespace of the key with this SHA-256 digest (``--per-key-cache``):
     stable across restarts, and saying nothing of the key."""
-    return "key-" + hashlib.sha256(b"blockkv per-key cache\0" + digest).hexdigest()[:32]
+    return KEY_NAMESPACE_PREFIX + hashlib.sha256(b"blockkv per-key cache\0" + digest).hexdigest()[:32]
+
+
+def is_key_namespace(ns: object) -> bool:
+    """Whether ``ns`` is a namespace ``namespace_of`` makes (as a router names it in ``TENANT_HEADER``)."""
+    return (isinstance(ns, str) and len(ns) == len(KEY_NAMESPACE_PREFIX) + 32 and ns.startswith(KEY_NAMESPACE_PREFIX)
+            and all(c in "0123456789abcdef" for c in ns[len(KEY_NAMESPACE_PREFIX):]))
 
 
 def add_key_options(parser: argparse.ArgumentParser, who: str) -> None:

@@ -9,17 +9,22 @@ import json
 import secrets
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from blockkv import BlockStore
 from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.node.tenants import key_id
+from blockkv.router.route import NODE_HEADER
 from blockkv.testing.fleet_processes import Process
 from blockkv.testing.streams import concurrently, no_eos_bias, overlap, stream_chat
 from blockkv.wire.auth import namespace_of
@@ -170,3 +175,63 @@ def test_a_shared_system_prompt_serves_every_key_from_one_copy(tenants: Tenants,
         for name in ("s", "t"):
             own = store.entries(namespace_of(hashlib.sha256(tenants.keys[name].encode()).digest()))
             assert own and all(e.length != warmed["tokens"] for e in own)  # its conversation, not the system copy
+
+
+def _routed(url: str, key: str, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+    """(the node that served it, cached_tokens, prompt_tokens) of one chat sent to ``url``."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+    raw = client.chat.completions.with_raw_response.create(model="default_model", messages=messages,  # type: ignore[arg-type]
+                                                           max_tokens=4, temperature=0.0)
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return raw.headers.get(NODE_HEADER, ""), int(usage.prompt_tokens_details.cached_tokens or 0), usage.prompt_tokens
+
+
+def _residency(url: str, key: str) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url + "/blockkv/residency", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+
+
+def test_a_router_places_each_key_by_its_own_residency(tmp_path: Path) -> None:
+    """blockkv route --per-key-cache in front of two per-key nodes: key a's
+    prompt, cached on the second node, draws a's request there (served from a's
+    cache); key b's same prompt finds nothing of a's, neither in placement (it
+    goes where load alone sends it, the first node) nor in cached_tokens; a
+    tenant's key reads no node's residency."""
+    model = build_model_dir(tmp_path / "model", "llama")
+    a, b, router_key = (f"sk-{name}-{secrets.token_hex(12)}" for name in ("a", "b", "router"))
+    (tmp_path / "tenants").write_text(f"{a}\n{b}\n")
+    (tmp_path / "router").write_text(router_key + "\n")
+    salt = ["--fleet-salt", "tenants test"]
+    nodes = [Process(["serve", "--model", str(model), "--cache-dir", str(tmp_path / f"kv{i}"), "--per-key-cache",
+                      "--api-key-file", str(tmp_path / "tenants"), "--operator-key-file", str(tmp_path / "router"),
+                      *salt], tmp_path / f"node{i}.log") for i in (1, 2)]
+    router = None
+    try:
+        for node in nodes:
+            node.wait_ready()
+        router = Process(["route", "--model", str(model), "--node", nodes[0].url, "--node", nodes[1].url, *salt,
+                          "--per-key-cache", "--api-key-file", str(tmp_path / "tenants"), "--node-api-key-file",
+                          str(tmp_path / "router"), "--log-level", "DEBUG"], tmp_path / "router.log")
+        router.wait_ready()
+        messages = _chat(sample_text(300, seed=90), 1)
+        _routed(nodes[1].url, a, messages)  # a's prompt, straight to the second node
+        deadline = time.monotonic() + 60
+        while not _residency(nodes[1].url, router_key)[1]["media"]["RAM"]:
+            assert time.monotonic() < deadline, nodes[1].log.read_text()
+            time.sleep(0.2)
+        time.sleep(2.0)  # the router's long poll of the node's events brings it over (a bound, not a claim)
+        where_a, cached_a, prompt_a = _routed(router.url, a, messages)
+        where_b, cached_b, _ = _routed(router.url, b, messages)
+        refused, _ = _residency(nodes[1].url, a)
+    finally:
+        for process in (router, *nodes):
+            if process is not None:
+                process.stop()
+    assert where_a == nodes[1].url and cached_a == prompt_a - 1  # a's own residency drew it, a's cache served it
+    assert where_b == nodes[0].url and cached_b == 0  # nothing of a's: not its placement, not its cache
+    assert refused == 403
