@@ -12,7 +12,9 @@ chat-template flags; its HTTP server also answers ``GET /metrics``
 route``, what the server holds (``GET /blockkv/events``, ``GET
 /blockkv/residency``: ``residency_endpoint.py``); with API keys every path but
 ``/health`` needs one (``auth.py``), and ``--per-key-cache`` gives each key a
-cache of its own (``tenants.py``).
+cache of its own, within ``--key-share`` of the tiers, with its own
+``/metrics`` counts (``--operator-key-file``'s keys read everyone's and the
+residency) (``tenants.py``).
 """
 
 from __future__ import annotations

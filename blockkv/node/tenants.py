@@ -170,6 +170,8 @@ class PerKeyPromptCache(ResidentPromptCache):
 
     def _shared_length(self, model: Any, tokens: list[int]) -> int:
         """How much of ``tokens`` the shared namespace's entries on disk cover (0: none)."""
+        if not tokens or min(tokens) < 0:  # mlx-lm keys an image prompt with negative ids: never on disk
+            return 0
         try:
             store = self.store_for(model)
             match = store.find(list(tokens), SHARED_NAMESPACE) if store is not None else None
@@ -202,15 +204,18 @@ class PerKeyPromptCache(ResidentPromptCache):
         """Before an insert under ``ram_key`` (mlx-lm's key of a namespace's
         entries): if the namespace holds its share already, its own least
         recently used entry leaves (mlx-lm's LRU would take anyone's)."""
-        held = [(key, t) for cache_type in self._lru._ordering for key, t in self._lru._lrus[cache_type]
-                if key == ram_key and t != tokens]
-        if len(held) < max(1, int(self.max_size * self.key_share)):
-            return
-        key, oldest = held[0]
-        self._lru.remove(key, oldest)
-        entry = self._trie.pop(key, oldest)
-        self._n_bytes -= entry.nbytes
-        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+        try:
+            held = [(key, t) for cache_type in self._lru._ordering for key, t in self._lru._lrus[cache_type]
+                    if key == ram_key and t != tokens]
+            if len(held) < max(1, int(self.max_size * self.key_share)):
+                return
+            key, oldest = held[0]
+            self._lru.remove(key, oldest)
+            entry = self._trie.pop(key, oldest)
+            self._n_bytes -= entry.nbytes
+            self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+        except Exception as e:  # noqa: BLE001 - another mlx-lm's internals: no RAM quota, never a failed request
+            self._warn_once("ram-share", "blockkv: cannot keep keys to their share of the RAM tier (%r)", e)
 
 
 def attributing_batch_generator(base: type, tenancy: Tenancy) -> type:
