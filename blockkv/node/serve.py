@@ -114,7 +114,9 @@ def _own_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="FILE",
         help="with --per-key-cache: the operator's API keys, one a line (also accepted as API keys): GET /metrics "
-        "with one shows every key's counts, labelled by key id; with any other key, that key's own counts only",
+        "with one shows every key's counts, labelled by key id (any other key: its own counts only); only they "
+        "read the residency, and a request sent with one may name its tenant (a 'blockkv route --per-key-cache' "
+        "in front sends its node key, which must be one of them)",
     )
     parser.add_argument(
         "--key-share",
