@@ -43,7 +43,7 @@ def open_only(method: Callable[..., _T]) -> Callable[..., _T]:
 def check_options(*, model_id: str, config_fingerprint: str, tokenizer_hash: str, max_bytes: int,
                   limit: Callable[[], int] | None, block_tokens: int, compression: str | None,
                   verify: bool | str, gc_grace: float, tmp_grace: float, lock_timeout: float,
-                  isolate_namespaces: bool) -> None:
+                  isolate_namespaces: bool, namespace_share: float | None) -> None:
     """The options of ``BlockStore(...)``."""
     for name, value in (("model_id", model_id), ("config_fingerprint", config_fingerprint),
                         ("tokenizer_hash", tokenizer_hash)):
@@ -63,6 +63,10 @@ def check_options(*, model_id: str, config_fingerprint: str, tokenizer_hash: str
             raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
     if not isinstance(isolate_namespaces, bool):
         raise TypeError(f"isolate_namespaces must be a bool, got {type(isolate_namespaces).__name__}")
+    if namespace_share is not None and (isinstance(namespace_share, bool)
+                                        or not isinstance(namespace_share, (int, float))
+                                        or not 0 < namespace_share <= 1):
+        raise ValueError(f"namespace_share must be a fraction in (0, 1], got {namespace_share!r}")
 
 
 def tokens_array(tokens: Sequence[int]) -> np.ndarray:

@@ -69,13 +69,14 @@ class BlockStore:
         index_map_size: int = 256 << 20,
         lock_timeout: float = 10.0,
         isolate_namespaces: bool = False,
+        namespace_share: float | None = None,
         remote: str | None = None,
         remote_options: Mapping[str, str] | None = None,
     ) -> None:
         check_options(model_id=model_id, config_fingerprint=config_fingerprint, tokenizer_hash=tokenizer_hash,
                       max_bytes=max_bytes, limit=limit, block_tokens=block_tokens, compression=compression,
                       verify=verify, gc_grace=gc_grace, tmp_grace=tmp_grace, lock_timeout=lock_timeout,
-                      isolate_namespaces=isolate_namespaces)
+                      isolate_namespaces=isolate_namespaces, namespace_share=namespace_share)
         self.root = Path(root).expanduser()
         self.isolate_namespaces = isolate_namespaces
         # the codec id in every header says how its blocks are named; the two modes' entries are foreign to each other
@@ -85,7 +86,8 @@ class BlockStore:
         self.block_tokens = block_tokens
         self.compression = compression
         self.verify = verify
-        self._settings = HandleSettings(max_bytes, limit, float(gc_grace), float(tmp_grace), float(lock_timeout))
+        self._settings = HandleSettings(max_bytes, limit, float(gc_grace), float(tmp_grace), float(lock_timeout),
+                                        None if namespace_share is None else float(namespace_share))
         self._fs = fs or FileLayer()
         self._clock = clock
         self._dir = Directory(self.directory, self.identity, self._fs)
@@ -143,6 +145,15 @@ class BlockStore:
     @tmp_grace.setter
     def tmp_grace(self, seconds: float) -> None:
         self._settings.tmp_grace = seconds
+
+    @property
+    def namespace_share(self) -> float | None:
+        """The most of the cap one namespace but the default may hold (None: no share)."""
+        return self._settings.namespace_share
+
+    @namespace_share.setter
+    def namespace_share(self, share: float | None) -> None:
+        self._settings.namespace_share = share
 
     @property
     def lock_timeout(self) -> float:

@@ -235,6 +235,27 @@ def test_live_limit_is_the_cap(tmp_path: Path, llama: Any) -> None:
         assert len(s) == 1 and s.find_exact(t2) is not None and s.total_bytes <= cap[0]
 
 
+def test_a_namespace_past_its_share_evicts_its_own_lru_entries(tmp_path: Path, llama: Any) -> None:
+    """namespace_share: a namespace's store that takes it past its share of the
+    cap evicts that namespace's least recently used entries; another namespace's
+    and the default one's are untouched, and the cap is far from reached."""
+    now = [1000.0]
+    seqs = [random_tokens(100, seed=40 + i) for i in range(4)]
+    with open_store(tmp_path, clock=lambda: now[0], isolate_namespaces=True) as s:
+        for ns, t in (("other", seqs[0]), ("", seqs[1])):
+            assert s.store(t, caches_for(llama, t), ns)
+        one = s.entries("other")[0].nbytes  # every entry here is the same size
+        s.namespace_share = 2.5 * one / s.max_bytes  # room for two entries per namespace
+        for t in [seqs[2], seqs[3], seqs[0]]:
+            now[0] += 1
+            assert s.store(t, caches_for(llama, t), "greedy")
+        assert {e.tokens for e in s.entries("greedy")} == {tuple(seqs[3]), tuple(seqs[0])}  # its LRU one went
+        assert len(s.entries("other")) == 1 and len(s.entries("")) == 1
+        assert s.total_bytes < s.max_bytes / 2
+    with pytest.raises(ValueError, match="namespace_share"):
+        open_store(tmp_path, namespace_share=1.5)
+
+
 # -- rules 8, 9: restore, bad input -----------------------------------------------------------
 
 

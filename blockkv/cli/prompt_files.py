@@ -80,6 +80,10 @@ def add_commands(sub: Any, make: Any) -> None:
                       "created if missing)")
     warm.add_argument("file", type=Path, help="a chat-messages JSON file (its leading system messages) "
                       "or a text file (the system prompt)")
+    warm.add_argument("--shared", action="store_true",
+                      help="for a server with --per-key-cache: store it in the namespace every key reads and none "
+                      "writes, so each key's requests that start with it restore this one copy (a key learns only "
+                      "that this prompt is cached)")
     add_identity_options(warm, required=True)
 
 
@@ -140,7 +144,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     messages = _messages(args.file)
     if args.draft_model:
         raise UsageError("warm stores the model's own cache: a server with --draft-model keeps both in one list")
-    with _serve_store(args) as store:
+    with _serve_store(args, isolate_namespaces=args.shared) as store:
         tokens, caches = system_prompt_cache(args.model, messages, _kv(args), args.adapter_path,
                                              args.chat_template or None)
         if store.find_exact(tokens) is None:
@@ -217,9 +221,10 @@ def _identity(args: argparse.Namespace) -> Any:
 
 
 @contextmanager
-def _serve_store(args: argparse.Namespace) -> Iterator[Any]:
+def _serve_store(args: argparse.Namespace, isolate_namespaces: bool = False) -> Iterator[Any]:
     """The store ``blockkv serve --model`` opens for these flags (the root is
-    created if missing, as serve does)."""
+    created if missing, as serve does; ``isolate_namespaces``: the one
+    ``--per-key-cache`` opens)."""
     from blockkv.local.directory import ROOT_MARKER, default_root
     from blockkv.mlx_lm.prompt_cache import DEFAULT_CACHE_BYTES
     from blockkv.store import BlockStore
@@ -229,7 +234,8 @@ def _serve_store(args: argparse.Namespace) -> Iterator[Any]:
         raise UsageError(f"{root}: not a blockkv root (no {ROOT_MARKER} marker); refusing to touch it")
     ident = _identity(args)
     with BlockStore(root, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
-                    tokenizer_hash=ident.tokenizer_hash, max_bytes=DEFAULT_CACHE_BYTES) as store:
+                    tokenizer_hash=ident.tokenizer_hash, max_bytes=DEFAULT_CACHE_BYTES,
+                    isolate_namespaces=isolate_namespaces) as store:
         yield store
 
 

@@ -44,6 +44,7 @@ class HandleSettings:
     gc_grace: float
     tmp_grace: float
     lock_timeout: float
+    namespace_share: float | None  # the most of the cap one namespace but the default holds
 
     @property
     def max_bytes(self) -> int:

@@ -5,7 +5,9 @@ each taken under the directory lock.
 identical entry replaced, trimmable prefixes superseded, older checkpoints
 of a key dropped once the new one is durable), the byte cap (LRU eviction
 over the handle's own identity's entries: another identity's are never ours
-to delete), gc, check/repair, and what a failed restore proves (only fresh
+to delete) and each namespace's share of it (``namespace_share``: LRU
+eviction within the namespace that outgrew it, so one tenant's stores evict
+that tenant's entries, not everyone's), gc, check/repair, and what a failed restore proves (only fresh
 proof of corruption drops an entry, ``verdicts.py``). It also holds the lock
 discipline: the lock is taken with the index checked current
 (``IndexKeeper.locked``), and the stores a recovery found dead after their
@@ -24,7 +26,7 @@ import lmdb
 from blockkv.arguments import check_size
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from blockkv.format.blocks import block_naming_key
-from blockkv.local.catalog import Catalog
+from blockkv.local.catalog import Catalog, footprint, lru_plan
 from blockkv.local.commit import remove_entry
 from blockkv.local.directory import Directory
 from blockkv.local.directory_check import inspect_directory, verify_blocks
@@ -44,6 +46,7 @@ class Settings(Protocol):
     gc_grace: float
     tmp_grace: float
     lock_timeout: float
+    namespace_share: float | None  # the most of max_bytes one namespace but the default holds
 
     @property
     def max_bytes(self) -> int: ...
@@ -110,7 +113,11 @@ class Retention:
         """Under the lock, an entry just made visible: the seed's rules, then the
         cap. Returns the entries the rules removed."""
         self.refresh()
-        replaced = self._apply_store_rules(self._catalog.get(entry_id))
+        new = self._catalog.get(entry_id)
+        replaced = self._apply_store_rules(new)
+        share = self._settings.namespace_share
+        if share is not None and new.ns:
+            self.evict_to(int(self._settings.max_bytes * share), ns=new.ns)
         self._evict_to_cap()
         return replaced
 
@@ -228,19 +235,22 @@ class Retention:
         """The entries eviction down to ``target_bytes`` would remove, LRU first."""
         return self._plan(target_bytes)[0]
 
-    def _plan(self, target_bytes: int) -> tuple[list[Entry], dict[str, float]]:
-        """``plan``, and the last uses its candidates' headers showed later than the
-        index records (another handle's restore not yet in the index): an entry
-        is never evicted on a last use its header contradicts."""
-        total = self.footprint()
+    def _plan(self, target_bytes: int, ns: str | None = None) -> tuple[list[Entry], dict[str, float]]:
+        """``plan`` (of namespace ``ns``'s entries only, against their own
+        footprint, if given), and the last uses its candidates' headers showed
+        later than the index records (another handle's restore not yet in the
+        index): an entry is never evicted on a last use its header contradicts."""
+        index = self._keeper.index
+        candidates = self._catalog.in_namespace(ns) if ns is not None else None
+        total = self.footprint() if candidates is None else footprint(candidates, index.block_sizes())
         if total <= target_bytes:  # the common case: every store checks the cap
             return [], {}
-        index = self._keeper.index
         last_use, block_sizes = index.last_use(), index.block_sizes()  # read once: the loop only revises last uses
         later: dict[str, float] = {}
         checked: set[str] = set()
         while True:
-            plan = self._catalog.eviction_plan(last_use, block_sizes, total, target_bytes)
+            plan = (self._catalog.eviction_plan(last_use, block_sizes, total, target_bytes) if candidates is None
+                    else lru_plan(candidates, last_use, block_sizes, total, target_bytes))
             found = self._dir.used_later([(e.ns, e.id) for e in plan if e.id not in checked], last_use)
             checked.update(e.id for e in plan)
             if not found:
@@ -261,11 +271,12 @@ class Retention:
                        "each handle's cap counts and evicts only its own identity's entries")
         return self._catalog.footprint(self._keeper.index)
 
-    def evict_to(self, target_bytes: int) -> list[Entry]:
-        """Remove least recently used entries until the total is at most ``target_bytes``."""
+    def evict_to(self, target_bytes: int, ns: str | None = None) -> list[Entry]:
+        """Remove least recently used entries (of namespace ``ns`` only, if
+        given) until their total is at most ``target_bytes``."""
         try:
             with self.locked():
-                plan, later = self._plan(target_bytes)
+                plan, later = self._plan(target_bytes, ns)
                 if later:
                     self._keeper.index.touch(later)
                 for entry in plan:

@@ -15,9 +15,15 @@ call blockkv replaces names that module looks up at run time, and only these:
   blockkv's subclass of mlx-lm's handler (API keys, ``/metrics``,
   ``/blockkv/flush``, residency) on blockkv's bounded server (connections
   capped, header deadlines, idle timeouts: ``wire/bounded_server.py``).
-- ``ResponseGenerator._is_batchable`` and ``_serve_single``, with
-  ``--per-key-cache`` only: each request alone, inside its key's namespace
-  (``tenants.py``).
+- with ``--per-key-cache`` only (``tenants.py``), so each prompt-cache call
+  of the generation thread finds the key of the request it serves:
+  ``BatchGenerator`` (the batch ``_generate`` builds): a subclass naming the
+  request of every cache list it hands out to be saved;
+  ``ResponseGenerator._tokenize``: the same, noting whose request the next
+  lookup is for; ``ResponseGenerator._serve_single``: the same, noting whose
+  request is served alone. On an mlx-lm outside ``tenants.BATCHED_MLX_LM``
+  (whose generation loop was not checked) ``_is_batchable`` is replaced
+  instead, by one that serves every request alone.
 
 ``install`` makes the replacements and returns the function that puts
 mlx-lm's names back, in reverse order.
@@ -25,11 +31,14 @@ mlx-lm's names back, in reverse order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from blockkv.node import tenants
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ class ServeHooks:
     handler: Callable[[type], type]  # blockkv's request handler class over mlx-lm's APIHandler
     server_class: type  # the HTTP server class mlx-lm builds, called as cls(address, handler)
     before_serving: Callable[[], None]  # called once the model is loaded, before the HTTP server answers
-    per_key: bool  # --per-key-cache: each request served alone in its key's namespace
+    tenancy: tenants.Tenancy | None  # --per-key-cache: whose namespace each cache call is for
 
 
 class _Replacements:
@@ -64,8 +73,10 @@ def install(server: Any, hooks: ServeHooks) -> Callable[[], None]:
     """Put ``hooks`` in mlx-lm's server module ``server``; ``ValueError`` if this
     mlx-lm lacks a name blockkv needs (nothing replaced then)."""
     needed = ["run", "LRUPromptCache", "_run_http_server", "APIHandler"]
-    if hooks.per_key:
-        needed += ["ResponseGenerator._is_batchable", "ResponseGenerator._serve_single"]
+    batched = hooks.tenancy is not None and _batches_per_key(server)
+    if hooks.tenancy is not None:
+        needed += ["ResponseGenerator._tokenize", "ResponseGenerator._serve_single"]
+        needed += ["BatchGenerator"] if batched else ["ResponseGenerator._is_batchable"]
     missing = [name for name in needed if not _has(server, name)]
     if missing:
         raise ValueError(f"this mlx-lm's server has no {', '.join(missing)}: blockkv serve needs "
@@ -86,11 +97,33 @@ def install(server: Any, hooks: ServeHooks) -> Callable[[], None]:
     replacements.replace(server, "run", run)
     replacements.replace(server, "LRUPromptCache", hooks.make_cache)
     replacements.replace(server, "_run_http_server", run_http_server)
-    if hooks.per_key:
-        generator = server.ResponseGenerator
-        replacements.replace(generator, "_is_batchable", tenants.never_batchable)
-        replacements.replace(generator, "_serve_single", tenants.in_namespace(generator._serve_single))
+    if hooks.tenancy is not None:
+        _install_tenancy(server, hooks.tenancy, batched, replacements)
     return replacements.undo
+
+
+def _batches_per_key(server: Any) -> bool:
+    """Whether this mlx-lm's generation loop is one ``tenants.py`` follows; if not,
+    per-key caches serve every request alone (one warning)."""
+    import mlx_lm
+
+    if tenants.batching_supported(mlx_lm.__version__):
+        return True
+    log.warning("blockkv serve --per-key-cache: mlx-lm %s is outside the versions whose batching blockkv "
+                "follows per key (%s); each request is served alone", mlx_lm.__version__,
+                " to ".join(".".join(map(str, v)) for v in tenants.BATCHED_MLX_LM))
+    return False
+
+
+def _install_tenancy(server: Any, tenancy: tenants.Tenancy, batched: bool, replacements: _Replacements) -> None:
+    generator = server.ResponseGenerator
+    replacements.replace(generator, "_tokenize", tenants.tokenizing(generator._tokenize, tenancy))
+    replacements.replace(generator, "_serve_single", tenants.serving_alone(generator._serve_single, tenancy))
+    if batched:
+        replacements.replace(server, "BatchGenerator",
+                             tenants.attributing_batch_generator(server.BatchGenerator, tenancy))
+    else:
+        replacements.replace(generator, "_is_batchable", tenants.never_batchable)
 
 
 def _has(owner: Any, dotted: str) -> bool:

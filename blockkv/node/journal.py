@@ -36,6 +36,7 @@ from blockkv.wire.residency import (
     BLOCK_SIZE,
     MAX_WAIT_S,
     MEDIA,
+    namespace_key,
     prefix_digests,
     salt_check,
 )
@@ -61,10 +62,11 @@ class Journal:
         self._refs: dict[str, Counter[str]] = {m: Counter() for m in MEDIA}
 
     def apply(self, medium: str, stored: Iterable[tuple[Hashable, Sequence[int] | np.ndarray]] = (),
-              removed: Iterable[Hashable] = (), *, cleared: bool = False) -> None:
+              removed: Iterable[Hashable] = (), *, cleared: bool = False, ns: str = "") -> None:
         """One batch: ``medium`` cleared first (if ``cleared``), then the entries
         ``stored`` (key, tokens) added and those keyed ``removed`` dropped. Adding
-        a key held, or dropping one not held, changes nothing."""
+        a key held, or dropping one not held, changes nothing. ``stored`` are
+        entries of namespace ``ns`` (their digests keyed by ``namespace_key``)."""
         if medium not in MEDIA:
             raise ValueError(f"medium must be one of {MEDIA}, got {medium!r}")
         entries, refs = self._entries[medium], self._refs[medium]
@@ -78,7 +80,8 @@ class Journal:
                 if key in entries:
                     continue
                 # interned: an entry keeps pointers to the digests the counts hold, not its own copies
-                digests = entries[key] = tuple(map(sys.intern, prefix_digests(tokens, self._key, self.block_size)))
+                digests = entries[key] = tuple(map(sys.intern, prefix_digests(tokens, namespace_key(self._key, ns),
+                                                                              self.block_size)))
                 new = [i for i, d in enumerate(digests) if refs[d] == 0]
                 refs.update(digests)
                 if new:

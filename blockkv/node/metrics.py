@@ -6,6 +6,11 @@ Counters are read when scraped from what the caches and stores already count
 pays nothing for them; only the restore latency is observed as it happens.
 mlx-lm's request handler gets the path by a subclass handed to its HTTP server
 for the duration of ``serve``; every other path is mlx-lm's own.
+
+With per-key caches the lookups are also counted per key (``blockkv_key_*``,
+labelled by a key id: a digest, never the key). A tenant's key then reads
+its own ``blockkv_key_*`` samples and nothing else (the totals would show
+the size of other tenants' prompts); an operator's key reads everything.
 """
 
 from __future__ import annotations
@@ -42,22 +47,60 @@ _STORE_COUNTERS = (
 class ServeMetrics:
     """The registry one ``blockkv serve`` exposes, over the prompt caches it made."""
 
-    def __init__(self, caches: Callable[[], list[Any]]) -> None:
+    def __init__(self, caches: Callable[[], list[Any]],
+                 key_stats: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
+        """``key_stats``: per-key lookup counts by key id (per-key caches only)."""
         self.registry = CollectorRegistry()
         self._caches = caches
+        self._key_stats = key_stats
         self.restore_seconds = Histogram(
             "blockkv_restore_seconds", "Time to restore a prompt cache from the disk or the bucket",
             ["tier"], registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
         )
         self.registry.register(_Collector(caches))
+        if key_stats is not None:
+            self.registry.register(_KeyCollector(key_stats, None))
 
     def watch(self, cache: Any) -> None:
         """Observe ``cache``'s restores (a ``PersistentPromptCache``)."""
         cache.restore_observers.append(lambda tier, seconds: self.restore_seconds.labels(tier).observe(seconds))
 
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
+    def text(self, key: str | None = None) -> bytes:
+        """Every metric; or, given a key id, only that key's own counts."""
+        if key is None:
+            return generate_latest(self.registry)
+        own = CollectorRegistry()
+        own.register(_KeyCollector(self._key_stats or dict, key))
+        return generate_latest(own)
+
+
+class _KeyCollector:
+    """The ``blockkv_key_*`` counters: every key's, or only key id ``only``'s."""
+
+    def __init__(self, key_stats: Callable[[], dict[str, dict[str, int]]], only: str | None) -> None:
+        self._key_stats = key_stats
+        self._only = only
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._key_stats()
+        if self._only is not None:
+            stats = {self._only: stats.get(self._only, {})}
+        hits = CounterMetricFamily("blockkv_key_hits", "One key's prompt lookups served from a tier",
+                                   labels=["key", "tier"])
+        tokens = CounterMetricFamily("blockkv_key_tokens_restored", "One key's prompt tokens not prefilled, by "
+                                     "the tier that held them", labels=["key", "tier"])
+        misses = CounterMetricFamily("blockkv_key_misses", "One key's prompt lookups no tier could serve",
+                                     labels=["key"])
+        prefilled = CounterMetricFamily("blockkv_key_tokens_prefilled", "One key's prompt tokens left to prefill "
+                                        "after the lookup", labels=["key"])
+        for key, counts in sorted(stats.items()):
+            for tier in _TIERS:
+                hits.add_metric([key, tier], counts.get(f"{tier}_hits", 0))
+                tokens.add_metric([key, tier], counts.get(f"tokens_from_{tier}", 0))
+            misses.add_metric([key], counts.get("misses", 0))
+            prefilled.add_metric([key], counts.get("tokens_prefilled", 0))
+        yield from (hits, tokens, misses, prefilled)
 
 
 class _Collector:
@@ -107,14 +150,16 @@ class _Collector:
         yield cap
 
 
-def with_metrics_path(handler_class: type, metrics: ServeMetrics) -> type:
-    """mlx-lm's request handler, answering ``GET /metrics`` too."""
+def with_metrics_path(handler_class: type, metrics: ServeMetrics,
+                      view: Callable[[Any], str | None] | None = None) -> type:
+    """mlx-lm's request handler, answering ``GET /metrics`` too: everything, or,
+    when ``view(handler)`` names a key id, that key's own counts only."""
 
     class Handler(handler_class):  # type: ignore[misc, valid-type]
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.path.split("?", 1)[0] != PATH:
                 return super().do_GET()
-            body = metrics.text()
+            body = metrics.text(view(self) if view is not None else None)
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_LATEST)
             self.send_header("Content-Length", str(len(body)))

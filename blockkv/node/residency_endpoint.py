@@ -5,7 +5,10 @@ shared through a bucket.
 - ``ResidentPromptCache``: ``PersistentPromptCache`` that, after every call that
   can change mlx-lm's RAM tier, compares the tier's entries with the last
   look (by identity: at most ``max_size`` entries, no token is hashed twice)
-  and journals the difference. Only the server's default model is published.
+  and journals the difference. Only the server's default model is published;
+  with per-key caches each key's entries too, their digests keyed by the key's
+  namespace (``residency.namespace_key``), so they match only that key's
+  prompts (a router places a key's requests by them).
 - ``DiskWatcher``: follows the store's index change log (``BlockStore.changes``,
   one LMDB read when nothing changed) on a thread, so the disk tier, its
   evictions and what other processes on the same root did are journalled
@@ -27,12 +30,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
 from blockkv import BlockStore
 from blockkv.mlx_lm.prompt_cache import PersistentPromptCache
 from blockkv.node.journal import Journal
+from blockkv.wire.auth import is_key_namespace
 from blockkv.wire.residency import MAX_WAIT_S
 
 log = logging.getLogger(__name__)
@@ -48,7 +53,7 @@ class ResidentPromptCache(PersistentPromptCache):
         super().__init__(*args, **kwargs)
         self.journal = journal
         self.model_key = model_key
-        self._ram: dict[int, list[int]] = {}  # id(tokens) -> tokens: mlx-lm's own key lists, kept alive here
+        self._ram: dict[int, tuple[str, list[int]]] = {}  # id(tokens) -> (ns, tokens): mlx-lm's key lists, kept alive
         self._ram_broken = False
         self._watcher: DiskWatcher | None = None
         self._relist = False  # the store was opened before the first request: list the bucket then
@@ -102,18 +107,30 @@ class ResidentPromptCache(PersistentPromptCache):
         if self._ram_broken:
             return
         try:
-            now = {id(tokens): tokens for lru in self._lru._lrus.values()
-                   for model, tokens in lru if model == self.model_key}
+            now = {id(tokens): (ns, tokens) for lru in self._lru._lrus.values()
+                   for model, tokens in lru if (ns := self._published_namespace(model)) is not None}
         except Exception as e:  # noqa: BLE001 - another mlx-lm's internals: publish no RAM tier
             self._ram_broken = True
             log.warning("blockkv: cannot follow mlx-lm's RAM tier (%r); its residency is not published", e)
             self.journal.apply("RAM", cleared=True)
             return
-        added = [(i, t) for i, t in now.items() if i not in self._ram and t and min(t) >= 0]  # image keys: not shared
+        added = [(i, ns, t) for i, (ns, t) in now.items() if i not in self._ram and t and min(t) >= 0]  # no images
         removed = [i for i in self._ram if i not in now]
         self._ram = now
-        if added or removed:
-            self.journal.apply("RAM", added, removed)
+        if removed:
+            self.journal.apply("RAM", (), removed)
+        for ns in dict.fromkeys(ns for _, ns, _ in added):
+            self.journal.apply("RAM", [(i, t) for i, n, t in added if n == ns], ns=ns)
+
+    def _published_namespace(self, model: Any) -> str | None:
+        """The namespace of a RAM-tier entry keyed ``model`` that is published:
+        the default model's shared one (``""``) or a key's (``(model, ns)``, its
+        digests keyed by the namespace); None for anything else."""
+        if model == self.model_key:
+            return ""
+        if isinstance(model, tuple) and len(model) == 2 and model[0] == self.model_key and is_key_namespace(model[1]):
+            return str(model[1])
+        return None
 
 
 class DiskWatcher:
@@ -153,19 +170,24 @@ class DiskWatcher:
             self._position = None
             return
         self._warned = False
-        ours = [(r.id, r.tokens) for r in changes.added if r.owner == self._owner and r.ns == ""]
-        if ours or changes.removed or changes.reset:
-            self._journal.apply("DISK", ours, changes.removed, cleared=changes.reset)
+        ours = [r for r in changes.added if r.owner == self._owner and (r.ns == "" or is_key_namespace(r.ns))]
+        if changes.removed or changes.reset:
+            self._journal.apply("DISK", (), changes.removed, cleared=changes.reset)
+        for ns in dict.fromkeys(r.ns for r in ours):  # a key's entries: digests keyed by its namespace
+            self._journal.apply("DISK", [(r.id, r.tokens) for r in ours if r.ns == ns], ns=ns)
         self._position = changes.position
 
 
-def residency_handler(base: type, journal: Journal) -> type:
-    """mlx-lm's request handler class ``base`` with the two residency endpoints."""
+def residency_handler(base: type, journal: Journal, allowed: Callable[[Any], bool] | None = None) -> type:
+    """mlx-lm's request handler class ``base`` with the two residency endpoints,
+    answered only to requests ``allowed(handler)`` accepts (403 otherwise), if given."""
 
     class ResidencyHandler(base):  # type: ignore[misc, valid-type]
         def do_GET(self) -> None:
             path, _, query = self.path.partition("?")
-            if path == "/blockkv/residency":
+            if path in ("/blockkv/residency", "/blockkv/events") and allowed is not None and not allowed(self):
+                self._send_json(403, {"error": "the residency is the operator's to read (--operator-key-file)"})
+            elif path == "/blockkv/residency":
                 self._send_json(200, journal.snapshot())
             elif path == "/blockkv/events":
                 try:

@@ -12,7 +12,9 @@ chat-template flags; its HTTP server also answers ``GET /metrics``
 route``, what the server holds (``GET /blockkv/events``, ``GET
 /blockkv/residency``: ``residency_endpoint.py``); with API keys every path but
 ``/health`` needs one (``auth.py``), and ``--per-key-cache`` gives each key a
-cache of its own (``tenants.py``).
+cache of its own, within ``--key-share`` of the tiers, with its own
+``/metrics`` counts (``--operator-key-file``'s keys read everyone's and the
+residency) (``tenants.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from blockkv.node.health import health_handler
 from blockkv.node.journal import Journal
 from blockkv.node.metrics import ServeMetrics, with_metrics_path
 from blockkv.node.residency_endpoint import ResidentPromptCache, residency_handler
-from blockkv.wire.auth import ApiKeys, add_key_options, keys_from, with_keys
+from blockkv.wire.auth import ApiKeys, add_key_options, keys_from, read_key_file, with_keys
 from blockkv.wire.bounded_server import add_connection_options, bounded_server_class
 from blockkv.wire.residency import SALT_ENV, digest_key
 from blockkv.wire.shedding import shedding
@@ -113,7 +115,25 @@ def _own_parser() -> argparse.ArgumentParser:
         "--per-key-cache",
         action="store_true",
         help="each API key reads and writes a prompt cache of its own (RAM and disk): no tenant learns from "
-        "cached_tokens what another sent; requests are then served one at a time",
+        "cached_tokens what another sent; requests of every key still run in one batch",
+    )
+    parser.add_argument(
+        "--operator-key-file",
+        type=Path,
+        metavar="FILE",
+        help="with --per-key-cache: the operator's API keys, one a line (also accepted as API keys): GET /metrics "
+        "with one shows every key's counts, labelled by key id (any other key: its own counts only); only they "
+        "read the residency, and a request sent with one may name its tenant (a 'blockkv route --per-key-cache' "
+        "in front sends its node key, which must be one of them)",
+    )
+    parser.add_argument(
+        "--key-share",
+        type=tenants.parse_share,
+        default=tenants.DEFAULT_KEY_SHARE,
+        metavar="SHARE",
+        help="with --per-key-cache: the most one key holds of the RAM tier's entries and of the disk cap, as a "
+        "fraction or a percentage; past it a key's stores evict its own least recently used entries "
+        f"(default: {tenants.DEFAULT_KEY_SHARE * 100:.0f}%%)",
     )
     return parser
 
@@ -235,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _checked(args: argparse.Namespace, rest: list[str]) -> tuple[ApiKeys, dict[str, str] | None, str | None]:
     """The flags' mistakes found before mlx-lm starts (``ValueError`` and kin):
-    the keys, the bucket's options, and why the bucket cannot be reached now (or None)."""
+    the keys (the operator's in ``args.operators``), the bucket's options, and
+    why the bucket cannot be reached now (or None)."""
     options = dict(args.remote_option) if args.remote_option else None
     check_remote(args.remote, options)
     check_model(rest)
@@ -244,7 +265,11 @@ def _checked(args: argparse.Namespace, rest: list[str]) -> tuple[ApiKeys, dict[s
     if args.cache_dir.is_dir() and not _writable(args.cache_dir):
         raise ValueError(f"--cache-dir {args.cache_dir} is read-only: serve stores there, and would run "
                          "RAM-only; give it a writable directory (blockkv export reads a read-only root)")
-    keys = keys_from(args)
+    operators = read_key_file(args.operator_key_file, "--operator-key-file") if args.operator_key_file else []
+    if operators and not args.per_key_cache:
+        raise ValueError("--operator-key-file needs --per-key-cache (without it every key reads every metric)")
+    args.operators = ApiKeys(operators)
+    keys = keys_from(args, also=operators)
     if args.per_key_cache and not keys:
         raise ValueError("--per-key-cache needs API keys (--api-key, --api-key-file or $BLOCKKV_API_KEY)")
     # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
@@ -266,15 +291,17 @@ class _Node:
         self.args, self.options, self.keys, self.publish = args, options, keys, publish
         self.cache_bytes = args.cache_bytes if args.cache_bytes is not None else DEFAULT_CACHE_BYTES
         self.caches: list[ResidentPromptCache] = []
-        self.metrics = ServeMetrics(lambda: list(self.caches))
+        self.metrics = ServeMetrics(lambda: list(self.caches),
+                                    tenants.key_stats_of(lambda: list(self.caches)) if args.per_key_cache else None)
         self.journal = Journal(digest_key(args.fleet_salt))
         self.model_provider: Any = None
         self._closing = threading.Event()
+        self.tenancy = tenants.Tenancy() if args.per_key_cache else None
 
     def hooks(self) -> hooks.ServeHooks:
         return hooks.ServeHooks(on_run=self.on_run, make_cache=self.make_cache, handler=self.handler,
                                 server_class=self.server_class(), before_serving=self.open_caches,
-                                per_key=self.args.per_key_cache)
+                                tenancy=self.tenancy)
 
     def on_run(self, model_provider: Any) -> None:
         """Only now, with every flag parsed: --help or a typo must not create directories."""
@@ -298,7 +325,11 @@ class _Node:
 
     def make_cache(self, max_size: int = 10, max_bytes: int = 1 << 63) -> ResidentPromptCache:
         cli = self.model_provider.cli_args
-        cache = ResidentPromptCache(
+        kind: type[ResidentPromptCache] = ResidentPromptCache
+        per_key: dict[str, Any] = {}
+        if self.tenancy is not None:
+            kind, per_key = tenants.PerKeyPromptCache, {"tenancy": self.tenancy, "key_share": self.args.key_share}
+        cache = kind(
             max_size,
             max_bytes,
             journal=self.journal,
@@ -311,7 +342,7 @@ class _Node:
             remote=self.args.remote,
             remote_options=self.options,
             models=functools.partial(_loaded_models, self.model_provider),
-            isolate_namespaces=self.args.per_key_cache,
+            **per_key,
         )
         self.caches.append(cache)
         self.metrics.watch(cache)
@@ -319,12 +350,14 @@ class _Node:
 
     def handler(self, base: type) -> type:
         """mlx-lm's handler with blockkv's paths, behind the API keys."""
+        operator = tenants.is_operator(self.args.operators) if self.args.per_key_cache else None
         handler = health_handler(base, self.disk_tier)
-        handler = residency_handler(handler, self.journal) if self.publish else handler
+        handler = residency_handler(handler, self.journal, operator) if self.publish else handler
         handler = flush_handler(handler, lambda: list(self.caches))
-        handler = with_metrics_path(handler, self.metrics)
+        handler = with_metrics_path(handler, self.metrics,
+                                    tenants.metrics_view(self.args.operators) if self.args.per_key_cache else None)
         if self.args.per_key_cache:
-            handler = tenants.tagging_handler(handler)
+            handler = tenants.tagging_handler(handler, self.args.operators)
         handler = shedding(with_keys(handler, self.keys))  # shed before the key is known: wrap the keyed class
         handler.timeout = self.args.client_timeout  # each read and write: an idle connection is closed
         return handler

@@ -17,7 +17,7 @@ from blockkv.router.fleet import Follower, Node
 from blockkv.router.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
 from blockkv.router.scoring import Matches, Option, Sessions, Start, order, queue_cost, start_cost
 from blockkv.wire.auth import bearer
-from blockkv.wire.residency import BLOCK_SIZE, digest_key, prefix_digests
+from blockkv.wire.residency import BLOCK_SIZE, digest_key, namespace_key, prefix_digests
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,10 @@ class Router:
     """The fleet and the choice of a node for a prompt."""
 
     def __init__(self, urls: list[str], tokenizer: PromptTokenizer | None, salt: str | None,
-                 node_timeout: float, node_key: str | None = None) -> None:
+                 node_timeout: float, node_key: str | None = None, per_key: bool = False) -> None:
+        """``per_key``: the nodes keep per-key caches (``serve --per-key-cache``,
+        this router's node key one of their operator keys): each request is
+        placed by its client key's residency and sent naming that key's namespace."""
         if not urls:
             raise ValueError("at least one --node is needed")
         if len(set(urls)) != len(urls):
@@ -43,6 +46,7 @@ class Router:
         self._ids = itertools.count()
         self._choosing = threading.Lock()
         self.sessions = Sessions()
+        self.per_key = per_key
 
     def start(self) -> None:
         for follower in self._followers:
@@ -66,26 +70,35 @@ class Router:
             return None
         return tokens if len(tokens) <= MAX_PROMPT_TOKENS else None
 
-    def rank(self, tokens: list[int] | None, record: bool = False) -> list[tuple[Node, Start, list[str]]]:
+    def rank(self, tokens: list[int] | None, record: bool = False,
+             ns: str = "") -> list[tuple[Node, Start, list[str]]]:
         """Usable nodes, best first (scoring.order), each with its start and the
         prompt's digests in its block size; ``record``: the prompt is being routed
-        (its conversation's turn is counted)."""
+        (its conversation's turn is counted). ``ns``: the client key's namespace
+        (per-key caches): what each node holds of it, or of the shared namespace."""
         now = time.monotonic()
         usable = [n for n in self.nodes if n.usable(now)] or list(self.nodes)  # none usable: try them all anyway
         length = len(tokens) if tokens is not None else 0
-        digests_by_size: dict[int, list[str]] = {}
+        digests_by_size: dict[tuple[int, str], list[str]] = {}
 
-        def digests(size: int) -> list[str]:
+        def digests(size: int, of: str = ns) -> list[str]:
             if tokens is None or not size:
                 return []
-            if size not in digests_by_size:
-                digests_by_size[size] = prefix_digests(tokens, self._key, size)
-            return digests_by_size[size]
+            if (size, of) not in digests_by_size:
+                digests_by_size[size, of] = prefix_digests(tokens, namespace_key(self._key, of), size)
+            return digests_by_size[size, of]
 
         def capped(blocks: int, size: int) -> int:
             return min(blocks * size, max(length - 1, 0))  # a node always computes the last prompt token
 
-        held = {n.url: n.matched_blocks(digests(n.block_size), now) for n in self.nodes}
+        def matched(node: Node) -> tuple[int, int]:
+            own = node.matched_blocks(digests(node.block_size), now)
+            if not ns:
+                return own
+            shared = node.matched_blocks(digests(node.block_size, ""), now)
+            return max(own[0], shared[0]), max(own[1], shared[1])
+
+        held = {n.url: matched(n) for n in self.nodes}
         bucket = {size: max((held[n.url][1] for n in self.nodes if n.remote and n.block_size == size), default=0)
                   for size in {n.block_size for n in self.nodes}}
         starts = {}
@@ -108,12 +121,12 @@ class Router:
                                   node.routed))
         return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
 
-    def candidates(self, tokens: list[int] | None, request_id: int) -> Iterator[tuple[Node, Start]]:
+    def candidates(self, tokens: list[int] | None, request_id: int, ns: str = "") -> Iterator[tuple[Node, Start]]:
         """The nodes to try, best first, each already charged with the request when
         yielded: ranking and charging the first are one step, so requests arriving
         together see each other's queue."""
         with self._choosing:
-            ranked = self.rank(tokens, record=True)
+            ranked = self.rank(tokens, record=True, ns=ns)
             if ranked:
                 ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2])
         for i, (node, start, digests) in enumerate(ranked):

@@ -41,9 +41,11 @@ from blockkv.router.placement import Router
 from blockkv.router.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
 from blockkv.wire.auth import (
     NODE_KEY_ENV,
+    TENANT_HEADER,
     ApiKeys,
     add_key_options,
     keys_from,
+    namespace_of,
     read_key_file,
     with_keys,
 )
@@ -163,9 +165,11 @@ class Handler(BaseHTTPRequestHandler):
         router = self.router
         request_id = router.next_id()
         refused = []
-        for node, start in router.candidates(tokens, request_id):  # queued there from now: its prefill may start
+        key = getattr(self, "api_key", None)  # the client's (auth.with_keys), with keys
+        ns = namespace_of(key) if router.per_key and key is not None else ""
+        for node, start in router.candidates(tokens, request_id, ns):  # queued there from now: its prefill may start
             try:
-                conn, response = self._send(node, method, body)
+                conn, response = self._send(node, method, body, ns)
             except (OSError, http.client.HTTPException) as e:
                 node.abandon(request_id)
                 node.failed(e)
@@ -197,12 +201,14 @@ class Handler(BaseHTTPRequestHandler):
             self._error(503, "blockkv route: no blockkv serve node answered", "no_node_answered", "server_error",
                         retry_after=1)
 
-    def _send(self, node: Node, method: str, body: bytearray | None) -> tuple[http.client.HTTPConnection, Any]:
+    def _send(self, node: Node, method: str, body: bytearray | None,
+              ns: str) -> tuple[http.client.HTTPConnection, Any]:
         conn = node.connection(CONNECT_TIMEOUT_S)
         try:
             conn.connect()
             conn.sock.settimeout(self.router.node_timeout)  # the first byte may wait for a long prefill
-            headers = {"Content-Type": self.headers.get("Content-Type", "application/json"), **node.headers}
+            headers = {"Content-Type": self.headers.get("Content-Type", "application/json"), **node.headers,
+                       **({TENANT_HEADER: ns} if ns else {})}
             conn.request(method, node.prefix + self.path, body=body, headers=headers)
             return conn, conn.getresponse()
         except BaseException:
@@ -328,6 +334,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", help="if the nodes use it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_key_options(p, "The clients' keys: the nodes get --node-api-key-file's instead.")
+    p.add_argument("--per-key-cache", action="store_true",
+                   help="the nodes run 'serve --per-key-cache' and this router's node key is one of their "
+                   "--operator-key-file keys: each request is placed by its client key's own residency (and the "
+                   "shared namespace's) and served in that key's cache")
     p.add_argument("--node-api-key-file", type=Path, metavar="FILE",
                    help=f"the key this router sends every node (one of the nodes' --api-key; default "
                    f"${NODE_KEY_ENV}): the clients' keys stay the router's to check, and the residency it "
@@ -362,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                                     use_default_chat_template=args.use_default_chat_template,
                                     trust_remote_code=args.trust_remote_code)
         keys = keys_from(args)
-        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout, node_key=_node_key(args))
+        if args.per_key_cache and not keys:
+            raise ValueError("--per-key-cache needs the clients' API keys (--api-key, --api-key-file or "
+                             "$BLOCKKV_API_KEY)")
+        router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout, node_key=_node_key(args),
+                        per_key=args.per_key_cache)
         server = serve(router, args.host, args.port, keys, args.client_timeout, args.max_connections,
                        args.max_pending, args.header_timeout, args.body_memory << 20)
     except (ValueError, TypeError, OSError) as e:

@@ -66,10 +66,20 @@ class ApiKeys:
         return found
 
 
+KEY_NAMESPACE_PREFIX = "key-"
+TENANT_HEADER = "X-Blockkv-Tenant"  # the namespace a router's request is for (per-key caches behind a router)
+
+
 def namespace_of(digest: bytes) -> str:
     """The cache namespace of the key with this SHA-256 digest (``--per-key-cache``):
     stable across restarts, and saying nothing of the key."""
-    return "key-" + hashlib.sha256(b"blockkv per-key cache\0" + digest).hexdigest()[:32]
+    return KEY_NAMESPACE_PREFIX + hashlib.sha256(b"blockkv per-key cache\0" + digest).hexdigest()[:32]
+
+
+def is_key_namespace(ns: object) -> bool:
+    """Whether ``ns`` is a namespace ``namespace_of`` makes (as a router names it in ``TENANT_HEADER``)."""
+    return (isinstance(ns, str) and len(ns) == len(KEY_NAMESPACE_PREFIX) + 32 and ns.startswith(KEY_NAMESPACE_PREFIX)
+            and all(c in "0123456789abcdef" for c in ns[len(KEY_NAMESPACE_PREFIX):]))
 
 
 def add_key_options(parser: argparse.ArgumentParser, who: str) -> None:
@@ -82,11 +92,11 @@ def add_key_options(parser: argparse.ArgumentParser, who: str) -> None:
                         help="API keys, one a line (blank lines and lines starting with # skipped)")
 
 
-def keys_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ApiKeys:
-    """The keys ``add_key_options``' flags and ``$BLOCKKV_API_KEY`` name.
+def keys_from(args: argparse.Namespace, environ: dict[str, str] | None = None, also: Iterable[str] = ()) -> ApiKeys:
+    """The keys ``add_key_options``' flags and ``$BLOCKKV_API_KEY`` name, and ``also``.
     ``ValueError`` for an empty or unreadable file (a typo must not open the server)."""
     environ = os.environ if environ is None else environ
-    keys = list(args.api_key)
+    keys = [*args.api_key, *also]
     keys += [k.strip() for k in environ.get(KEY_ENV, "").split(",") if k.strip()]
     if args.api_key_file is not None:
         keys += read_key_file(args.api_key_file, "--api-key-file")

@@ -39,6 +39,13 @@ def digest_key(salt: str | None) -> bytes:
     return blake3(salt.encode(), derive_key_context=_CONTEXT).digest()
 
 
+def namespace_key(key: bytes, ns: str) -> bytes:
+    """The digest key of namespace ``ns``'s entries (per-key caches): derived
+    from the fleet's ``key`` and the namespace, so a key's digests match only
+    that key's prompts; ``key`` itself for the shared namespace ``""``."""
+    return blake3(ns.encode(), key=key).digest() if ns else key
+
+
 def salt_check(key: bytes) -> str:
     """A value two parties compare to learn whether they share a key (it reveals nothing of it)."""
     return blake3(b"salt check", key=key).hexdigest(DIGEST_BYTES)
