@@ -43,7 +43,7 @@ from blockkv.records import EntryRecord
 SETTLE_AFTER = 5.0  # seconds without an index write before a handle settles the index
 REFRESH_WAIT = 0.05  # the longest a query waits for the transaction lock; none after a refresh found it busy
 OPEN_WAIT = 2.0  # the longest an open waits for either lock: then it defers its recovery (or, index unopened, fails)
-_CLOSE_WAIT = 1.0  # the longest close waits for the lock to settle
+_CLOSE_WAIT = 1.0  # the longest close (or the settler) waits for the locks to settle
 
 
 class IndexKeeper:
@@ -77,7 +77,7 @@ class IndexKeeper:
         """Settle the index if the lock comes within a second (else the next
         handle to go idle does), then let go of it."""
         try:
-            with self._lock.held(_CLOSE_WAIT):
+            with waiting_at_most(_CLOSE_WAIT), self._lock.held(_CLOSE_WAIT):
                 self._closed = True
                 self._write_uses_and_settle()
         except (LockTimeout, OSError, lmdb.Error) as exc:
@@ -129,7 +129,7 @@ class IndexKeeper:
             self._arm_settler(SETTLE_AFTER - idle)
             return
         try:
-            with self._lock.held(0):
+            with waiting_at_most(_CLOSE_WAIT), self._lock.held(0):
                 if not self._closed:
                     self._write_uses_and_settle()
         except LockTimeout:
