@@ -5,8 +5,8 @@ entries while one more process stores, and every store's latency is taken.
     python tools/scan_starvation.py --entries 3000 --scanners 8 --stores 20
 
 Prints how many stores landed, their latency (p50, p99, max) and how many
-scans the scanners completed meanwhile. Before the writer-preferring
-turnstile (issue #43) 8 scanners on 3,000 entries refused 10 of 10 stores.
+scans the scanners completed meanwhile (docs/benchmarks.md, "Scanners
+against a writer", has the runs).
 Real caches from a tiny random-weight llama (``blockkv.testing``), real
 processes; nothing is mocked.
 """

@@ -5,7 +5,10 @@ files in one process exclude each other as two processes would."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,42 @@ def test_a_deleted_turnstile_is_retaken_and_the_data_lock_is_the_data_file(tmp_p
     finally:
         old.close()
         new.close()
+
+
+def test_a_waiting_writer_stops_new_readers_at_the_turnstile(tmp_path: Path) -> None:
+    """Three open files on one environment behave as three processes: a reader
+    is inside, a writer waits for it; a new reader must queue behind the
+    writer (flock alone would let it share the first reader's lock, and a
+    stream of such readers would starve the writer for ever)."""
+    inside, writer, newcomer = (TxnLock(tmp_path, timeout=5.0) for _ in range(3))
+    wrote = threading.Event()
+
+    def write() -> None:
+        with writer.exclusive():
+            wrote.set()
+
+    probe = os.open(tmp_path / TURNSTILE, os.O_RDONLY)
+    thread = threading.Thread(target=write)
+    try:
+        with inside.shared():
+            thread.start()
+            deadline = time.monotonic() + 5.0
+            while True:  # until the writer holds the turnstile
+                try:
+                    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(probe, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    break
+                assert time.monotonic() < deadline, "the writer never queued"
+            newcomer.timeout = 0.1  # well inside the writer's first stretch (TURN_HOLD)
+            with pytest.raises(LockTimeout):
+                with newcomer.shared():
+                    pass
+            assert not wrote.is_set()
+        thread.join(5.0)
+        assert wrote.is_set()  # in once the reader inside left
+    finally:
+        thread.join(5.0)
+        os.close(probe)
+        for lock in (inside, writer, newcomer):
+            lock.close()
