@@ -178,16 +178,21 @@ class IndexKeeper:
 
     def refresh(self) -> bool:
         """Replay what other handles changed since the catalog last looked
-        (cheap when nothing did), waiting at most ``REFRESH_WAIT`` for the
-        transaction lock, and not at all while the last refresh found it busy:
-        a stopped process costs a query one short wait, then none. False,
+        (cheap when nothing did). A query waits at most ``REFRESH_WAIT`` for
+        the transaction lock, and not at all while the last refresh found it
+        busy: a stopped process costs it one short wait, then none (a
+        mutation's refresh, under the directory lock, waits as its
+        transactions do: it must see what it wrote). False,
         with one warning, when the index was replaced on disk or failed: it
         must be reopened under the lock first."""
         try:
             if self._needs_recovery or self.index.replaced():
                 raise lmdb.Error("the index was replaced on disk")
-            with waiting_at_most(0.0 if self._busy else REFRESH_WAIT):
+            if self._lock.held_here():  # a mutation's own refresh: it waits as its transactions do
                 self._catalog.apply_changes(self.index)
+            else:
+                with waiting_at_most(0.0 if self._busy else REFRESH_WAIT):
+                    self._catalog.apply_changes(self.index)
             self._busy = False
             return True
         except LockTimeout as exc:  # a stopped process inside a transaction: serve what we know
