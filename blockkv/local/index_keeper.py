@@ -41,7 +41,7 @@ from blockkv.local.recovery import Recovery
 from blockkv.records import EntryRecord
 
 SETTLE_AFTER = 5.0  # seconds without an index write before a handle settles the index
-REFRESH_WAIT = 0.05  # the longest a query waits for the transaction lock; none after a refresh found it busy
+REFRESH_WAIT = 0.025  # the longest a query waits for the transaction lock; none after a refresh found it busy
 OPEN_WAIT = 2.0  # the longest an open waits for either lock: then it defers its recovery (or, index unopened, fails)
 _CLOSE_WAIT = 1.0  # the longest close (or the settler) waits for the locks to settle
 
