@@ -41,9 +41,9 @@ from blockkv.local.recovery import Recovery
 from blockkv.records import EntryRecord
 
 SETTLE_AFTER = 5.0  # seconds without an index write before a handle settles the index
-REFRESH_WAIT = 0.05  # the longest a query waits for the transaction lock; none after a refresh found it busy
+REFRESH_WAIT = 0.025  # the longest a query waits for the transaction lock; none after a refresh found it busy
 OPEN_WAIT = 2.0  # the longest an open waits for either lock: then it defers its recovery (or, index unopened, fails)
-_CLOSE_WAIT = 1.0  # the longest close waits for the lock to settle
+_CLOSE_WAIT = 1.0  # the longest close (or the settler) waits for the locks to settle
 
 
 class IndexKeeper:
@@ -77,7 +77,7 @@ class IndexKeeper:
         """Settle the index if the lock comes within a second (else the next
         handle to go idle does), then let go of it."""
         try:
-            with self._lock.held(_CLOSE_WAIT):
+            with waiting_at_most(_CLOSE_WAIT), self._lock.held(_CLOSE_WAIT):
                 self._closed = True
                 self._write_uses_and_settle()
         except (LockTimeout, OSError, lmdb.Error) as exc:
@@ -129,7 +129,7 @@ class IndexKeeper:
             self._arm_settler(SETTLE_AFTER - idle)
             return
         try:
-            with self._lock.held(0):
+            with waiting_at_most(_CLOSE_WAIT), self._lock.held(0):
                 if not self._closed:
                     self._write_uses_and_settle()
         except LockTimeout:
@@ -178,16 +178,21 @@ class IndexKeeper:
 
     def refresh(self) -> bool:
         """Replay what other handles changed since the catalog last looked
-        (cheap when nothing did), waiting at most ``REFRESH_WAIT`` for the
-        transaction lock, and not at all while the last refresh found it busy:
-        a stopped process costs a query one short wait, then none. False,
+        (cheap when nothing did). A query waits at most ``REFRESH_WAIT`` for
+        the transaction lock, and not at all while the last refresh found it
+        busy: a stopped process costs it one short wait, then none (a
+        mutation's refresh, under the directory lock, waits as its
+        transactions do: it must see what it wrote). False,
         with one warning, when the index was replaced on disk or failed: it
         must be reopened under the lock first."""
         try:
             if self._needs_recovery or self.index.replaced():
                 raise lmdb.Error("the index was replaced on disk")
-            with waiting_at_most(0.0 if self._busy else REFRESH_WAIT):
+            if self._lock.held_here():  # a mutation's own refresh: it waits as its transactions do
                 self._catalog.apply_changes(self.index)
+            else:
+                with waiting_at_most(0.0 if self._busy else REFRESH_WAIT):
+                    self._catalog.apply_changes(self.index)
             self._busy = False
             return True
         except LockTimeout as exc:  # a stopped process inside a transaction: serve what we know

@@ -179,12 +179,17 @@ class DirLock:
         self._thread = threading.RLock()
         self._depth = 0
         self._mode = 0
+        self._owner = 0  # the thread holding it (0: none)
         forget_in_forked_child(self)
 
     def _forget_inherited(self) -> None:
         """In a forked child: close our copy of the file, whatever the parent holds."""
         self._file.close()
-        self._thread, self._depth = threading.RLock(), 0
+        self._thread, self._depth, self._owner = threading.RLock(), 0, 0
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock (a mutation is under way in it)."""
+        return self._owner == threading.get_ident()
 
     @contextmanager
     def held(self, timeout: float | None, *, shared: bool = False) -> Iterator[None]:
@@ -200,7 +205,7 @@ class DirLock:
             mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             if self._depth == 0:
                 self._file.take(mode, deadline)
-                self._mode = mode
+                self._mode, self._owner = mode, threading.get_ident()
             elif mode == fcntl.LOCK_EX and self._mode == fcntl.LOCK_SH:
                 raise RuntimeError("cannot upgrade a shared directory lock")
             self._depth += 1
@@ -209,6 +214,7 @@ class DirLock:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
+                    self._owner = 0
                     self._file.release()
         finally:
             self._thread.release()

@@ -5,7 +5,7 @@ A ``BlockStore`` creates the root, takes the directory lock, keeps the LMDB
 index current and records last use, so it needs write access. This opens
 nothing for writing: it lists the directory the way ``blockkv ls`` does
 (``reader.read_directory``: the files are the truth, a trusted index is read
-without a lock file) and restores through the same verified reads as a store.
+creating no file, its lock taken shared) and restores through the same verified reads as a store.
 It never deletes: a corrupt header or block is a miss with a warning, left for
 a writer's ``check --repair``. ``refresh()`` sees what writers changed since.
 """

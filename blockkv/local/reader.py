@@ -5,10 +5,13 @@
 unlink or take the directory lock — not even when the index is lost or a header is corrupt, where opening a
 ``BlockStore`` would rebuild the index and delete what it cannot read. This reader lists the files (the truth) and stats
 the blocks the entries reference. When the LMDB index is one a store would
-trust (its format, this boot) it is opened read-only without a lock file, and
-its rows stand in for the headers it lists, with their last-use times, as they
-do for a store opening the directory; every other header is read and verified,
-and its write time is its last use, as for a store rebuilding its index.
+trust (its format, this boot) it is opened read-only (its transaction lock
+taken shared, from the files opened read-only, a few hundred rows at a time),
+and its rows stand in for the headers it lists, with their last-use times, as
+they do for a store opening the directory; every other header is read and
+verified, and its write time is its last use, as for a store rebuilding its
+index. An index whose lock stays busy (a writer stopped inside a
+transaction) is passed over: the files alone answer.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Two flocks, in the environment's directory:
   it waits for the data lock until its transaction ends; a reader passes
   through it (takes it shared, then the data lock, then lets it go). A
   waiting writer so stops new readers at the turnstile, and waits only for
-  the read transactions already inside. flock has no queue of its own: a
+  the read transactions already inside; for ``TURN_HOLD`` at most at a
+  stretch, then it steps aside a moment (only a stopped reader is that slow). flock has no queue of its own: a
   stream of overlapping shared holders would starve an exclusive request
   forever. A turnstile file deleted or replaced is noticed and re-taken
   (``locks.LockFile``); until then it costs fairness, never safety.
@@ -42,6 +43,8 @@ from blockkv.local.locks import LockFile, deadline_for, flock_until, forget_in_f
 
 DATA = "data.mdb"  # LMDB's data file, and the data lock
 TURNSTILE = "txn.lock"
+TURN_HOLD = 0.5  # the longest a waiting writer keeps new readers out at a stretch
+_LET_PASS = 0.1  # then it steps aside this long: twice the longest pause of a reader polling the turnstile
 
 
 class TxnLock:
@@ -124,8 +127,26 @@ class TxnLock:
     def exclusive(self) -> Iterator[None]:
         """For one write transaction (or opening, or a map resize): the
         turnstile, then the data lock, exclusively; no other transaction in
-        this process or any other."""
+        this process or any other. A waiting writer keeps new readers out
+        ``TURN_HOLD`` at most at a stretch: read transactions last
+        milliseconds, so past that only a stopped (or unusually long) reader
+        is inside, and the writer steps aside ``_LET_PASS`` for the readers
+        it held up (in this process and others), then queues again. A
+        stopped reader so stalls writers only, never readers or opens."""
         deadline = deadline_for(self.timeout)
+        while not self._stretch(deadline):
+            time.sleep(_LET_PASS)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._turn.release()
+            self._stop_writing()
+
+    def _stretch(self, deadline: float | None) -> bool:
+        """One stretch of a writer's wait: True with both locks held; False
+        (holding nothing) when ``TURN_HOLD`` passed first; ``LockTimeout``
+        at ``deadline``."""
         with self._cond:
             self._queued += 1
             try:
@@ -137,18 +158,27 @@ class TxnLock:
             self._writing = True
         try:
             self._turn.take(fcntl.LOCK_EX, deadline)
+            stretch = time.monotonic() + TURN_HOLD
             try:
-                flock_until(self._fd, fcntl.LOCK_EX, deadline, self.path)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
-            finally:
+                flock_until(self._fd, fcntl.LOCK_EX, stretch if deadline is None else min(stretch, deadline),
+                            self.path)
+                return True
+            except BaseException:
                 self._turn.release()
-        finally:
-            with self._cond:
-                self._writing = False
-                self._cond.notify_all()
+                raise
+        except LockTimeout:
+            self._stop_writing()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            return False
+        except BaseException:
+            self._stop_writing()
+            raise
+
+    def _stop_writing(self) -> None:
+        with self._cond:
+            self._writing = False
+            self._cond.notify_all()
 
     def _close_data(self) -> None:
         fd, self._fd = self._fd, -1

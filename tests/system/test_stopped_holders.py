@@ -233,3 +233,58 @@ def test_deleting_the_lock_file_under_churn_tears_no_read(tmp_path: Path) -> Non
             p.kill()
             p.wait()
     assert [out.startswith("mixed 0 of ") for out, _ in outs] == [True] * 3, outs
+
+
+# -- a writer waiting on a stopped reader keeps the other readers out only for a moment --------------
+
+_STOPPED_READER = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    from blockkv.local.txn_lock import TxnLock
+    lock = TxnLock(Path(sys.argv[1]), timeout=60.0)
+    with lock.shared():
+        print("reading", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+""")
+
+_WAITING_WRITER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from blockkv.errors import LockTimeout
+    from blockkv.local.txn_lock import TxnLock
+    lock = TxnLock(Path(sys.argv[1]), timeout=60.0)
+    print("waiting", flush=True)
+    with lock.exclusive():
+        print("wrote", flush=True)
+""")
+
+
+def test_readers_get_past_a_writer_that_waits_on_a_stopped_reader(tmp_path: Path) -> None:
+    """The turnstile stops new readers while a writer waits, but a writer
+    whose wait outlasts any read transaction (a stopped reader is inside)
+    steps aside between stretches: readers in other processes still get in;
+    once the reader is continued the writer writes."""
+    from blockkv.local.txn_lock import TxnLock
+
+    reader = spawn(_STOPPED_READER, tmp_path)
+    writer = None
+    lock = TxnLock(tmp_path, timeout=5.0)
+    try:
+        assert line(reader) == "reading"
+        _, status = os.waitpid(reader.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        writer = spawn(_WAITING_WRITER, tmp_path)
+        assert line(writer) == "waiting"
+        for _ in range(5):
+            time.sleep(0.2)  # somewhere in the writer's stretches and pauses
+            with lock.shared():
+                pass  # got in (within its 5 s: the writer waits up to 60 s)
+        reader.send_signal(signal.SIGCONT)
+        assert reader.wait(WAIT) == 0
+        assert line(writer) == "wrote"
+    finally:
+        lock.close()
+        for p in (reader, writer):
+            if p is not None:
+                p.kill()
+                p.wait()
