@@ -83,7 +83,8 @@ class BlockStore:
                       isolate_namespaces=isolate_namespaces)
         self.root = Path(root).expanduser()
         self.isolate_namespaces = isolate_namespaces
-        # the codec id in every header says how its blocks are named; the two modes' entries are foreign to each other
+        # the codec id in every header says how its blocks are named; a handle serves its own mode's entries,
+        # and counts and evicts the other mode's with them (kin: ``Catalog``)
         self.identity = Identity(model_id, config_fingerprint, tokenizer_hash,
                                  KEYED_CODEC_ID if isolate_namespaces else CODEC_ID)
         self._owner = self.identity.digest()
@@ -121,7 +122,7 @@ class BlockStore:
                                 executor=self._executor, block_tokens=block_tokens, compression=compression)
         self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
                                   tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
-        self._catalog = Catalog(self._owner, clock)
+        self._catalog = Catalog({self._owner}, clock, kin=self._dir.modes.keys() - {self._owner})
         self._keeper = IndexKeeper(self._dir, lock, self._recovery, self._catalog, self._intents.directory,
                                    map_size=index_map_size, lock_timeout=self.lock_timeout, warn=self._warn)
         self._retention = Retention(self._dir, self._keeper, self._catalog, self._commits, self, clock, self._warn)

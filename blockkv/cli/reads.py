@@ -22,6 +22,8 @@ from blockkv.cli.common import (
 )
 from blockkv.cli.remote import open_bucket, remote_fingerprints
 from blockkv.human import format_ratio, format_size, format_time, render_table
+from blockkv.local.catalog import footprint
+from blockkv.local.directory import disk_usage
 from blockkv.local.reader import DirectoryView, read_directory
 from blockkv.records import Entry
 
@@ -31,7 +33,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     where, views = looked_at(args)
     report: list[dict[str, Any]] = []
     for fp, view in views:
-        entries, disk, logical, blocks = view.entries, view.disk_bytes, view.logical_bytes, view.blocks
+        entries, logical, blocks = view.entries, view.logical_bytes, view.blocks
+        disk = view.disk_bytes if args.remote else disk_usage(fp.path).total
+        stored = view.disk_bytes if args.remote else footprint(entries, view.block_sizes)
         by_ns: dict[str, list[Entry]] = {}
         for e in entries:
             by_ns.setdefault(e.ns, []).append(e)
@@ -39,10 +43,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
             {
                 **fp_json(fp),
                 **usage(entries),
-                # the store's own totals for the whole fingerprint
+                # the whole fingerprint: its files' apparent size (docs/cli.md), in a bucket its objects'
                 "disk_bytes": disk,
                 "logical_bytes": logical,
-                "dedup_ratio": logical / disk if disk else None,
+                "entry_bytes": stored,  # the entries' headers and blocks, each block once: what dedup is against
+                "dedup_ratio": logical / stored if stored else None,
                 "blocks": blocks,
                 "cap_bytes": args.cap,
                 **unservable(view),
@@ -57,10 +62,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return EXIT_OK
     logical = sum(r["logical_bytes"] for r in report)
     disk = sum(r["disk_bytes"] for r in report)
+    stored = sum(r["entry_bytes"] for r in report)
     print(
         f"{where}: {len(report)} fingerprint(s), {sum(r['entries'] for r in report)} "
         f"entries, {format_size(disk)} {'in the bucket' if args.remote else 'on disk'}, "
-        f"{format_size(logical)} logical (dedup {format_ratio(logical, disk)})"
+        f"{format_size(logical)} logical (dedup {format_ratio(logical, stored)})"
     )
     rows: list[list[str]] = []
     for fpr in report:
@@ -72,7 +78,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             [fpr["fingerprint"], fpr["model_id"], or_dash(fpr["kv_quantisation"]),
              or_dash(fpr["chat_template"]), "*", str(fpr["entries"]),
              format_size(fpr["logical_bytes"]), format_size(fpr["disk_bytes"]),
-             format_ratio(fpr["logical_bytes"], fpr["disk_bytes"]), str(fpr["blocks"]),
+             format_ratio(fpr["logical_bytes"], fpr["entry_bytes"]), str(fpr["blocks"]),
              format_time(fpr["oldest_use"]), format_time(fpr["newest_use"]),
              cap_text]
         )

@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from blockkv.human import format_size, parse_count, parse_option
-from blockkv.local.directory import default_root
+from blockkv.local.directory import default_root, stored_bytes
 from blockkv.serving import tenants
 from blockkv.serving.auth import add_key_options, keys_from, with_keys
 from blockkv.serving.budget import FLOOR_BYTES, describe, parse_budget
@@ -216,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             args.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             own.exit(2, f"blockkv serve: error: cannot create --cache-dir {args.cache_dir}: {e}\n")
-        log.info("blockkv: disk tier in %s, capped at %s%s", args.cache_dir, describe(cache_bytes, args.cache_dir),
-                 "" if args.cache_bytes is not None else " (the default: --cache-bytes SIZE or --cache-bytes 10% "
-                 "to change it)")
+        held = stored_bytes(args.cache_dir)  # what every model's directory there holds (docs/cli.md's "on disk")
+        log.info("blockkv: disk tier in %s holding %s, capped at %s%s", args.cache_dir, format_size(held),
+                 describe(cache_bytes, args.cache_dir, held), "" if args.cache_bytes is not None
+                 else " (the default: --cache-bytes SIZE or --cache-bytes 10% to change it)")
         cli = model_provider.cli_args
         kv = KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start)
 
