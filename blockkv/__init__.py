@@ -14,12 +14,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from blockkv import moved
 from blockkv.errors import (
     BlockKVError,
     BlockMissingError,
     CorruptBlockError,
     CorruptError,
     CorruptHeaderError,
+    LockTimeout,
     NewerFormatError,
 )
 
@@ -27,13 +29,15 @@ if TYPE_CHECKING:
     from blockkv.format.codec import minimum_reusable_offset, register_codec, trimmable
     from blockkv.local.directory import list_fingerprints
     from blockkv.local.read_only import ReadOnlyStore
-    from blockkv.records import CheckReport, Entry, GenerationCheckpoint, Loaded, Match
+    from blockkv.records import CheckReport, Entry, EntryRecord, GenerationCheckpoint, LocalChanges, Loaded, Match
     from blockkv.store import BlockStore
 
 _LAZY = {
     "BlockStore": "blockkv.store",
     "CheckReport": "blockkv.records",
     "Entry": "blockkv.records",
+    "EntryRecord": "blockkv.records",
+    "LocalChanges": "blockkv.records",
     "GenerationCheckpoint": "blockkv.records",
     "Loaded": "blockkv.records",
     "Match": "blockkv.records",
@@ -53,8 +57,11 @@ __all__ = [
     "CorruptError",
     "CorruptHeaderError",
     "Entry",
+    "EntryRecord",
     "GenerationCheckpoint",
+    "LocalChanges",
     "Loaded",
+    "LockTimeout",
     "Match",
     "NewerFormatError",
     "ReadOnlyStore",
@@ -63,7 +70,9 @@ __all__ = [
     "register_codec",
     "trimmable",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+moved.install()  # old import paths of moved modules, for one minor version (moved.py)
 
 
 def __getattr__(name: str) -> Any:

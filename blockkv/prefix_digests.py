@@ -5,7 +5,7 @@ Digest *k* is a keyed blake3 of digest *k-1* and block *k*'s tokens (uint32
 little-endian), cut to ``DIGEST_BYTES``, as vLLM chains its block hashes. A
 node's catalog of the bucket's entries keeps one per block instead of the
 tokens (remote/remote_catalog.py); a fleet's nodes publish them, salted, to say what
-they hold without publishing tokens (serving/). 8 bytes: a collision costs a
+they hold without publishing tokens (``blockkv.wire.residency``). 8 bytes: a collision costs a
 wrong candidate, which the exact comparison of tokens that follows rejects.
 """
 

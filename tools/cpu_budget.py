@@ -79,8 +79,8 @@ def main() -> int:
         src = KVSource.random(FULL.shape, args.restore_tokens, seed=1)
         path = work / "mlx.safetensors"
         save_prompt_cache(str(path), src.caches())
-        with open_store(work / "restore", FULL.block_tokens) as store, \
-                open_store(work / "restore", FULL.block_tokens, verify=False) as unverified:
+        with (open_store(work / "restore", FULL.block_tokens) as store,
+              open_store(work / "restore", FULL.block_tokens, verify=False) as unverified):
             assert store.store(src.tokens, src.caches()), "store refused"
             entry = store.find_exact(src.tokens).entry
             load = lambda: eval_caches(load_prompt_cache(str(path)))  # noqa: E731

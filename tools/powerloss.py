@@ -363,8 +363,8 @@ def check_state(dest: Path, state: CrashState, journal: Journal, fig: Figures, w
                 fig.lost += 1
                 problem(f"{where}: neither {entry_id} nor the store that replaced it is there")
         first = store.check(repair=True)
-        if first.dangling or first.corrupt_headers or first.corrupt_blocks \
-                or any(idx < truth for _, idx, truth in first.refcount_mismatches):
+        if (first.dangling or first.corrupt_headers or first.corrupt_blocks
+                or any(idx < truth for _, idx, truth in first.refcount_mismatches)):
             problem(f"{where}: after open, check found {first.to_json()}")
         second = store.check()
         if not second.clean:

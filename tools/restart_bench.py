@@ -59,7 +59,7 @@ START_BOUND_S = 300.0  # a broken server fails the run instead of hanging it
 REQUEST_BOUND_S = 3600.0
 
 MODELS: dict[str, dict[str, Any]] = {
-    "demo": {},  # blockkv.serving.demo.DEMO_MODEL, float32
+    "demo": {},  # blockkv.mlx_lm.demo.DEMO_MODEL, float32
     "llama-1b-kv": {
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 16,
         "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
@@ -92,7 +92,7 @@ def build_model(kind: str, path: Path) -> Path:
     """A loadable random-weight model directory of ``kind`` (see ``MODELS``)."""
     import mlx.core as mx
 
-    from blockkv.serving.demo import DEMO_MODEL
+    from blockkv.mlx_lm.demo import DEMO_MODEL
     from blockkv.model_dir import build_model_dir
 
     build_model_dir(path, "llama", overrides=MODELS[kind] or DEMO_MODEL)

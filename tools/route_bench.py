@@ -64,12 +64,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, for benchmar
 import openai
 from benchmarks.remote import moto_bucket
 
-from blockkv.serving.demo import DEMO_MODEL
-from blockkv.serving.digests import digest_key, prefix_digests
-from blockkv.serving.route import NODE_HEADER
-from blockkv.serving.route_tokens import PromptTokenizer
-from blockkv.testing.fleet_processes import Process, free_port
+from blockkv.mlx_lm.demo import DEMO_MODEL
 from blockkv.model_dir import build_model_dir, sample_text
+from blockkv.router.route import NODE_HEADER
+from blockkv.router.route_tokens import PromptTokenizer
+from blockkv.testing.fleet_processes import Process, free_port
+from blockkv.wire.residency import digest_key, prefix_digests
 
 SALT = "route bench"
 WORKLOADS = {  # the flags each --workload sets, unless given

@@ -28,7 +28,7 @@ from blockkv.bucket.bucket_verdicts import convicts, frame_limit
 from blockkv.bucket.clock import CLOCK_SLACK
 from blockkv.bucket.objects import BucketError, outage
 from blockkv.errors import BlockMissingError, OversizedError
-from blockkv.format.blocks import block_key
+from blockkv.format.blocks import block_naming_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import judge_block
 from blockkv.format.header import Identity
@@ -80,7 +80,7 @@ def check_bucket(bucket: BucketDir, identity: Identity, progress: Callable[[int,
             report.foreign_headers.append(name)
         else:
             report.entries += 1
-        key = block_key(copy.header.identity, copy.header.ns)
+        key = block_naming_key(copy.header.identity, copy.header.ns)
         for ref in blocks_for_prefix(copy.header.descriptor, None):
             claims.setdefault(ref.name, []).append(_Claim(name, key, ref.raw_bytes, copy.sealed))
     # no key known for sure without a seal unless every header was read and the block is old

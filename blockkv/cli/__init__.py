@@ -40,7 +40,7 @@ store ~0.1 s. So:
   needs; the rest (``blockkv.store`` through ``stores``, ``local.directory``,
   obstore through ``remote``, tqdm, a serving module) inside the function
   that uses it;
-* nothing under ``cli/`` imports mlx-lm or ``blockkv.serving.prompt_cache``
+* nothing under ``cli/`` imports mlx-lm or ``blockkv.mlx_lm.prompt_cache``
   at module level (``format/kinds.py`` decodes through mlx-lm only when a
   cache is rebuilt; ``import blockkv`` loads its public names on first use).
 

@@ -119,7 +119,7 @@ def fp_place(fp: Any) -> tuple[str, str]:
 
 def fp_json(fp: Any) -> dict[str, Any]:
     """How every JSON output names a fingerprint (local or in a bucket), so scripts can join them."""
-    from blockkv.serving.identity import describe_fingerprint
+    from blockkv.mlx_lm.identity import describe_fingerprint
 
     words = describe_fingerprint(fp.config_fingerprint)
     name, where = fp_place(fp)

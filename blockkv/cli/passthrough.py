@@ -16,12 +16,16 @@ from blockkv.cli.common import EXIT_USAGE, UsageError
 
 # the passthrough commands, with their line in 'blockkv --help'
 PASSTHROUGH = {
-    "demo": "run the blockkv demo (arguments go to blockkv.serving.demo)",
-    "serve": "run mlx-lm's server with blockkv as its cold tier (arguments go to blockkv.serving.serve)",
+    "demo": "run the blockkv demo (arguments go to blockkv.mlx_lm.demo)",
+    "serve": "run mlx-lm's server with blockkv as its cold tier (arguments go to blockkv.node.serve)",
     "route": "route requests to a fleet of blockkv serve nodes by what each holds (arguments go to "
-             "blockkv.serving.route)",
+             "blockkv.router.route)",
     "bench": "run tools/bench.py from a source checkout (arguments go to it)",
 }
+
+
+# where each command's main lives (bench: tools/bench.py, loaded from the checkout)
+MODULES = {"demo": "blockkv.mlx_lm.demo", "serve": "blockkv.node.serve", "route": "blockkv.router.route"}
 
 
 def load_bench() -> Any:
@@ -41,7 +45,7 @@ def run_passthrough(name: str, argv: list[str]) -> int:
     """Hand the rest of the command line, untouched, to the module's own main;
     imported only now so ``blockkv stats`` never imports mlx-lm's server."""
     try:
-        module = load_bench() if name == "bench" else importlib.import_module(f"blockkv.serving.{name}")
+        module = load_bench() if name == "bench" else importlib.import_module(MODULES[name])
     except UsageError as exc:
         print(f"blockkv {name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

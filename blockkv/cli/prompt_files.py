@@ -87,7 +87,7 @@ def add_commands(sub: Any, make: Any) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from blockkv.serving.portable import export_prompt_cache
+    from blockkv.mlx_lm.cache_files import export_prompt_cache
 
     if args.flush is not None:
         _flush(args)
@@ -112,7 +112,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from blockkv.serving.portable import read_for_import, store_imported
+    from blockkv.mlx_lm.cache_files import read_for_import, store_imported
 
     # a refused file never opens the store
     caches, tokens = read_for_import(args.file, _identity(args), _prompt_tokens(args), layout=_layout(args),
@@ -135,7 +135,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    from blockkv.serving.warm import system_prompt_cache
+    from blockkv.mlx_lm.warm import system_prompt_cache
 
     messages = _messages(args.file)
     if args.draft_model:
@@ -166,8 +166,8 @@ def _flush(args: argparse.Namespace) -> None:
     """``--flush URL``: the server has written every spill it started, or an OSError says why not."""
     import os
 
-    from blockkv.serving.auth import KEY_ENV, read_key_file
-    from blockkv.serving.flush import request_flush
+    from blockkv.node.flush import request_flush
+    from blockkv.wire.auth import KEY_ENV, read_key_file
 
     if args.api_key_file is not None:
         try:
@@ -180,7 +180,7 @@ def _flush(args: argparse.Namespace) -> None:
 
 
 def _kv(args: argparse.Namespace) -> Any:
-    from blockkv.serving.identity import KVQuant
+    from blockkv.mlx_lm.identity import KVQuant
 
     start = args.quantized_kv_start
     if start is None:
@@ -193,8 +193,8 @@ def _layout(args: argparse.Namespace) -> Any:
     draft model's), which an imported file's caches must fit."""
     from mlx_lm import load
 
-    from blockkv.serving.cache_fit import ModelLayout
-    from blockkv.serving.identity import resolve_model_path
+    from blockkv.mlx_lm.cache_fit import ModelLayout
+    from blockkv.mlx_lm.identity import resolve_model_path
 
     try:
         models = [load(str(resolve_model_path(args.model)), adapter_path=args.adapter_path)[0]]
@@ -207,7 +207,7 @@ def _layout(args: argparse.Namespace) -> Any:
 
 def _identity(args: argparse.Namespace) -> Any:
     """The identity ``blockkv serve --model`` stores under for these flags."""
-    from blockkv.serving.identity import identity_from_key
+    from blockkv.mlx_lm.identity import identity_from_key
 
     try:
         return identity_from_key((args.model, args.adapter_path, args.draft_model), kv=_kv(args),
@@ -221,7 +221,7 @@ def _serve_store(args: argparse.Namespace) -> Iterator[Any]:
     """The store ``blockkv serve --model`` opens for these flags (the root is
     created if missing, as serve does)."""
     from blockkv.local.directory import ROOT_MARKER, default_root
-    from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES
+    from blockkv.mlx_lm.prompt_cache import DEFAULT_CACHE_BYTES
     from blockkv.store import BlockStore
 
     root = Path(args.root).expanduser() if args.root else default_root()
@@ -284,8 +284,8 @@ def _prompt_tokens(args: argparse.Namespace) -> list[int] | None:
         return tokens
     if args.prompt is None and args.prompt_file is None:
         return None
-    from blockkv.serving.identity import resolve_model_path
-    from blockkv.serving.warm import cache_prompt_tokens
+    from blockkv.mlx_lm.identity import resolve_model_path
+    from blockkv.mlx_lm.warm import cache_prompt_tokens
 
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     return cache_prompt_tokens(resolve_model_path(args.model), text)

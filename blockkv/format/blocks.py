@@ -180,7 +180,7 @@ def namespace_key(ns: str) -> bytes:
     return blake3(ns.encode("utf-8", "surrogatepass"), derive_key_context=_NS_KEY_CONTEXT).digest()
 
 
-def block_key(identity: Identity, ns: str) -> bytes | None:
+def block_naming_key(identity: Identity, ns: str) -> bytes | None:
     """The key an entry's blocks are named with: its namespace's under isolation, else none.
     The header records both, so every reader can verify every block it reads."""
     return namespace_key(ns) if identity.codec == KEYED_CODEC_ID else None

@@ -103,7 +103,7 @@ def device_buffers(specs: Sequence[tuple[str, tuple[int, ...]]]) -> list[tuple[m
     for (dtype, _), (bits_dtype, host, shape) in zip(specs, kinds):
         bits = next(fresh) if math.prod(shape) else mx.zeros(shape, dtype=bits_dtype)
         mx.eval(bits)
-        view = np.asarray(memoryview(bits)).view(host)
+        view = np.asarray(memoryview(bits)).view(host)  # type: ignore[arg-type]  # mlx arrays are buffers
         if not (view.flags.writeable and view.flags.c_contiguous and view.shape == shape):
             raise RuntimeError("mlx did not expose a writable contiguous buffer")
         out.append((bits.view(DTYPES[dtype][0]) if dtype in _BITS_VIEW else bits, view))

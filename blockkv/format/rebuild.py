@@ -17,7 +17,7 @@ import xxhash
 from blockkv.errors import BlockMissingError, CorruptError, CorruptHeaderError
 from blockkv.format.blocks import (
     BlockRef,
-    block_key,
+    block_naming_key,
     block_parts,
     finish_name,
     hasher,
@@ -247,8 +247,8 @@ class ParsedEntry:
 
     @property
     def key(self) -> bytes | None:
-        """The key its blocks are named with (``block_key``): the header names the mode and the namespace."""
-        return block_key(self.header.identity, self.header.ns)
+        """The key its blocks are named with (``block_naming_key``): the header names the mode and the namespace."""
+        return block_naming_key(self.header.identity, self.header.ns)
 
     def rebuild(
         self, prefix_len: int | None, fill: Callable[[Iterator[Target]], Iterable[Target]],

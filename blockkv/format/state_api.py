@@ -43,8 +43,9 @@ def kv_cache(keys: mx.array | None, values: mx.array | None, offset: int) -> KVC
 
 
 def concatenate_kv_cache(keys: mx.array, values: mx.array) -> ConcatenateKVCache:
-    return ConcatenateKVCache.from_state((keys, values), "") if TWO_PART_STATE else \
-        ConcatenateKVCache.from_state((keys, values))
+    if TWO_PART_STATE:
+        return ConcatenateKVCache.from_state((keys, values), "")
+    return ConcatenateKVCache.from_state((keys, values))
 
 
 def quantized_kv_cache(keys: tuple[mx.array, ...] | None, values: tuple[mx.array, ...] | None,

@@ -5,7 +5,7 @@ filled; what it fetched is then kept by the write order of a store
 (``Commits.adopt``) on a thread of its own, from the verified frames in
 memory (nothing is read again). Writing them while the fetches were still in
 flight cost the restore a fifth of its time (docs/scale-out.md, "Restore").
-``settle`` waits for them: before another restore of the same entry, a store
+``wait_kept`` waits for them: before another restore of the same entry, a store
 that may continue it, a listing of the bucket, and close.
 """
 
@@ -61,7 +61,7 @@ class Adoptions:
                 return
             self._pending[remote_id] = future
 
-    def settle(self, remote_id: str | None = None) -> None:
+    def wait_kept(self, remote_id: str | None = None) -> None:
         """Wait until what restores fetched is kept locally (of ``remote_id``, or of every entry)."""
         with self._mutex:
             pending = [f for i, f in self._pending.items() if remote_id is None or i == remote_id]

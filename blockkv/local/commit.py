@@ -26,7 +26,7 @@ import lmdb
 import numpy as np
 
 from blockkv.errors import BlockKVError, CorruptError, LockTimeout
-from blockkv.format.blocks import Block, EntryLayout, Snapshot, block_key, split_entry
+from blockkv.format.blocks import Block, EntryLayout, Snapshot, block_naming_key, split_entry
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import encode_block
 from blockkv.format.header import Header, Identity, encode_header
@@ -87,7 +87,7 @@ class Commits:
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
             layout = split_entry(snap, self._block_tokens, on_block=writer.submit,
-                                     key=block_key(self._identity, ns), hashers=self._executor("hash"))
+                                     key=block_naming_key(self._identity, ns), hashers=self._executor("hash"))
             header = Header(self._identity, ns, tokens, layout.descriptor,
                             checkpoint.to_json() if checkpoint else None, layout.block_xxh3)
             encoded = encode_header(header)

@@ -230,7 +230,9 @@ class Directory:
         """The header path an index record names, if it has our exact shape
         (``entries/<16 hex>/<entry id>.bkv``); None for anything else, such as
         ``../../victim.txt`` or an absolute path planted in the index."""
-        m = _HEADER_REL.fullmatch(rel) if isinstance(rel, str) else None
+        if not isinstance(rel, str):
+            return None
+        m = _HEADER_REL.fullmatch(rel)
         return self.path / rel if m is not None and m.group(1) == entry_id else None
 
     def mark_used(self, path: Path, when: float) -> None:

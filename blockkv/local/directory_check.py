@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockkv.errors import BlockMissingError, CorruptError, NewerFormatError, OversizedError
-from blockkv.format.blocks import block_key
+from blockkv.format.blocks import block_naming_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import Judgement, Verdict
 from blockkv.local import writers
@@ -44,7 +44,7 @@ def block_keys(directory: Directory) -> Keys:
             header = directory.read_header(Path(p))
         except Exception:  # noqa: BLE001 - reported by inspect_directory, which reads every header again
             continue
-        _add_keys(keys, block_key(header.identity, header.ns), (r.name for r in blocks_for_prefix(header.descriptor, None)))
+        _add_keys(keys, block_naming_key(header.identity, header.ns), (r.name for r in blocks_for_prefix(header.descriptor, None)))
     return keys
 
 
@@ -152,7 +152,7 @@ def inspect_directory(directory: Directory, rows: dict[str, BlockRow] | None,
         except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
             report.unreadable.append(directory.rel(path))
             continue
-        key = block_key(header.identity, header.ns)
+        key = block_naming_key(header.identity, header.ns)
         read[entry_id] = _Read(record.path, record, key, record.owner in directory.modes)  # of either mode
         _add_keys(keys, key, record.blocks)
     known, unread = verified or ({}, [])

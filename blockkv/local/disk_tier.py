@@ -47,8 +47,8 @@ class DiskTier:
                 if isinstance(exc, CorruptError):
                     self._stats["verify_failures"] += 1
                 culprit = read.culprit(exc)
-                if attempt == 0 and isinstance(exc, CorruptBlockError) \
-                        and culprit not in ("", "header") and self._heal(entry, culprit):
+                healable = attempt == 0 and isinstance(exc, CorruptBlockError) and culprit not in ("", "header")
+                if healable and self._heal(entry, culprit):
                     continue  # the bucket's verified copy replaced a rotten local block: read again
                 self._retention.restore_failed(entry, exc, culprit)
                 return None

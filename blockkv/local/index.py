@@ -466,8 +466,8 @@ def _read_env(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R],
             if txn.get(b"format", db=meta) != FORMAT:
                 return None
             boot = boot_id()
-            if this_boot and boot and txn.get(b"boot", db=meta) != boot.encode() \
-                    and not os.path.lexists(settled_marker(path)):
+            rebooted = this_boot and boot and txn.get(b"boot", db=meta) != boot.encode()
+            if rebooted and not os.path.lexists(settled_marker(path)):
                 return None
             return fn(env, txn)
     except (lmdb.Error, CorruptError, struct.error, UnicodeDecodeError):

@@ -23,7 +23,7 @@ import lmdb
 
 from blockkv.arguments import check_size
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
-from blockkv.format.blocks import block_key
+from blockkv.format.blocks import block_naming_key
 from blockkv.local.catalog import Catalog
 from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory
@@ -206,7 +206,7 @@ class Retention:
         if block:
             others = keys_naming(block, self._dir.identity, [e for e in own if e.id != entry.id],
                                  self._catalog.unserved())
-            finding = judge_now(self._dir.pool, block, block_key(self._dir.identity, entry.ns), others)
+            finding = judge_now(self._dir.pool, block, block_naming_key(self._dir.identity, entry.ns), others)
         if finding in (Finding.GOOD, Finding.UNREADABLE):
             self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc}), but block {block} "
                        f"{finding.value}: kept, served as a miss")

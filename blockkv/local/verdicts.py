@@ -19,7 +19,7 @@ import enum
 from collections.abc import Iterable
 
 from blockkv.errors import BlockMissingError, OversizedError
-from blockkv.format.blocks import block_key, namespace_key
+from blockkv.format.blocks import block_naming_key, namespace_key
 from blockkv.format.frame import FRAME_HEAD_BYTES, Judgement, Verdict, frame_bound, judge_block
 from blockkv.format.header import Identity
 from blockkv.pool.local import LocalPool
@@ -77,7 +77,7 @@ def keys_naming(name: str, identity: Identity, own: Iterable[Entry], foreign: It
     """The keys the entries referencing block ``name`` name it with: ours by
     our identity's mode; an unserved entry's (our other mode's, or another
     identity's) is not known here, so both."""
-    keys = [block_key(identity, e.ns) for e in own if name in e.blocks]
+    keys = [block_naming_key(identity, e.ns) for e in own if name in e.blocks]
     for e in foreign:
         if name in e.blocks:
             keys += [None, namespace_key(e.ns)]

@@ -20,13 +20,13 @@ from blockkv.bucket.bucket_dir import BucketDir, HeaderCopy
 from blockkv.bucket.manifest import MANIFEST_MIN, etag_is_md5_of, manifest_stream, pack_manifest
 from blockkv.bucket.objects import BucketError, ObjectInfo, outage
 from blockkv.errors import BlockKVError, CorruptError, OversizedError
-from blockkv.format.blocks import block_key
+from blockkv.format.blocks import block_naming_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import Identity
 from blockkv.format.layout import entry_id_of, entry_record, header_name
 from blockkv.local.directory import Directory
 from blockkv.records import CHECKPOINT_NS
-from blockkv.remote.files import HeaderCache
+from blockkv.remote.local_state import HeaderCache
 from blockkv.remote.listing import Listing
 from blockkv.remote.remote_catalog import RemoteCatalog
 
@@ -99,7 +99,7 @@ class Learner:
         """Record verified copies in the catalog if they are entries this handle serves."""
         learned = 0
         for name, copy in copies.items():
-            if block_key(copy.header.identity, "") is not None:
+            if block_naming_key(copy.header.identity, "") is not None:
                 self._listing.doubt([name])
             if self._bucket.key is not None and not copy.sealed:
                 unsealed.append(name)

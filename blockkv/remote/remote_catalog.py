@@ -99,7 +99,7 @@ def _u64(digests: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(digests), "<u8").astype(np.uint64) if digests else np.empty(0, np.uint64)
 
 
-def block_key(name: str) -> int:
+def name_hint(name: str) -> int:
     """A block name's first 8 bytes: enough to tell the bucket's blocks apart as a hint."""
     return int(name[:16], 16)
 
@@ -230,7 +230,7 @@ class RemoteCatalog:
         adds only headers it does not know)."""
         chain = self.prompt_digests(tokens, ns)
         whole = self._whole(tokens, ns)
-        names = np.fromiter((block_key(b) for b in dict.fromkeys(blocks)), np.uint64)
+        names = np.fromiter((name_hint(b) for b in dict.fromkeys(blocks)), np.uint64)
         hi, lo = _id_parts(entry_id)
         with self._lock:
             ns_index = self._ns_index.setdefault(ns, len(self._ns_names))
@@ -321,7 +321,7 @@ class RemoteCatalog:
         name sharing its first 8 bytes with another's counts as known)."""
         if not names:
             return set()
-        keys = np.fromiter((block_key(n) for n in names), np.uint64, len(names))
+        keys = np.fromiter((name_hint(n) for n in names), np.uint64, len(names))
         with self._lock:
             self._flush()
             live = self._records.rows["live"]

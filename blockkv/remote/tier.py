@@ -20,7 +20,7 @@ gc never ask the network. What the bucket adds lives here and below:
   bucket copy (``heal_block``), and the fleet's requests for good copies of
   blocks proven bad in the bucket are answered from verified local ones;
 - uploads and the backlog (uploads.py), the bucket's MANIFEST (manifest.py),
-  a header cache (files.py) and a **circuit breaker** (breaker.py): an outage
+  a header cache (local_state.py) and a **circuit breaker** (breaker.py): an outage
   costs one warning, not a timeout per request.
 
 Nothing here raises into the serving path: an outage is "not uploaded" /
@@ -48,7 +48,7 @@ from blockkv.errors import (
     NewerFormatError,
     OversizedError,
 )
-from blockkv.format.blocks import DEFAULT_BLOCK_TOKENS, BlockRef, block_key
+from blockkv.format.blocks import DEFAULT_BLOCK_TOKENS, BlockRef, block_naming_key
 from blockkv.format.descriptor import blocks_for_prefix, with_xxh3
 from blockkv.format.header import Header, Identity, decode_header
 from blockkv.format.layout import entry_id_of, fingerprint_dirname, header_name
@@ -57,7 +57,7 @@ from blockkv.local.directory import Directory
 from blockkv.local.disk_tier import Restored
 from blockkv.records import Entry, Match
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.files import HeaderCache
+from blockkv.remote.local_state import HeaderCache
 from blockkv.remote.learn import Learner
 from blockkv.remote.listing import Listing
 from blockkv.remote.lookup import Lookup, RecentHeaders
@@ -199,8 +199,10 @@ class RemoteTier:
         remote = None
         if len(self.catalog):
             try:
-                remote = self._lookup.find_exact(tokens, ns) if exact else \
-                    self._lookup.find(tokens, ns, local.prefix_len if local is not None else 0)
+                if exact:
+                    remote = self._lookup.find_exact(tokens, ns)
+                else:
+                    remote = self._lookup.find(tokens, ns, local.prefix_len if local is not None else 0)
             except BucketError as exc:  # a candidate's header had no copy on disk, and the bucket did not answer
                 self.outage("bucket header fetch failed", exc)
         self.poke(miss=local is None and remote is None)
@@ -271,15 +273,15 @@ class RemoteTier:
         if self.breaker.is_open():
             self.warn("remote-miss", "bucket unreachable: entries only it holds are misses for now")
             return None
-        key = block_key(self.identity, entry.ns)
+        key = block_naming_key(self.identity, entry.ns)
         read: RemoteRead | None = None
         try:
             copy = self._copy(name)
             header = copy.header
             blocks = tuple(dict.fromkeys(r.name for r in blocks_for_prefix(copy.descriptor, None)))
-            if header.identity != self.identity or header.ns != entry.ns or blocks != entry.blocks \
-                    or not np.array_equal(header.tokens, entry.token_array) \
-                    or (self.bucket.key is not None and not copy.sealed):
+            if (header.identity != self.identity or header.ns != entry.ns or blocks != entry.blocks
+                    or not np.array_equal(header.tokens, entry.token_array)
+                    or (self.bucket.key is not None and not copy.sealed)):
                 raise CorruptError(f"remote header {name} changed since it was listed")
             proof = {"vouched": self.listing.vouches(copy.sealed, key), "other_keys": self._keys_naming,
                      "local": self.local_copy}
@@ -312,10 +314,10 @@ class RemoteTier:
     def _keys_naming(self) -> list[bytes | None]:
         """The namespace keys of the entries this node knows (a block that fails
         under its header's key may be another namespace's: then the header lies)."""
-        if block_key(self.identity, "") is None:
+        if block_naming_key(self.identity, "") is None:
             return []
         namespaces = {e.ns for e in self.local_entries()} | set(self.catalog.namespaces())
-        return [block_key(self.identity, ns) for ns in sorted(namespaces)]
+        return [block_naming_key(self.identity, ns) for ns in sorted(namespaces)]
 
     def used(self, entry: Entry) -> None:
         """Record a restore where the fleet's LRU sees it (at most once per
@@ -370,7 +372,7 @@ class RemoteTier:
         try:
             header = self.dir.read_header(self.dir.header_path(entry.ns, entry.id))
             raw = {r.name: r.raw_bytes for r in blocks_for_prefix(header.descriptor, None)}[block]
-            good = self.bucket.fetch_block(block, raw, block_key(self.identity, entry.ns))
+            good = self.bucket.fetch_block(block, raw, block_naming_key(self.identity, entry.ns))
             self.dir.pool.write(block, [good])
         except BucketError as exc:
             self.outage("bucket fetch failed", exc)

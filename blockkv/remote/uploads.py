@@ -16,14 +16,14 @@ from blockkv.bucket.bucket import Bucket
 from blockkv.bucket.objects import BucketError, ObjectInfo, outage
 from blockkv.bucket.session import StoreTooSlow
 from blockkv.errors import BlockKVError
-from blockkv.format.blocks import BlockRef, block_key
+from blockkv.format.blocks import BlockRef, block_naming_key
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.header import Identity
 from blockkv.format.layout import header_name
 from blockkv.local.directory import Directory
 from blockkv.records import Entry
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.files import Backlog, HeaderCache
+from blockkv.remote.local_state import Backlog, HeaderCache
 from blockkv.remote.listing import Listing
 from blockkv.remote.remote_catalog import RemoteCatalog
 
@@ -117,7 +117,7 @@ class Uploader:
         sealed = key.seal_header(name, encoded) if key is not None else encoded
         committing = False
         try:
-            session = self._bucket.begin_store(block_key(self._identity, ns))
+            session = self._bucket.begin_store(block_naming_key(self._identity, ns))
             session.heal_local = lambda block, frame: pool.write(block, [frame])
             # a block new to the local pool and to every entry this node knows in the bucket is likely
             # new there too: one conditional PUT with its body; any other (a local dedup hit, a block

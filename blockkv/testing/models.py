@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_map
 from mlx_lm.models.cache import (
     ChunkedKVCache,
@@ -84,7 +85,7 @@ def concatenate_cache(model: nn.Module) -> list[ConcatenateKVCache]:
 def random_tokens(n: int, seed: int = 0) -> list[int]:
     """``n`` reproducible token ids below the tiny vocabulary size."""
     state = mx.random.key(seed)
-    return mx.random.randint(0, VOCAB, (n,), key=state).tolist()
+    return np.asarray(mx.random.randint(0, VOCAB, (n,), key=state)).astype(int).tolist()
 
 
 def chunked_cache_fills() -> bool:

@@ -59,15 +59,15 @@ class ServerClock:
 
     def now(self) -> datetime.datetime:
         if self._file is not None:
-            self._reload()
+            self._reload(self._file)
         return datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=self.offset)
 
-    def _reload(self) -> None:
+    def _reload(self, file: Path) -> None:
         try:
-            st = os.stat(self._file)
+            st = os.stat(file)
             seen = (st.st_mtime_ns, st.st_size)
             if seen != self._seen:
-                value = float(Path(self._file).read_text().strip() or 0)
+                value = float(file.read_text().strip() or 0)
                 with self._lock:
                     self.offset, self._seen = value, seen
         except (OSError, ValueError):

@@ -20,6 +20,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import blake3
 import pytest
@@ -27,6 +28,8 @@ import pytest
 from blockkv.errors import BlockMissingError
 from blockkv.format.layout import BLOCK_LAYOUT, HEADER_LAYOUT, Layout
 from blockkv.pool.protocol import BlobPool
+
+T = TypeVar("T")
 
 
 def name_for(layout: Layout, data: bytes, ns: str = "0123456789abcdef") -> str:
@@ -74,7 +77,8 @@ class PoolTests:
     def test_put_joins_parts_of_every_buffer_kind(self, pool: BlobPool, layout: Layout) -> None:
         data = payload(3000, 3)
         name = name_for(layout, data)
-        parts = [data[:1000], bytearray(data[1000:1001]), memoryview(data)[1001:2999], b"", data[2999:]]
+        parts: list[bytes | bytearray | memoryview] = [
+            data[:1000], bytearray(data[1000:1001]), memoryview(data)[1001:2999], b"", data[2999:]]
         assert pool.put_if_absent(name, parts)
         assert pool.get(name) == data
 
@@ -169,10 +173,10 @@ class PoolTests:
         assert set(pool.list_prefix()) == made - {gone}
 
     # -- races -------------------------------------------------------------
-    def _race(self, n: int, fn: Callable[[int], object]) -> list[object]:
+    def _race(self, n: int, fn: Callable[[int], T]) -> list[T]:
         start = threading.Barrier(n)
 
-        def run(i: int) -> object:
+        def run(i: int) -> T:
             start.wait()
             return fn(i)
 

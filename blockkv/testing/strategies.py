@@ -47,7 +47,7 @@ def agent_sessions(
     systems = draw(st.lists(token_runs(2, 12), min_size=1, max_size=max_systems, unique=True))
     prompts: list[Tokens] = []
     for _ in range(draw(st.integers(1, max_conversations))):
-        if prompts and draw(st.booleans()):
+        if len(prompts) > 0 and draw(st.booleans()):
             base = draw(st.sampled_from(prompts))
             conv = base[: draw(st.integers(1, len(base)))]
         else:

@@ -22,7 +22,7 @@ import pytest
 
 from blockkv import BlockStore, list_fingerprints
 from blockkv.human import format_size, parse_size
-from blockkv.serving.identity import KVQuant, readable_fingerprint
+from blockkv.mlx_lm.identity import KVQuant, readable_fingerprint
 
 SCRIPT = Path(sys.executable).with_name("blockkv")
 Command = Sequence[str | os.PathLike[str]]
@@ -322,7 +322,7 @@ def test_stats_does_not_import_the_server(reads: Reads) -> None:
     proc = reads.results["imports"]
     assert proc.returncode == 0
     assert "blockkv.local.reader" in proc.stderr and "mlx_lm.server" not in proc.stderr
-    assert "blockkv.serving.route" not in proc.stderr
+    assert "blockkv.router.route" not in proc.stderr
 
 
 def test_help_ls_stats_and_import_blockkv_do_not_import_mlx_lm(built: Root) -> None:

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from blockkv.model_dir import build_model_dir, sample_text
-from blockkv.serving.auth import namespace_of
+from blockkv.wire.auth import namespace_of
 from blockkv.testing.fleet_processes import Process
 
 BOUND_S = 300.0  # safety bound on a subprocess or a request (not a timing assertion)

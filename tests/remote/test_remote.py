@@ -67,7 +67,7 @@ def test_node_b_restores_bit_exact_what_node_a_stored(tmp_path: Path, endpoint: 
         loaded = b.restore(match.entry)
         assert loaded is not None and loaded.tokens == tuple(tokens)
         assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
-        b._adoptions.settle()  # what it fetched is kept locally in the background
+        b._adoptions.wait_kept()  # what it fetched is kept locally in the background
         assert len(b) == 1 and set(b.entries()[0].blocks) <= local_blocks(b)  # materialised: a local entry now
         cut = b.restore(b.find_exact(tokens).entry, prefix_len=150)  # and served locally from here on
         assert node.kv_bits(cut.caches, 150) == node.kv_bits(caches, 150)
@@ -119,7 +119,7 @@ def test_a_node_with_a_wiped_root_rebuilds_from_the_bucket_and_serves(tmp_path: 
             assert match is not None and a.find_exact(tokens, ns="other") is None
             loaded = a.restore(match.entry)
             assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
-        a._adoptions.settle()
+        a._adoptions.wait_kept()
         assert len(a) == 3 and a.check().clean  # ordinary local entries now
     with node.open_node(tmp_path / "a", endpoint, bucket_name) as a:
         assert len(a) == 3 and a.sync_remote() == 0
@@ -263,7 +263,7 @@ def test_a_local_eviction_reverts_an_entry_to_remote_only(tmp_path: Path, endpoi
         for turn, (tokens, caches) in enumerate([*convs, convs[0]]):  # each restore evicts the other locally
             loaded = b.restore(b.find_exact(tokens).entry)
             assert node.kv_bits(loaded.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
-            b._adoptions.settle()
+            b._adoptions.wait_kept()
             assert len(b) == 1 and b.total_bytes <= b.max_bytes
             assert b.sync_remote() == (1 if turn else 0)  # the evicted one is remote-only again
 
@@ -357,7 +357,7 @@ def test_a_longer_conversation_from_the_bucket_supersedes_its_prefix_everywhere(
         assert match.entry.id == b_entry.id  # longer than a's own
         loaded = a.restore(match.entry)
         assert node.kv_bits(loaded.caches, len(longer)) == node.kv_bits(longer_caches, len(longer))
-        a._adoptions.settle()
+        a._adoptions.wait_kept()
         assert [e.id for e in a.entries()] == [b_entry.id]  # adopting it superseded a's shorter entry
         cut = a.restore(a.find(short).entry, prefix_len=len(short) - 1)  # which it serves by trimming
         assert node.kv_bits(cut.caches, len(short) - 1) == node.kv_bits(short_caches, len(short) - 1)

@@ -48,7 +48,7 @@ def test_a_partial_restore_of_a_bucket_entry_reads_only_the_blocks_its_prefix_ne
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="werkzeug"):
             loaded = b.restore(match.entry, prefix_len=match.prefix_len)
-            b._adoptions.settle()
+            b._adoptions.wait_kept()
         assert loaded is not None and loaded.tokens == tuple(tokens[:150])
         assert node.kv_bits(loaded.caches, 150) == node.kv_bits(caches, 150)
         needed = math.ceil(150 / node.BLOCK_TOKENS)
@@ -66,7 +66,7 @@ def test_a_partial_restore_of_a_bucket_entry_reads_only_the_blocks_its_prefix_ne
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="werkzeug"):
             whole = b.restore(b.find(tokens + [1]).entry)  # the rest: only the blocks b lacks
-            b._adoptions.settle()
+            b._adoptions.wait_kept()
         assert node.kv_bits(whole.caches, len(tokens)) == node.kv_bits(caches, len(tokens))
         assert sorted(block_gets(caplog)) == sorted(stored.blocks[needed:])
         assert [e.id for e in b.entries()] == [stored.id]  # the bucket's entry, local now: it superseded the prefix

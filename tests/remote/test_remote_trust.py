@@ -29,8 +29,8 @@ from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import decode_block, max_frame_bytes
 from blockkv.format.header import decode_header, encode_header
 from blockkv.format.layout import fingerprint_dirname, header_name
-from blockkv.serving.identity import StoreIdentity
-from blockkv.serving.prompt_cache import PersistentPromptCache
+from blockkv.mlx_lm.identity import StoreIdentity
+from blockkv.mlx_lm.prompt_cache import PersistentPromptCache
 from blockkv.testing.moto_clock import ServerClock
 
 FP_DIR = fingerprint_dirname(node.IDENT["config_fingerprint"])

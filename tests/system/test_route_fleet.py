@@ -19,8 +19,8 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,11 +32,11 @@ from test_bucket import endpoint, make_bucket, server  # noqa: F401 - moto's ser
 
 from blockkv.bucket.bucket import Bucket
 from blockkv.bucket.bucket_reader import list_bucket_fingerprints
-from blockkv.serving.digests import digest_key, prefix_digests
-from blockkv.serving.route import NODE_HEADER
-from blockkv.serving.route_tokens import PromptTokenizer
-from blockkv.testing.fleet_processes import Process
 from blockkv.model_dir import build_model_dir, sample_text
+from blockkv.router.route import NODE_HEADER
+from blockkv.router.route_tokens import PromptTokenizer
+from blockkv.testing.fleet_processes import Process
+from blockkv.wire.residency import digest_key, prefix_digests
 
 SALT = "fleet test"
 MAX_TOKENS = 6

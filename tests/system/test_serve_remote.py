@@ -23,7 +23,7 @@ from test_serve import MAX_TOKENS, Server, _cached, _spills, _token_ids
 from blockkv.bucket.bucket import Bucket
 from blockkv.bucket.bucket_reader import list_bucket_fingerprints
 from blockkv.mlx_lm import PersistentPromptCache
-from blockkv.serving.demo import Agent
+from blockkv.mlx_lm.demo import Agent
 from blockkv.model_dir import build_model_dir, sample_text
 
 

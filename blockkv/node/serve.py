@@ -4,13 +4,13 @@ Nothing of mlx-lm's server is copied. Its ``main`` parses every one of its
 flags as usual; blockkv only takes its own flags (``--cache-dir``,
 ``--cache-bytes``, ``--min-restore-tokens``, ``--remote``, ``--remote-option``,
 ``--fleet-salt``) off the command line first and, for the duration of the call,
-replaces the names the server looks up when it starts (``run``,
-``LRUPromptCache`` and ``_run_http_server``) so the prompt cache it builds is a
+replaces the names the server looks up when it starts (every one of them is
+in ``hooks.py``) so the prompt cache it builds is a
 ``PersistentPromptCache`` configured with the server's own KV-quantisation and
 chat-template flags; its HTTP server also answers ``GET /metrics``
 (``metrics.py``), ``POST /blockkv/flush`` (``flush.py``) and, for ``blockkv
 route``, what the server holds (``GET /blockkv/events``, ``GET
-/blockkv/residency``: ``publish.py``); with API keys every path but
+/blockkv/residency``: ``residency_endpoint.py``); with API keys every path but
 ``/health`` needs one (``auth.py``), and ``--per-key-cache`` gives each key a
 cache of its own (``tenants.py``).
 """
@@ -25,24 +25,22 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
 from blockkv.human import format_size, parse_count, parse_option
 from blockkv.local.directory import default_root, stored_bytes
-from blockkv.serving import tenants
-from blockkv.serving.auth import add_key_options, keys_from, with_keys
-from blockkv.serving.budget import FLOOR_BYTES, describe, parse_budget
-from blockkv.serving.digests import SALT_ENV, digest_key
-from blockkv.serving.flush import flush_handler
-from blockkv.serving.identity import KVQuant
-from blockkv.serving.metrics import ServeMetrics
-from blockkv.serving.metrics import install as install_metrics
-from blockkv.serving.prompt_cache import DEFAULT_CACHE_BYTES, check_remote
-from blockkv.serving.publish import ResidentPromptCache, residency_handler
-from blockkv.serving.residency import Journal
+from blockkv.mlx_lm.budget import FLOOR_BYTES, describe, parse_budget
+from blockkv.mlx_lm.identity import KVQuant
+from blockkv.mlx_lm.prompt_cache import DEFAULT_CACHE_BYTES, check_remote
+from blockkv.node import hooks, tenants
+from blockkv.node.flush import flush_handler
+from blockkv.node.journal import Journal
+from blockkv.node.metrics import ServeMetrics, with_metrics_path
+from blockkv.node.residency_endpoint import ResidentPromptCache, residency_handler
+from blockkv.wire.auth import ApiKeys, add_key_options, keys_from, with_keys
+from blockkv.wire.residency import SALT_ENV, digest_key
 
 log = logging.getLogger(__name__)
 
@@ -179,112 +177,124 @@ def main(argv: list[str] | None = None) -> int:
         own.print_help()
         print("\nmlx_lm.server options:\n")
     try:
-        options = dict(args.remote_option) if args.remote_option else None
-        check_remote(args.remote, options)
-        check_model(rest)
-        if args.cache_dir.exists() and not args.cache_dir.is_dir():
-            raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a directory")
-        if args.cache_dir.is_dir() and not _writable(args.cache_dir):
-            raise ValueError(f"--cache-dir {args.cache_dir} is read-only: serve stores there, and would run "
-                             "RAM-only; give it a writable directory (blockkv export reads a read-only root)")
-        keys = keys_from(args)
-        if args.per_key_cache and not keys:
-            raise ValueError("--per-key-cache needs API keys (--api-key, --api-key-file or $BLOCKKV_API_KEY)")
-        # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
-        # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
-        unreachable = None
-        if args.remote is not None:
-            from blockkv.remote.options import probe_bucket
-
-            unreachable = probe_bucket(args.remote, options)
+        keys, options, unreachable = _checked(args, rest)
+        node = _Node(args, options, keys, publish=_may_publish_residency(rest, args.fleet_salt))
+        undo = hooks.install(server, node.hooks())
     except (ValueError, TypeError, ImportError, FileNotFoundError, PermissionError) as e:
         own.exit(2, f"blockkv serve: error: {e}\n")
     if unreachable:
         log.warning("blockkv: %s; serving from the local cache until it answers", unreachable)
-
-    publish = _may_publish_residency(rest, args.fleet_salt)
-    cache_bytes = args.cache_bytes if args.cache_bytes is not None else DEFAULT_CACHE_BYTES
-    caches: list[ResidentPromptCache] = []
-    metrics = ServeMetrics(lambda: list(caches))
-    original_run: Callable[..., Any] = server.run
-    original_cache_class = server.LRUPromptCache
-    journal = Journal(digest_key(args.fleet_salt))
-
-    def run(host: str, port: int, model_provider: Any, *more: Any, **kw: Any) -> Any:
-        # Only now, with every flag parsed: --help or a typo must not create directories.
-        try:
-            args.cache_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            own.exit(2, f"blockkv serve: error: cannot create --cache-dir {args.cache_dir}: {e}\n")
-        held = stored_bytes(args.cache_dir)  # what every model's directory there holds (docs/cli.md's "on disk")
-        log.info("blockkv: disk tier in %s holding %s, capped at %s%s", args.cache_dir, format_size(held),
-                 describe(cache_bytes, args.cache_dir, held), "" if args.cache_bytes is not None
-                 else " (the default: --cache-bytes SIZE or --cache-bytes 10% to change it)")
-        cli = model_provider.cli_args
-        kv = KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start)
-
-        def make_cache(max_size: int = 10, max_bytes: int = 1 << 63) -> ResidentPromptCache:
-            cache = ResidentPromptCache(
-                max_size,
-                max_bytes,
-                journal=journal,
-                model_key=(cli.model, cli.adapter_path, cli.draft_model),  # mlx-lm's key of the default model
-                cache_dir=args.cache_dir,
-                cache_bytes=cache_bytes,
-                min_restore_tokens=args.min_restore_tokens,
-                kv=kv,
-                chat_template=cli.chat_template or None,
-                remote=args.remote,
-                remote_options=options,
-                models=functools.partial(_loaded_models, model_provider),
-                isolate_namespaces=args.per_key_cache,
-            )
-            caches.append(cache)
-            metrics.watch(cache)
-            return cache
-
-        setattr(server, "LRUPromptCache", make_cache)  # mlx-lm looks the name up when run() starts
-        http_server = server._run_http_server  # /metrics' wrapper: it builds on the handler class it is given
-        handler = residency_handler(server.APIHandler, journal) if publish else server.APIHandler
-        handler = flush_handler(handler, lambda: list(caches))
-        handler = with_keys(tenants.tagging_handler(handler) if args.per_key_cache else handler, keys)
-
-        def run_http_server(*a: Any, **k: Any) -> Any:
-            for cache in caches:  # before /health answers: the first request does not pay the open, and
-                cache.open_published()  # a restarted node publishes its disk before the router asks
-            return http_server(*a, handler_class=handler, **k)
-
-        setattr(server, "_run_http_server", run_http_server)
-        try:
-            return original_run(host, port, model_provider, *more, **kw)
-        finally:
-            setattr(server, "LRUPromptCache", original_cache_class)
-            setattr(server, "_run_http_server", http_server)
-
-    try:
-        without_tenants = tenants.install(server) if args.per_key_cache else lambda: None
-    except ValueError as e:
-        own.exit(2, f"blockkv serve: error: {e}\n")
     # SIGTERM (systemd, docker stop) shuts down like Ctrl-C, so pending spills are flushed.
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
         previous_term = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     saved_argv = sys.argv
     sys.argv = ["blockkv serve", *rest]
-    server.run = run
-    without_metrics = install_metrics(server, metrics)  # GET /metrics beside mlx-lm's own paths
     try:
         server.main()
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:
-        server.run = original_run
-        without_metrics()
-        without_tenants()
+        undo()
         sys.argv = saved_argv
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
-        for cache in caches:
+        node.close()
+    return 0
+
+
+def _checked(args: argparse.Namespace, rest: list[str]) -> tuple[ApiKeys, dict[str, str] | None, str | None]:
+    """The flags' mistakes found before mlx-lm starts (``ValueError`` and kin):
+    the keys, the bucket's options, and why the bucket cannot be reached now (or None)."""
+    options = dict(args.remote_option) if args.remote_option else None
+    check_remote(args.remote, options)
+    check_model(rest)
+    if args.cache_dir.exists() and not args.cache_dir.is_dir():
+        raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a directory")
+    if args.cache_dir.is_dir() and not _writable(args.cache_dir):
+        raise ValueError(f"--cache-dir {args.cache_dir} is read-only: serve stores there, and would run "
+                         "RAM-only; give it a writable directory (blockkv export reads a read-only root)")
+    keys = keys_from(args)
+    if args.per_key_cache and not keys:
+        raise ValueError("--per-key-cache needs API keys (--api-key, --api-key-file or $BLOCKKV_API_KEY)")
+    # a missing bucket is a mistake to fix before serving (a typo in its name would otherwise
+    # leave the fleet unshared); one the server cannot reach now is an outage, ridden out
+    unreachable = None
+    if args.remote is not None:
+        from blockkv.remote.options import probe_bucket
+
+        unreachable = probe_bucket(args.remote, options)
+    return keys, options, unreachable
+
+
+class _Node:
+    """One ``blockkv serve`` process's disk tier: the caches mlx-lm's server
+    builds, what they publish, and the handler that serves them."""
+
+    def __init__(self, args: argparse.Namespace, options: dict[str, str] | None, keys: ApiKeys,
+                 publish: bool) -> None:
+        self.args, self.options, self.keys, self.publish = args, options, keys, publish
+        self.cache_bytes = args.cache_bytes if args.cache_bytes is not None else DEFAULT_CACHE_BYTES
+        self.caches: list[ResidentPromptCache] = []
+        self.metrics = ServeMetrics(lambda: list(self.caches))
+        self.journal = Journal(digest_key(args.fleet_salt))
+        self.model_provider: Any = None
+
+    def hooks(self) -> hooks.ServeHooks:
+        return hooks.ServeHooks(on_run=self.on_run, make_cache=self.make_cache, handler=self.handler,
+                                before_serving=self.open_caches, per_key=self.args.per_key_cache)
+
+    def on_run(self, model_provider: Any) -> None:
+        """Only now, with every flag parsed: --help or a typo must not create directories."""
+        self.model_provider = model_provider
+        try:
+            self.args.cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"blockkv serve: error: cannot create --cache-dir {self.args.cache_dir}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        default = ""
+        if self.args.cache_bytes is None:
+            default = " (the default: --cache-bytes SIZE or --cache-bytes 10% to change it)"
+        held = stored_bytes(self.args.cache_dir)  # every model's directory there, as docs/cli.md's "on disk"
+        log.info("blockkv: disk tier in %s holding %s, capped at %s%s", self.args.cache_dir, format_size(held),
+                 describe(self.cache_bytes, self.args.cache_dir, held), default)
+
+    def make_cache(self, max_size: int = 10, max_bytes: int = 1 << 63) -> ResidentPromptCache:
+        cli = self.model_provider.cli_args
+        cache = ResidentPromptCache(
+            max_size,
+            max_bytes,
+            journal=self.journal,
+            model_key=(cli.model, cli.adapter_path, cli.draft_model),  # mlx-lm's key of the default model
+            cache_dir=self.args.cache_dir,
+            cache_bytes=self.cache_bytes,
+            min_restore_tokens=self.args.min_restore_tokens,
+            kv=KVQuant(cli.kv_bits, cli.kv_group_size, cli.quantized_kv_start),
+            chat_template=cli.chat_template or None,
+            remote=self.args.remote,
+            remote_options=self.options,
+            models=functools.partial(_loaded_models, self.model_provider),
+            isolate_namespaces=self.args.per_key_cache,
+        )
+        self.caches.append(cache)
+        self.metrics.watch(cache)
+        return cache
+
+    def handler(self, base: type) -> type:
+        """mlx-lm's handler with blockkv's paths, behind the API keys."""
+        handler = residency_handler(base, self.journal) if self.publish else base
+        handler = flush_handler(handler, lambda: list(self.caches))
+        handler = with_metrics_path(handler, self.metrics)
+        if self.args.per_key_cache:
+            handler = tenants.tagging_handler(handler)
+        return with_keys(handler, self.keys)
+
+    def open_caches(self) -> None:
+        for cache in self.caches:
+            cache.open_published()
+
+    def close(self) -> None:
+        for cache in self.caches:
             cache.close()
             stats = cache.tier_stats
             log.info(
@@ -293,7 +303,6 @@ def main(argv: list[str] | None = None) -> int:
                 f" ({stats['spills_not_uploaded']} not in the bucket yet)" if stats["spills_not_uploaded"] else "",
                 stats["spill_failures"], stats["disk_hits"], stats["bucket_hits"],
             )
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,16 +28,16 @@ from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mlx_lm.models.cache import LRUPromptCache
 
 from blockkv import BlockStore
 from blockkv.format.codec import codec_for, encode_cache, record_offsets
 from blockkv.fs import FileLayer
-from blockkv.serving.budget import DiskShare
-from blockkv.serving.cache_fit import ModelLayout
-from blockkv.serving.identity import KVQuant, StoreIdentity, identity_from_key
+from blockkv.mlx_lm.budget import DiskShare
+from blockkv.mlx_lm.cache_fit import ModelLayout
+from blockkv.mlx_lm.identity import KVQuant, StoreIdentity, identity_from_key
 
 __all__ = ["PersistentPromptCache"]
 
@@ -184,7 +184,7 @@ class PersistentPromptCache(LRUPromptCache):
         try:
             store = BlockStore(self.cache_dir, model_id=ident.model_id, config_fingerprint=ident.config_fingerprint,
                                tokenizer_hash=ident.tokenizer_hash,
-                               max_bytes=share.floor if share is not None else self._cache_bytes,
+                               max_bytes=share.floor if share is not None else cast(int, self._cache_bytes),
                                limit=share.limit(self.cache_dir, lambda: opened[0].total_bytes if opened else 0)
                                if share is not None else None,
                                block_tokens=self._block_tokens, fs=self._fs, remote=remote,
@@ -434,7 +434,9 @@ def check_remote(remote: str | None, remote_options: Mapping[str, str] | None) -
     if not isinstance(remote, str):
         raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(remote).__name__}")
     from blockkv.pool.s3 import parse_url
-    from blockkv.remote.options import split_options  # needs obstore: pip install 'blockkv[s3]'
+    from blockkv.remote.options import (
+        split_options,  # needs obstore: pip install 'blockkv[s3]'
+    )
 
     parse_url(remote)
     split_options(remote_options)

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from blockkv.human import format_ms, format_size, render_table
-from blockkv.serving.prompt_cache import PersistentPromptCache
+from blockkv.mlx_lm.prompt_cache import PersistentPromptCache
 from blockkv.model_dir import build_model_dir, sample_text
 
 # Small enough to build in a second, big enough that prefilling a long system

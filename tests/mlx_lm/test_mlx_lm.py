@@ -23,11 +23,11 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from blockkv.format.header import Header, decode_header, encode_header
 from blockkv.fs import Buffer, FileLayer
 from blockkv.mlx_lm import PersistentPromptCache
-from blockkv.serving.budget import DiskShare
-from blockkv.serving.demo import Agent
-from blockkv.serving.identity import KVQuant
-from blockkv.testing.faults import FaultyFileLayer
+from blockkv.mlx_lm.budget import DiskShare
+from blockkv.mlx_lm.demo import Agent
+from blockkv.mlx_lm.identity import KVQuant
 from blockkv.model_dir import build_model_dir, sample_text
+from blockkv.testing.faults import FaultyFileLayer
 from blockkv.testing.models import prefill
 
 MAX_TOKENS = 8
@@ -256,7 +256,7 @@ def test_unopenable_cache_dir_degrades_to_ram_only(
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     prompt = llama.encode(30, seed=16)
-    with caplog.at_level(logging.WARNING, logger="blockkv.serving.prompt_cache"):
+    with caplog.at_level(logging.WARNING, logger="blockkv.mlx_lm.prompt_cache"):
         with ShortPromptCache(cache_dir=blocker / "cache") as cache:
             first = llama.agent.ask_tokens(prompt, cache)
             again = llama.agent.ask_tokens(prompt + first.generated + [1], cache)
@@ -281,7 +281,7 @@ def test_a_key_no_identity_can_be_made_for_runs_ram_only(
 ) -> None:
     """mlx-lm's cache takes any hashable model key; the drop-in does too, and a
     key that names no model directory only costs that key its disk tier."""
-    with caplog.at_level(logging.WARNING, logger="blockkv.serving.prompt_cache"):
+    with caplog.at_level(logging.WARNING, logger="blockkv.mlx_lm.prompt_cache"):
         with PersistentPromptCache(cache_dir=tmp_path) as cache:
             cache.insert_cache(12345, [1, 2, 3], [MockCache("abc")])
             assert cache.fetch_nearest_cache(12345, [1, 2, 3, 4]) == ([MockCache("abc")], [4])
@@ -532,7 +532,7 @@ def test_unencodable_caches_stay_in_ram_with_one_warning_per_class(
 ) -> None:
     tokens = llama.encode(40, seed=20)
     real, _ = _prefill(llama, tokens)
-    with caplog.at_level(logging.DEBUG, logger="blockkv.serving.prompt_cache"):
+    with caplog.at_level(logging.DEBUG, logger="blockkv.mlx_lm.prompt_cache"):
         with ShortPromptCache(cache_dir=cache_dir) as cache:
             for i in range(3):
                 cache.insert_cache(llama.key, tokens + [i], [MockCache("abc")])

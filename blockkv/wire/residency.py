@@ -23,6 +23,8 @@ from blake3 import blake3
 
 from blockkv.prefix_digests import DIGEST_BYTES, chain_digests
 
+MEDIA = ("RAM", "DISK")  # the tiers a node publishes: mlx-lm's prompt cache, its local store
+MAX_WAIT_S = 30.0  # the longest long poll of /blockkv/events a node holds open
 BLOCK_SIZE = 32  # tokens per digest: a turn is rarely shorter, and a long prompt is a few hundred digests
 SALT_ENV = "BLOCKKV_FLEET_SALT"
 _CONTEXT = "blockkv 2026 fleet residency digests v1"

@@ -14,7 +14,12 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 log = logging.getLogger(__name__)
@@ -118,25 +123,3 @@ def with_metrics_path(handler_class: type, metrics: ServeMetrics) -> type:
             return None
 
     return Handler
-
-
-def install(server: Any, metrics: ServeMetrics) -> Callable[[], None]:
-    """Make mlx-lm's server module (``mlx_lm.server``) serve ``/metrics``
-    until the returned function is called. An mlx-lm whose server has no
-    ``_run_http_server(..., handler_class=...)`` serves without it (one warning)."""
-    original = getattr(server, "_run_http_server", None)
-    if original is None:
-        log.warning("blockkv: this mlx-lm's server has no _run_http_server: /metrics is not served")
-        return lambda: None
-
-    def run_http_server(host: str, port: int, response_generator: Any, *args: Any, **kwargs: Any) -> Any:
-        base = kwargs.pop("handler_class", None) or server.APIHandler
-        return original(host, port, response_generator, *args, handler_class=with_metrics_path(base, metrics),
-                        **kwargs)
-
-    server._run_http_server = run_http_server
-
-    def restore() -> None:
-        server._run_http_server = original
-
-    return restore

@@ -13,17 +13,17 @@ from typing import Any
 import pytest
 
 from blockkv import BlockStore
-from blockkv.serving.digests import (
+from blockkv.mlx_lm.identity import StoreIdentity
+from blockkv.node.journal import Journal
+from blockkv.node.residency_endpoint import DiskWatcher, ResidentPromptCache
+from blockkv.testing.models import prefill, random_tokens, tiny_model
+from blockkv.wire.residency import (
     BLOCK_SIZE,
     digest_key,
     is_digest,
     prefix_digests,
     salt_check,
 )
-from blockkv.serving.identity import StoreIdentity
-from blockkv.serving.publish import DiskWatcher, ResidentPromptCache
-from blockkv.serving.residency import Journal
-from blockkv.testing.models import prefill, random_tokens, tiny_model
 
 KEY = digest_key("test fleet")
 WAIT_BOUND_S = 60.0  # a safety bound on waits for the disk watcher's thread (not a timing assertion)

@@ -22,11 +22,11 @@ import mlx_lm
 import openai
 import pytest
 
-from blockkv.serving.digests import digest_key, prefix_digests, salt_check
-from blockkv.serving.fleet import Follower, Node, read_json
-from blockkv.serving.route import MAX_BODY_BYTES, MAX_TOKENIZED_BYTES, NODE_HEADER, Router, serve
-from blockkv.serving.route_tokens import PromptTokenizer
-from blockkv.serving.scoring import (
+from blockkv.model_dir import build_model_dir, sample_text
+from blockkv.router.fleet import Follower, Node, read_json
+from blockkv.router.route import MAX_BODY_BYTES, MAX_TOKENIZED_BYTES, NODE_HEADER, Router, serve
+from blockkv.router.route_tokens import PromptTokenizer
+from blockkv.router.scoring import (
     ACTIVE_COST,
     BUCKET_COST,
     DISK_COST,
@@ -37,9 +37,9 @@ from blockkv.serving.scoring import (
     order,
     start_cost,
 )
-from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.testing.fleet_processes import Process
 from blockkv.testing.models import random_tokens
+from blockkv.wire.residency import digest_key, prefix_digests, salt_check
 
 SALT = "route test"
 KEY = digest_key(SALT)
@@ -388,7 +388,7 @@ def test_a_malformed_events_answer_never_stops_the_following(
         answer: bytes, fakes: list[FakeNode], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """Each bad answer is one warning and a snapshot later: the node is still followed."""
-    monkeypatch.setattr("blockkv.serving.fleet.NO_RESIDENCY_RETRY_S", 0.05)
+    monkeypatch.setattr("blockkv.router.fleet.NO_RESIDENCY_RETRY_S", 0.05)
     fake = FakeNode({"/blockkv/residency": (200, _snapshot()), "/blockkv/events": (200, answer)})
     fakes.append(fake)
     node = Node(fake.url)

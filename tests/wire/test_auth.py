@@ -24,10 +24,10 @@ import openai
 import pytest
 from mlx_lm.models.cache import load_prompt_cache
 
-from blockkv.serving.auth import ApiKeys
-from blockkv.serving.route import NODE_HEADER
-from blockkv.testing.fleet_processes import Process
 from blockkv.model_dir import build_model_dir, sample_text
+from blockkv.router.route import NODE_HEADER
+from blockkv.testing.fleet_processes import Process
+from blockkv.wire.auth import ApiKeys
 
 BOUND_S = 120.0  # safety bound on a request or a wait (not a timing assertion)
 SALT = "auth test"

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from blockkv.format.codec import CacheRecord, TensorRecord, encode_cache
-from blockkv.serving.identity import KVQuant
+from blockkv.mlx_lm.identity import KVQuant
 
 # meta that says where a cache is, not what shape it has
 _POSITIONS = frozenset({"offset", "_idx", "start_position"})

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from blockkv.serving.auth import namespace_of
+from blockkv.wire.auth import namespace_of
 
 NAMESPACE_ATTRIBUTE = "blockkv_namespace"
 
@@ -34,19 +34,16 @@ def tagging_handler(base: type) -> type:
     return TaggingHandler
 
 
-def install(server: Any) -> Callable[[], None]:
-    """Make mlx-lm's ``ResponseGenerator`` serve each request alone, inside its
-    namespace; the returned function undoes it."""
-    generator = server.ResponseGenerator
-    if not (hasattr(generator, "_is_batchable") and hasattr(generator, "_serve_single")):
-        raise ValueError("--per-key-cache: this mlx-lm's server has no ResponseGenerator._serve_single "
-                         "to serve each key's requests in its own namespace")
-    batchable, serve_single = generator._is_batchable, generator._serve_single
+def never_batchable(self: Any, args: Any) -> bool:
+    """``ResponseGenerator._is_batchable`` under per-key caches: no request joins a batch."""
+    return False
 
-    def alone(self: Any, args: Any) -> bool:
-        return False
 
-    def in_namespace(self: Any, request: Any, stream: Any) -> Any:
+def in_namespace(serve_single: Callable[..., Any]) -> Callable[..., Any]:
+    """mlx-lm's ``ResponseGenerator._serve_single`` serving each request inside
+    its key's namespace (``hooks.py`` puts it in place)."""
+
+    def serve(self: Any, request: Any, stream: Any) -> Any:
         ns = getattr(request[1], NAMESPACE_ATTRIBUTE, None)
         if ns is None:  # not tagged: no key to isolate it by, so nothing to serve it from
             request[0].put(RuntimeError("blockkv: a request without a key under --per-key-cache"))
@@ -54,9 +51,4 @@ def install(server: Any) -> Callable[[], None]:
         with self.prompt_cache.serving(ns):
             return serve_single(self, request, stream)
 
-    generator._is_batchable, generator._serve_single = alone, in_namespace
-
-    def restore() -> None:
-        generator._is_batchable, generator._serve_single = batchable, serve_single
-
-    return restore
+    return serve

@@ -1,4 +1,4 @@
-"""How a ``blockkv serve`` node publishes what it holds (residency.py's journal)
+"""How a ``blockkv serve`` node publishes what it holds (journal.py's journal)
 for ``blockkv route``: its RAM tier, its local disk, and whether that disk is
 shared through a bucket.
 
@@ -31,8 +31,9 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from blockkv import BlockStore
-from blockkv.serving.prompt_cache import PersistentPromptCache
-from blockkv.serving.residency import MAX_WAIT_S, Journal
+from blockkv.mlx_lm.prompt_cache import PersistentPromptCache
+from blockkv.node.journal import Journal
+from blockkv.wire.residency import MAX_WAIT_S
 
 log = logging.getLogger(__name__)
 

@@ -37,20 +37,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from blockkv.serving.auth import (
-    NODE_KEY_ENV,
-    ApiKeys,
-    add_key_options,
-    bearer,
-    keys_from,
-    read_key_file,
-    with_keys,
-)
-from blockkv.serving.bounded_server import BoundedHTTPServer
-from blockkv.serving.digests import BLOCK_SIZE, SALT_ENV, digest_key, prefix_digests
-from blockkv.serving.fleet import Follower, Node
-from blockkv.serving.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
-from blockkv.serving.scoring import (
+from blockkv.router.bounded_server import BoundedHTTPServer
+from blockkv.router.fleet import Follower, Node
+from blockkv.router.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
+from blockkv.router.scoring import (
     Matches,
     Option,
     Sessions,
@@ -59,6 +49,16 @@ from blockkv.serving.scoring import (
     queue_cost,
     start_cost,
 )
+from blockkv.wire.auth import (
+    NODE_KEY_ENV,
+    ApiKeys,
+    add_key_options,
+    bearer,
+    keys_from,
+    read_key_file,
+    with_keys,
+)
+from blockkv.wire.residency import BLOCK_SIZE, SALT_ENV, digest_key, prefix_digests
 
 log = logging.getLogger(__name__)
 

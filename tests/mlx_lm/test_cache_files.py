@@ -20,10 +20,10 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from blockkv import BlockStore
 from blockkv.format.codec import encode_caches, walk_tensors
 from blockkv.mlx_lm import export_prompt_cache, import_prompt_cache
-from blockkv.serving.cache_fit import ModelLayout
-from blockkv.serving.identity import KVQuant, model_identity
-from blockkv.serving.portable import PromptCacheFileError
-from blockkv.serving.warm import cache_prompt_tokens
+from blockkv.mlx_lm.cache_files import PromptCacheFileError
+from blockkv.mlx_lm.cache_fit import ModelLayout
+from blockkv.mlx_lm.identity import KVQuant, model_identity
+from blockkv.mlx_lm.warm import cache_prompt_tokens
 from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.testing.models import (
     chunked_cache_fills,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from blockkv.format.layout import fingerprint_dirname
-from blockkv.serving.identity import FingerprintWords, KVQuant, describe_fingerprint, identity_from_key, model_identity
+from blockkv.mlx_lm.identity import FingerprintWords, KVQuant, describe_fingerprint, identity_from_key, model_identity
 from blockkv.model_dir import build_model_dir
 
 
@@ -116,7 +116,7 @@ def _hf_identity(hub: Path, repo: str) -> dict[str, str]:
     (huggingface_hub reads its cache location once, at import)."""
     code = (
         "import dataclasses, json, sys\n"
-        "from blockkv.serving.identity import model_identity\n"
+        "from blockkv.mlx_lm.identity import model_identity\n"
         "print(json.dumps(dataclasses.asdict(model_identity(sys.argv[1]))))\n"
     )
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}

@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from blockkv.serving.auth import bearer
+from blockkv.wire.auth import bearer
 
 PATH = "/blockkv/flush"
 MAX_ANSWER_BYTES = 1 << 16

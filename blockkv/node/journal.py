@@ -1,6 +1,6 @@
 """What a ``blockkv serve`` node holds, as sequence-numbered events a router
 can follow: the journal behind ``GET /blockkv/events`` and
-``GET /blockkv/residency`` (blockkv/serving/publish.py serves them).
+``GET /blockkv/residency`` (blockkv/node/residency_endpoint.py serves them).
 
 The vocabulary is vLLM's KV events (``vllm/distributed/kv_events.py``), so an
 indexer written for them (llm-d's, Dynamo's) reads it: batches with a sequence
@@ -8,7 +8,7 @@ number and a time, each a list of ``BlockStored`` (``block_hashes``,
 ``parent_block_hash``, ``token_ids``, ``block_size``, ``medium``, ...),
 ``BlockRemoved`` (``block_hashes``, ``medium``) and ``AllBlocksCleared``. Two
 differences, both forced by privacy or by having two tiers: ``token_ids`` is
-always empty (a digest is published, never a token: digests.py), and
+always empty (a digest is published, never a token: ``blockkv.wire.residency``), and
 ``AllBlocksCleared`` names the ``medium`` it clears (``RAM``: mlx-lm's prompt
 cache; ``DISK``: the node's local blockkv store).
 
@@ -32,12 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from blockkv.serving.digests import BLOCK_SIZE, prefix_digests, salt_check
+from blockkv.wire.residency import (
+    BLOCK_SIZE,
+    MAX_WAIT_S,
+    MEDIA,
+    prefix_digests,
+    salt_check,
+)
 
-MEDIA = ("RAM", "DISK")
 KEEP_BATCHES = 4096  # the log a late reader can still replay; older ones resync
 MAX_BATCHES_PER_READ = 256
-MAX_WAIT_S = 30.0
 
 
 class Journal:

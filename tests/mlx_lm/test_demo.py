@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from blockkv.serving import demo
+from blockkv.mlx_lm import demo
 
 SMALL = ["--sessions", "2", "--turns", "2", "--system-words", "600", "--user-words", "8", "--max-tokens", "4"]
 COLUMNS = ("requests", "prompt tok", "prefilled", "from RAM", "from disk")

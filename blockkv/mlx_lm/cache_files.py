@@ -36,8 +36,8 @@ from blockkv.format.codec import codec_named
 from blockkv.format.header import Identity
 from blockkv.format.state_api import TWO_PART_STATE
 from blockkv.local.read_only import ReadOnlyStore
+from blockkv.mlx_lm.cache_fit import ModelLayout
 from blockkv.records import Entry
-from blockkv.serving.cache_fit import ModelLayout
 from blockkv.store import BlockStore
 
 log = logging.getLogger("blockkv.mlx_lm")

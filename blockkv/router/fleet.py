@@ -1,5 +1,5 @@
 """The router's view of its nodes: what each holds (learned from its residency
-events, publish.py), what the router sent it and has not finished, and whether
+events, node/residency_endpoint.py), what the router sent it and has not finished, and whether
 it answers.
 
 Everything here can be lost: a restarted router snapshots every node again.
@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from blockkv.serving.digests import is_digest, salt_check
-from blockkv.serving.residency import MEDIA
-from blockkv.serving.scoring import Pace
+from blockkv.router.scoring import Pace
+from blockkv.wire.residency import MEDIA, is_digest, salt_check
 
 log = logging.getLogger(__name__)
 
