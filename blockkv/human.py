@@ -49,6 +49,15 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def parse_wait(text: str) -> float:
+    """``parse_seconds``, finite: how long a command waits for a lock (every
+    wait is bounded; "forever" is not a bound)."""
+    value = parse_seconds(text)
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a wait must be a finite number of seconds, got {text!r}")
+    return value
+
+
 def parse_count(text: str) -> int:
     """A whole number of at least 1 (tokens, entries)."""
     try:

@@ -33,8 +33,8 @@ from blockkv.local.directory import Directory, read_identity
 from blockkv.local.disk_tier import DiskTier, Read
 from blockkv.local.executors import Executors
 from blockkv.local.index import Index
-from blockkv.local.index_keeper import IndexKeeper
-from blockkv.local.locks import DirLock
+from blockkv.local.index_keeper import OPEN_WAIT, IndexKeeper
+from blockkv.local.locks import DirLock, waiting_at_most
 from blockkv.local.recovery import Recovery
 from blockkv.local.retention import Retention
 from blockkv.local.writers import IntentFile
@@ -131,9 +131,10 @@ class BlockStore:
         self._adoptions = Adoptions(self._commits, lambda: self.max_bytes,
                                     lambda landed: self._remote.remove_replaced(self._retention.landed(landed)))
         try:
-            self.scan()
+            with waiting_at_most(OPEN_WAIT):  # a stopped holder delays an open this long at most
+                self.scan()
         except LockTimeout:
-            self._warn("lock", "directory lock busy at open: serving the index as it is, recovering later")
+            self._warn("lock", "index locks busy at open: serving the index as it is, recovering later")
             self._keeper.defer_recovery()
         try:
             self._remote.open()  # learns every header in the bucket; another model's IDENTITY raises

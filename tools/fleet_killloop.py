@@ -20,7 +20,7 @@ journals each run's plan before it runs (``--dry-run``) and what it evicted
 after; the repair loop what it removed.
 
     python tools/fleet_killloop.py --kills 60                  # the long form (docs/reliability.md)
-    python tools/fleet_killloop.py --kills 3 --seconds 30      # about what CI runs
+    python tools/fleet_killloop.py --kills 3 --seconds 600     # about what CI runs (--seconds: a deadline)
 """
 
 from __future__ import annotations
@@ -252,9 +252,25 @@ def verify(url: str, endpoint: str, journals: Path, root: Path, fig: Figures) ->
                 fig.problems.append(f"lost acknowledged entry {entry_id} of node {fact['ns']}")
 
 
-def run(kills: int, seed: int, workdir: Path, seconds: float | None = None, kill_every: float = 3.0,
+@dataclass
+class Minimum:
+    """The work a run must have done before it stops: that much, however long it takes (up to its deadline)."""
+
+    kills: int
+    steps: int = 0
+    rotted: int = 0
+    acknowledged: int = 0
+
+    def done(self, fig: Figures, journals: Path) -> bool:
+        return (fig.kills >= self.kills and fig.steps >= self.steps and fig.rotted >= self.rotted
+                and len(acknowledged_specs(journals)) >= self.acknowledged)
+
+
+def run(kills: int | Minimum, seed: int, workdir: Path, seconds: float | None = None, kill_every: float = 3.0,
         step: float = 8.0, step_every: float = 8.0, rot_every: float = 3.0) -> Figures:
-    """Run until ``kills`` SIGKILLs (or ``seconds``), then verify from a fresh node."""
+    """Run until the minimum work is done (``kills`` SIGKILLs, or a ``Minimum``),
+    or ``seconds`` (a deadline, not a window) have passed; then verify from a fresh node."""
+    minimum = kills if isinstance(kills, Minimum) else Minimum(kills)
     rng = random.Random(seed)
     fig = Figures()
     journals = workdir / "journals"
@@ -289,7 +305,7 @@ def run(kills: int, seed: int, workdir: Path, seconds: float | None = None, kill
         t0 = time.monotonic()
         next_kill, next_step, next_rot = (t0 + rng.uniform(1, 2) * x for x in (kill_every, step_every, rot_every))
         offset = 0.0
-        while fig.kills < kills and (seconds is None or time.monotonic() - t0 < seconds):
+        while not minimum.done(fig, journals) and (seconds is None or time.monotonic() - t0 < seconds):
             time.sleep(0.2)
             now = time.monotonic()
             for slot, proc in list(procs.items()):
@@ -333,7 +349,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--seconds", type=float, help="stop after this long even if fewer kills were made")
+    ap.add_argument("--seconds", type=float, help="a deadline: stop after this long even if fewer kills were made")
     ap.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between kills")
     ap.add_argument("--step", type=float, default=8.0, help="mean forward step of the server's clock, seconds")
     ap.add_argument("--step-every", type=float, default=8.0, help="mean seconds between steps")

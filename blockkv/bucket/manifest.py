@@ -4,10 +4,11 @@ fresh node learns the fleet's entries with one GET instead of one per header.
 An accelerator, never truth. Each record names a header, the ETag that
 header's object had when the record was written, and its bytes. A reader
 uses a record only if its name is listed now with that ETag and size, and
-its bytes are proven to be that object's: with a fleet key, the header's own
-seal binds its name and bytes; without one, the ETag must be the MD5 of the
-bytes (what S3 computes for a single-part PUT; a server whose ETags are not
-MD5s gets no use of the MANIFEST without a key). The object is read as a
+its bytes are proven to be that object's: a plain MD5 ETag (what S3 computes
+for a single-part PUT) must be the MD5 of the bytes, with a fleet key too (a
+seal binds a name, not the object under it now); where ETags are not MD5s,
+the header's own seal is the proof (a server whose ETags are not MD5s gets no
+use of the MANIFEST without a key). The object is read as a
 stream with a limit the listing implies, and a record that is not wanted is
 skipped without being held.
 """
@@ -57,6 +58,19 @@ def etag_is_md5_of(etag: str, data: bytes) -> bool:
     """Is ``etag`` a plain MD5 (single-part PUT) and the MD5 of ``data``? False
     where the server's ETags are something else: then it proves nothing."""
     return bool(_MD5.fullmatch(etag)) and hashlib.md5(data, usedforsecurity=False).hexdigest() == etag
+
+
+def record_proven(etag: str, data: bytes, sealed: bool) -> bool:
+    """Are a record's bytes proven to be the object listed with ``etag``? A plain
+    MD5 ETag (S3, MinIO, R2, Ceph and moto give one to a single-part PUT) must be
+    the bytes' MD5, fleet key or not: a seal proves that a key holder wrote the
+    bytes for the record's name, not that they are what the bucket holds under
+    it now (another entry's header sealed under this name would hide this
+    entry). Only where ETags are something else is the seal (``sealed``: valid
+    for the name, with a fleet key) the proof."""
+    if _MD5.fullmatch(etag):
+        return etag_is_md5_of(etag, data)
+    return sealed
 
 
 class _Stream:

@@ -66,7 +66,7 @@ from blockkv.cli.passthrough import PASSTHROUGH, run_passthrough
 from blockkv.cli.prompt_files import add_commands as add_prompt_file_commands
 from blockkv.cli.remove import add_command as add_rm_command
 from blockkv.errors import BlockKVError, LockTimeout
-from blockkv.human import parse_option, parse_seconds, parse_size
+from blockkv.human import parse_option, parse_seconds, parse_size, parse_wait
 
 
 def _run(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -152,9 +152,9 @@ def build_parser() -> Parser:
     check.add_argument("--repair", action="store_true",
                        help="fix refcounts, remove dangling entries and unreferenced blocks "
                        "(needs -f or --all)")
-    check.add_argument("--wait", type=parse_seconds, default=30.0, metavar="SECONDS",
-                       help="how long to wait for a store in progress to finish (default: 30); a writer "
-                       "stopped in the middle of one is reported as busy, exit 75")
+    check.add_argument("--wait", type=parse_wait, default=30.0, metavar="SECONDS",
+                       help="the longest each wait for a lock lasts (a store in progress, --repair's open; "
+                       "default: 30); a writer stopped in the middle of one is reported as busy, exit 75")
     check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar on stderr (default: when stderr is a terminal)")
     gc_cmd = command("gc", _run("maintenance", "cmd_gc"), "delete blocks no entry references", mutating=True)

@@ -37,6 +37,7 @@ from blockkv.human import format_size
 from blockkv.local.directory import Directory, FingerprintDir, read_identity
 from blockkv.local.directory_check import check_directory
 from blockkv.local.index import read_only_block_rows
+from blockkv.local.locks import each_wait_at_most
 from blockkv.records import CheckReport
 
 
@@ -81,14 +82,19 @@ def check_one(
     read-only view of the index, so checking changes nothing (the directory is
     not even opened as a store). With it: the store's own check-and-repair; a
     missing index, which opening the store rebuilds, is reported as repaired."""
+    try:
+        with each_wait_at_most(wait):  # every wait: the locks, the index's, the repair's open
+            return _check_one(fp, repair, progress, wait)
+    except LockTimeout:
+        raise LockTimeout(f"a writer holds {fp.path} (its directory or index lock, for more than {wait:g} s: a "
+                          "stopped or very slow process); try again, or give --wait more seconds") from None
+
+
+def _check_one(fp: FingerprintDir, repair: bool, progress: Callable[[int, int], None], wait: float) -> CheckReport:
     directory = Directory(fp.path, read_identity(fp.path), FileLayer())
-    rows = read_only_block_rows(directory.index_dir)
+    rows = read_only_block_rows(directory.index_dir)  # busy is LockTimeout, never "no index"
     if not repair:
-        try:
-            return check_directory(directory, lock_timeout=wait, progress=progress)
-        except LockTimeout:
-            raise LockTimeout(f"a writer holds {fp.path} (its directory lock, for more than {wait:g} s: a stopped "
-                              "or very slow process); try again, or give --wait more seconds") from None
+        return check_directory(directory, lock_timeout=wait, progress=progress)
     with open_store(fp) as store:
         opened = list(store.recovery)  # what opening had to fix: rebuilding a lost index deletes corrupt headers
         report: CheckReport = store.check(repair=True, progress=progress)
@@ -215,7 +221,11 @@ def awaiting_gc(fp: FingerprintDir) -> tuple[int, int]:
     """(blocks, bytes) the index counts as referenced by nothing (freed by
     eviction or removal, or by a repair): what ``gc`` deletes once the grace
     period passes. Read without a lock or a write, as ``check`` looks."""
-    rows = [row for row in (read_only_block_rows(fp.path / "index") or {}).values() if row.refs == 0]
+    try:
+        found = read_only_block_rows(fp.path / "index") or {}
+    except LockTimeout:  # busy since the check: nothing to say
+        found = {}
+    rows = [row for row in found.values() if row.refs == 0]
     return len(rows), sum(row.size for row in rows)
 
 

@@ -67,27 +67,30 @@ class Catalog:
         self._tries: dict[str, PrefixIndex[Entry]] = {}
         self._exact: dict[tuple[str, bytes], str] = {}
         self._position: tuple[bytes, int] = (b"", 0)
+        self.loaded = False  # read from an index at least once
 
     # -- following the index ------------------------------------------------------
     def load(self, index: Index, records: list[EntryRecord] | None = None) -> None:
-        """Rebuild from the tables (``records``: already read)."""
+        """Rebuild from the tables (``records``: already read). Everything is
+        read before anything changes: a load cut short (a busy lock) leaves
+        the catalog as it was."""
         with self._mutex, gc_paused():
-            self._position = index.position()  # first: a change made while we read is replayed, not lost
-            self._entries = {}
-            self._kin_entries = {}
-            self._foreign = {}
-            self._tries = {}
-            self._exact = {}
+            position = index.position()  # first: a change made while we read is replayed, not lost
             last_use = index.last_use()
             sizes = index.block_sizes()
-            for record in index.entries() if records is None else records:
+            if records is None:
+                records = index.entries()
+            self._entries, self._kin_entries, self._foreign, self._tries, self._exact = {}, {}, {}, {}, {}
+            for record in records:
                 self._add(record, last_use.get(record.id, 0.0), sizes)
+            self._position = position
+            self.loaded = True
 
     def apply_changes(self, index: Index) -> None:
         """Replay what changed in the tables since we last looked (raises ``lmdb.Error``)."""
         with self._mutex:
-            changes = index.changes_since(self._position)
-            if changes is None:  # another generation of the tables, or trimmed past us
+            changes = index.changes_since(self._position) if self.loaded else None
+            if changes is None:  # never loaded, another generation of the tables, or trimmed past us
                 self.load(index)
                 return
             position, ops = changes

@@ -34,7 +34,6 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,8 +43,8 @@ import lmdb
 from blockkv.errors import CorruptError, LockTimeout
 from blockkv.fs import TMP_SUFFIX, FileLayer
 from blockkv.local.index_records import gc_paused, pack_record, unpack_record, unpack_records
-from blockkv.local.lmdb_env import TXN_LOCK, TXN_TIMEOUT, boot_id, env_key, open_env, release_env
-from blockkv.local.locks import TxnLock
+from blockkv.local.lmdb_env import TXN_TIMEOUT, boot_id, env_key, open_env, release_env
+from blockkv.local.txn_lock import TxnLock
 from blockkv.records import EntryRecord, LocalChanges
 
 # 2: writes only once ``index.settled`` is gone. A blockkv that knows nothing
@@ -78,9 +77,12 @@ class Index:
         self._boot = boot_id()
         self._settled = settled_marker(path)
         self._env = open_env(path, map_size, max_dbs=len(self._DBS), sync=not self._boot)
-        (self._meta, self._entries, self._lastuse, self._blocks, self._pending, self._log) = (
-            self._env.open_db(name) for name in self._DBS
-        )
+        try:
+            (self._meta, self._entries, self._lastuse, self._blocks, self._pending, self._log) = (
+                self._env.open_dbs(self._DBS))
+        except BaseException:
+            release_env(self._env)
+            raise
 
     def close(self) -> None:
         release_env(self._env)
@@ -430,70 +432,115 @@ def settled_marker(index_dir: Path) -> Path:
     return index_dir.with_name(SETTLED)
 
 
-def _read_only(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R], *,
-               this_boot: bool = False) -> R | None:
-    """``fn`` over an index opened read-only (for tools that must change nothing), if it has our format (and, ``this_boot``, one a
-    store would trust: written in this boot, or settled); None otherwise, or if
-    anything fails to parse. It holds the environment's transaction lock
-    shared (opened read-only: this works on a read-only mount) so no writer
-    reuses pages under it; an index with no lock file (or one this process
-    may not open) is read without, where garbage is possible and reads as
-    "no usable index"."""
+_SCAN_ROWS = 256  # rows a tool's scan reads per transaction: a writer waits for one such transaction at most
+
+
+class _ReadOnlyEnv:
+    """An index opened read-only for a tool, read in short transactions, each
+    under the transaction lock shared: a writer waits for one of them at most
+    (behind the turnstile, no new one starts), never for a whole scan. The
+    scan is therefore not one committed state: rows added or removed while
+    it runs may or may not be in it (the tools check every row against the
+    files anyway); a rebuild meanwhile (a new generation) starts it again."""
+
+    def __init__(self, env: lmdb.Environment, txns: TxnLock, gen: bytes) -> None:
+        self._env, self._txns, self._gen = env, txns, gen
+
+    def rows(self, name: bytes) -> list[tuple[bytes, bytes]]:
+        """Every (key, value) of table ``name``, ``_SCAN_ROWS`` per transaction."""
+        for _ in range(3):
+            out: list[tuple[bytes, bytes]] = []
+            after: bytes | None = None
+            while True:
+                chunk = self._chunk(name, after)
+                if chunk is None:
+                    break  # another generation of the tables: from the start
+                out += chunk
+                if len(chunk) < _SCAN_ROWS:
+                    return out
+                after = chunk[-1][0]
+        raise lmdb.Error("the index was rebuilt three times during one scan")
+
+    def _chunk(self, name: bytes, after: bytes | None) -> list[tuple[bytes, bytes]] | None:
+        with self._txns.shared(), self._env.begin() as txn:
+            meta = self._env.open_db(b"meta", txn=txn, create=False)
+            if (txn.get(b"gen", db=meta) or b"") != self._gen:
+                return None
+            cur = txn.cursor(db=self._env.open_db(name, txn=txn, create=False))
+            found = cur.set_range(after) if after is not None else cur.first()
+            if found and after is not None and cur.key() == after:
+                found = cur.next()
+            rows: list[tuple[bytes, bytes]] = []
+            while found and len(rows) < _SCAN_ROWS:
+                rows.append((cur.key(), cur.value()))
+                found = cur.next()
+            return rows
+
+
+def _read_only(path: Path, fn: Callable[[_ReadOnlyEnv], R], *, this_boot: bool = False) -> R | None:
+    """``fn`` over an index opened read-only (for tools that must change
+    nothing), if it has our format (and, ``this_boot``, one a store would
+    trust: written in this boot, or settled); None otherwise or if anything
+    fails to parse. ``LockTimeout`` if the transaction lock stays busy (a
+    stopped writer): busy is not "no index". It takes the lock from the data
+    file opened read-only (this works on a read-only mount)."""
     if not (path / "data.mdb").is_file():
         return None
     try:
-        txns: TxnLock | None = TxnLock(path / TXN_LOCK, timeout=TXN_TIMEOUT, create=False)
+        txns = TxnLock(path, timeout=TXN_TIMEOUT, create=False)
     except OSError:
-        txns = None
-    try:
-        with txns.shared() if txns is not None else nullcontext():
-            return _read_env(path, fn, this_boot=this_boot)
-    except LockTimeout:
-        return None
-    finally:
-        if txns is not None:
-            txns.close()
-
-
-def _read_env(path: Path, fn: Callable[[lmdb.Environment, lmdb.Transaction], R], *, this_boot: bool) -> R | None:
-    try:
-        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=len(Index._DBS))
-    except lmdb.Error:
         return None
     try:
-        with env.begin() as txn:
-            meta = env.open_db(b"meta", txn=txn, create=False)
-            if txn.get(b"format", db=meta) != FORMAT:
-                return None
-            boot = boot_id()
-            rebooted = this_boot and boot and txn.get(b"boot", db=meta) != boot.encode()
-            if rebooted and not os.path.lexists(settled_marker(path)):
-                return None
-            return fn(env, txn)
+        with txns.shared():
+            env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=len(Index._DBS))
+    except BaseException as exc:
+        txns.close()
+        if isinstance(exc, lmdb.Error):
+            return None
+        raise
+    try:
+        gen = _trusted_gen(path, env, txns, this_boot)
+        return None if gen is None else fn(_ReadOnlyEnv(env, txns, gen))
     except (lmdb.Error, CorruptError, struct.error, UnicodeDecodeError):
         return None
     finally:
         env.close()
+        txns.close()
+
+
+def _trusted_gen(path: Path, env: lmdb.Environment, txns: TxnLock, this_boot: bool) -> bytes | None:
+    """The tables' generation, if they have our format (and, ``this_boot``, a store would trust them)."""
+    with txns.shared(), env.begin() as txn:
+        meta = env.open_db(b"meta", txn=txn, create=False)
+        if txn.get(b"format", db=meta) != FORMAT:
+            return None
+        boot = boot_id()
+        rebooted = this_boot and boot and txn.get(b"boot", db=meta) != boot.encode()
+        if rebooted and not os.path.lexists(settled_marker(path)):
+            return None
+        return txn.get(b"gen", db=meta) or b""
 
 
 def read_only_block_rows(path: Path) -> dict[str, BlockRow] | None:
-    """Block rows of an index, read without the directory lock; None if there is no usable index."""
+    """Block rows of an index, read without the directory lock; None if there
+    is no usable index, ``LockTimeout`` if its lock stays busy."""
 
-    def read(env: lmdb.Environment, txn: lmdb.Transaction) -> dict[str, BlockRow]:
-        blocks = env.open_db(b"blocks", txn=txn, create=False)
-        return {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in txn.cursor(db=blocks)}
+    def read(env: _ReadOnlyEnv) -> dict[str, BlockRow]:
+        return {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in env.rows(b"blocks")}
 
     return _read_only(path, read)
 
 
 def read_only_entries(path: Path) -> tuple[dict[str, EntryRecord], dict[str, float]] | None:
     """Entry rows and last-use times of an index a store would trust, read
-    without the directory lock; None if it would not be trusted or does not parse."""
+    without the directory lock; None if it would not be trusted or does not
+    parse, ``LockTimeout`` if its lock stays busy."""
 
-    def read(env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[dict[str, EntryRecord], dict[str, float]]:
-        entries = env.open_db(b"entries", txn=txn, create=False)
-        rows = {k.decode(): unpack_record(k.decode(), v) for k, v in txn.cursor(db=entries)}
-        lastuse = env.open_db(b"lastuse", txn=txn, create=False)
-        return rows, {k.decode(): _F64.unpack(v)[0] for k, v in txn.cursor(db=lastuse)}
+    def read(env: _ReadOnlyEnv) -> tuple[dict[str, EntryRecord], dict[str, float]]:
+        rows = env.rows(b"entries")
+        uses = env.rows(b"lastuse")
+        with gc_paused():
+            records = unpack_records(rows)
+        return {r.id: r for r in records}, {k.decode(): _F64.unpack(v)[0] for k, v in uses}
 
     return _read_only(path, read, this_boot=True)

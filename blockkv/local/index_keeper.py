@@ -36,11 +36,13 @@ from blockkv.local.catalog import Catalog
 from blockkv.local.directory import Directory
 from blockkv.local.index import Index
 from blockkv.local.lmdb_env import BROKEN_INDEX
-from blockkv.local.locks import DirLock
+from blockkv.local.locks import DirLock, waiting_at_most
 from blockkv.local.recovery import Recovery
 from blockkv.records import EntryRecord
 
 SETTLE_AFTER = 5.0  # seconds without an index write before a handle settles the index
+REFRESH_WAIT = 0.05  # the longest a query waits for the transaction lock; none after a refresh found it busy
+OPEN_WAIT = 2.0  # the longest an open waits for either lock: then it defers its recovery (or, index unopened, fails)
 _CLOSE_WAIT = 1.0  # the longest close waits for the lock to settle
 
 
@@ -62,8 +64,10 @@ class IndexKeeper:
         self._settler: threading.Timer | None = None
         self._last_locked = 0.0  # monotonic time the lock was last released
         self._closed = False
+        self._busy = False  # the last refresh found the transaction lock busy: the next one does not wait
         try:
-            self.index = Index(directory.index_dir, map_size=map_size, fs=directory.fs)
+            with waiting_at_most(OPEN_WAIT):
+                self.index = Index(directory.index_dir, map_size=map_size, fs=directory.fs)
         except BROKEN_INDEX as exc:
             with lock.held(lock_timeout):
                 self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
@@ -91,11 +95,17 @@ class IndexKeeper:
             self._uses[entry_id] = max(when, self._uses.get(entry_id, when))
 
     def _write_uses(self) -> None:
-        """Under the lock: the last uses ``used`` kept, into the index."""
+        """Under the lock: the last uses ``used`` kept, into the index (kept
+        again if the transaction lock was busy)."""
         with self._uses_mutex:
             uses, self._uses = self._uses, {}
         if uses and not self.index.replaced():
-            self.index.touch(uses)
+            try:
+                self.index.touch(uses)
+            except LockTimeout:
+                for entry_id, when in uses.items():
+                    self.used(entry_id, when)
+                raise
 
     def _write_uses_and_settle(self) -> None:
         """Under the lock: the kept last uses into the index, then settle it,
@@ -135,10 +145,16 @@ class IndexKeeper:
             timer.start()
 
     def defer_recovery(self) -> None:
-        """Open could not take the lock: serve the index as it is (if trusted), recover at the first mutation."""
+        """Open could not take a lock: serve the index as it is (if trusted),
+        recover at the first mutation. A transaction lock still busy leaves
+        the catalog to the first refresh that finds it free."""
         self._needs_recovery = True
-        if self.index.is_trusted():
-            self._catalog.load(self.index)
+        try:
+            with waiting_at_most(OPEN_WAIT):
+                if self.index.is_trusted():
+                    self._catalog.load(self.index)
+        except LockTimeout:
+            self._busy = True
 
     @contextmanager
     def locked(self, timeout: float, gc_grace: float, *, recover: bool = False) -> Iterator[list[str]]:
@@ -162,14 +178,20 @@ class IndexKeeper:
 
     def refresh(self) -> bool:
         """Replay what other handles changed since the catalog last looked
-        (cheap when nothing did). False, with one warning, when the index was
-        replaced on disk or failed: it must be reopened under the lock first."""
+        (cheap when nothing did), waiting at most ``REFRESH_WAIT`` for the
+        transaction lock, and not at all while the last refresh found it busy:
+        a stopped process costs a query one short wait, then none. False,
+        with one warning, when the index was replaced on disk or failed: it
+        must be reopened under the lock first."""
         try:
             if self._needs_recovery or self.index.replaced():
                 raise lmdb.Error("the index was replaced on disk")
-            self._catalog.apply_changes(self.index)
+            with waiting_at_most(0.0 if self._busy else REFRESH_WAIT):
+                self._catalog.apply_changes(self.index)
+            self._busy = False
             return True
         except LockTimeout as exc:  # a stopped process inside a transaction: serve what we know
+            self._busy = True
             self._warn("index-busy", f"LMDB index busy ({exc}); serving the last known state")
             return True
         except lmdb.Error as exc:

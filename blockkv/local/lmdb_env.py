@@ -5,11 +5,13 @@ through a registry keyed by path and inode. The environment is opened without
 LMDB's own lock (``lock=False``): on macOS its cross-process writer lock is a
 POSIX semaphore, which a SIGKILLed writer never releases (every other process
 then hangs on its next write). Every transaction instead holds the
-environment's ``TxnLock`` (a flock, released by the kernel when its holder
-dies): shared for the life of a read, exclusive for a write, for opening the
-environment (a new one is initialised by its first opener) and for a map
-resize (py-lmdb forbids resizing while another thread is inside a
-transaction). Nothing here knows the index's tables (index.py).
+environment's ``TxnLock`` (flocks, released by the kernel when their holder
+dies; txn_lock.py): shared for the life of a read, exclusive for a write and
+for a map resize (py-lmdb forbids resizing while another thread is inside a
+transaction). Opening an existing environment only reads, so it holds the
+lock shared: a stopped reader never keeps a new handle out; a new one is
+initialised by its first opener, holding it exclusively. Nothing here knows
+the index's tables (index.py).
 """
 
 from __future__ import annotations
@@ -21,20 +23,19 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
 
-from blockkv.local.locks import TxnLock
+from blockkv.local.txn_lock import DATA, TxnLock
 
 # liblmdb errors that prove an environment broken (not a transient failure):
 # only these move it aside to be rebuilt
 BROKEN_INDEX = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
                 lmdb.PageNotFoundError, lmdb.BadRslotError)
 R = TypeVar("R")
-TXN_LOCK = "txn.lock"  # in the environment's directory: it goes wherever the environment is moved
 TXN_TIMEOUT = 10.0  # the longest a transaction waits for another's: only a stopped process holds it that long
 
 
@@ -72,9 +73,21 @@ class SharedEnv:
     key: tuple[int, int]  # (st_dev, st_ino) of data.mdb when opened
     txns: TxnLock
     users: int = 1
+    _opening: threading.Lock = field(default_factory=threading.Lock)  # one thread opens tables at a time
 
-    def open_db(self, name: bytes) -> Any:
-        """Creating a table is a write: it may need the map to grow too."""
+    def open_dbs(self, names: tuple[bytes, ...]) -> list[Any]:
+        """The named tables. When they all exist (a table is a key of the main
+        database) they are opened under the lock shared, in a write
+        transaction that changes nothing and so writes nothing at its commit
+        (py-lmdb drops the handles a read transaction opened); else created
+        (a write, which may need the map to grow too)."""
+        with self._opening:
+            with self.txns.shared(), self.env.begin(write=True) as txn:
+                if all(txn.get(name) is not None for name in names):
+                    return [self.env.open_db(name, txn=txn, create=False) for name in names]
+            return [self._create_db(name) for name in names]
+
+    def _create_db(self, name: bytes) -> Any:
         while True:
             try:
                 with self.txns.exclusive():
@@ -148,19 +161,31 @@ def open_env(path: Path, map_size: int, *, max_dbs: int, sync: bool) -> SharedEn
             for k in [k for k, v in _ENVS.items() if v is stale]:
                 del _ENVS[k]
         path.mkdir(mode=0o700, exist_ok=True)
-        txns = TxnLock(path / TXN_LOCK, timeout=TXN_TIMEOUT)
+        txns = TxnLock(path, timeout=TXN_TIMEOUT)
         try:
-            with txns.exclusive():
-                env = lmdb.open(
-                    str(path), map_size=map_size, max_dbs=max_dbs, lock=False,
-                    sync=sync, metasync=sync, readahead=False, mode=0o600,
-                )
-                key = env_key(path)
+            env, key = _open_locked(path, txns, map_size, max_dbs, sync)
         except BaseException:
             txns.close()
             raise
         shared = _ENVS[(resolved, *key)] = SharedEnv(env, key, txns)
         return shared
+
+
+def _open_locked(path: Path, txns: TxnLock, map_size: int, max_dbs: int,
+                 sync: bool) -> tuple[lmdb.Environment, tuple[int, int]]:
+    """liblmdb's open of ``path``: shared when the data file already holds an
+    environment (open only reads its meta pages), exclusive when this opener
+    must write them. The file opened is the one the data lock locks."""
+    new = os.fstat(txns.fd).st_size == 0
+    with txns.exclusive() if new else txns.shared():
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=max_dbs, lock=False,
+                        sync=sync, metasync=sync, readahead=False, mode=0o600)
+        st = os.fstat(txns.fd)
+        key = env_key(path)
+    if key != (st.st_dev, st.st_ino):  # replaced between our open and liblmdb's
+        env.close()
+        raise lmdb.Error(f"{path / DATA} was replaced while it was being opened")
+    return env, key
 
 
 def release_env(shared: SharedEnv) -> None:

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockkv.errors import CorruptError
+from blockkv.errors import CorruptError, LockTimeout
 from blockkv.format.header import Identity
 from blockkv.fs import FileLayer
 from blockkv.local.directory import Directory, read_identity
@@ -50,7 +50,10 @@ def read_directory(path: Path) -> DirectoryView:
     identity = read_identity(path)
     directory = Directory(path, identity, FileLayer())
     listing = directory.listing()
-    indexed = read_only_entries(directory.index_dir)
+    try:
+        indexed = read_only_entries(directory.index_dir)
+    except LockTimeout:  # a stopped writer holds the index: the files alone still answer
+        indexed = None
     rows, last_use = indexed if indexed is not None else ({}, {})
     own = directory.modes  # an entry stored with isolate_namespaces (--per-key-cache) is ours too
     entries: list[Entry] = []

@@ -29,11 +29,12 @@ from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory
 from blockkv.local.directory_check import inspect_directory, verify_blocks
 from blockkv.local.directory_check import repair as repair_directory
-from blockkv.local.index_keeper import IndexKeeper
+from blockkv.local.index_keeper import REFRESH_WAIT, IndexKeeper
+from blockkv.local.locks import each_wait_at_most, waiting_at_most
 from blockkv.local.verdicts import Finding, judge_now, keys_naming
 from blockkv.records import CheckReport, Entry
 
-_SERVING_WAIT = 0.2  # the longest a restore waits for the lock (to drop a failed entry)
+_SERVING_WAIT = 0.2  # the longest a restore waits for either lock (to drop a failed entry)
 
 
 class Settings(Protocol):
@@ -66,12 +67,15 @@ class Retention:
     def locked(self, timeout: float | None = None, *, recover: bool = False) -> Iterator[None]:
         """The directory lock for a mutation (``LockTimeout`` after ``timeout``,
         default ``lock_timeout``), with the index checked current first and
-        recovered if it was replaced (``IndexKeeper.locked``)."""
+        recovered if it was replaced (``IndexKeeper.locked``). Each of its
+        transactions waits ``lock_timeout`` at most for its turn: a stopped
+        reader costs a store that long, then it is "not stored"."""
         settings = self._settings
-        with self._keeper.locked(settings.lock_timeout if timeout is None else timeout, settings.gc_grace,
-                                 recover=recover) as finished:
-            self._finish_dead_stores(finished)
-            yield
+        wait = settings.lock_timeout if timeout is None else timeout
+        with each_wait_at_most(max(wait, settings.lock_timeout)):
+            with self._keeper.locked(wait, settings.gc_grace, recover=recover) as finished:
+                self._finish_dead_stores(finished)
+                yield
 
     def _finish_dead_stores(self, finished: list[str]) -> None:
         """Stores that died after their header landed, indexed now by the
@@ -87,11 +91,12 @@ class Retention:
     def refresh(self) -> None:
         """Bring the catalog up to what other handles changed. An index replaced
         under us is reopened and recovered now if the lock is free (a query
-        never waits for it); if not, serve the last known state and retry next call."""
+        never waits for it, nor more than ``REFRESH_WAIT`` for a transaction);
+        if not, serve the last known state and retry next call."""
         if self._keeper.refresh():
             return
         try:
-            with self.locked(timeout=0):
+            with waiting_at_most(REFRESH_WAIT), self.locked(timeout=0):
                 pass
         except (lmdb.Error, OSError, CorruptError) as exc:
             self._warn("index-reopen", f"could not reopen the LMDB index ({exc}); serving the last known state")
@@ -170,7 +175,7 @@ class Retention:
             return
         block = reading if isinstance(exc, (CorruptBlockError, BlockMissingError)) and reading != "header" else ""
         try:
-            with self.locked(timeout=_SERVING_WAIT):
+            with waiting_at_most(_SERVING_WAIT), self.locked(timeout=_SERVING_WAIT):
                 self.refresh()
                 for entry_id in self._convicted(entry, exc, block):
                     self._remove_locked(entry_id)
@@ -189,7 +194,7 @@ class Retention:
         if not self._keeper.index.dirty():
             return
         try:
-            with self.locked(timeout=0):
+            with waiting_at_most(0.0), self.locked(timeout=0):
                 pass
         except (LockTimeout, OSError, lmdb.Error, CorruptError):
             pass  # kept with the handle; eviction reads the header's mtime meanwhile

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 
 from blockkv.bucket.bucket_dir import BucketDir, HeaderCopy
-from blockkv.bucket.manifest import MANIFEST_MIN, etag_is_md5_of, manifest_stream, pack_manifest
+from blockkv.bucket.manifest import MANIFEST_MIN, manifest_stream, pack_manifest, record_proven
 from blockkv.bucket.objects import BucketError, ObjectInfo, outage
 from blockkv.errors import BlockKVError, CorruptError, OversizedError
 from blockkv.format.blocks import block_naming_key
@@ -126,8 +126,8 @@ class Learner:
     def _from_manifest(self, listed: Mapping[str, ObjectInfo], names: list[str], unsealed: list[str]
                        ) -> tuple[set[str], int]:
         """Learn what the bucket's MANIFEST holds of ``names``: each record
-        proven to be the listed object (its seal with a fleet key, else an MD5
-        ETag) and verified, then kept in the cache and recorded. Any other
+        proven to be the listed object (``record_proven``: its MD5 ETag, else
+        its seal with a fleet key) and verified, then kept in the cache and recorded. Any other
         record is fetched on its own. Returns the names taken from it and how
         many entries they made."""
         taken: set[str] = set()
@@ -149,7 +149,7 @@ class Learner:
                         copy = self._bucket.header_copy(name, data, listed[name].etag)
                     except (CorruptError, BlockKVError):
                         continue
-                    if copy.sealed if self._bucket.key is not None else etag_is_md5_of(copy.etag, data):
+                    if record_proven(copy.etag, data, copy.sealed):
                         batch[name] = copy
                         if len(batch) >= BATCH:
                             take()

@@ -1,16 +1,18 @@
 """The router's HTTP server: ``http.server``'s threading server with every
-resource a client can hold bounded, and a shutdown that drops nothing in flight.
+resource a client can hold bounded (shedding.py), and a shutdown that drops
+nothing in flight.
 
-- a connection is served by a thread of its own, at most ``max_connections`` at
-  once; one past that is answered 503 at once (the thread it would have taken is
-  what an idle client would hold);
+- a connection is served by a thread of its own, at most ``max_connections``
+  at once, of which at most ``max_pending`` still sending their headers; a new
+  one drops the oldest of those when there is no room, and is answered 503 at
+  once only when every slot holds a request past its headers;
 - the listen backlog is 128 (``http.server``'s 5 reset a burst of clients);
 - ``drain`` stops accepting (the listening socket is closed, so a new client is
   refused at once rather than left waiting) and waits, up to a bound, for the
   connections being served to finish.
 
-The per-connection timeout (an idle or half-sent request) is the handler's
-``timeout``, set by whoever makes the handler class.
+The idle timeout of each read and write is the handler's ``timeout``, set by
+whoever makes the handler class; the handler class must be ``shedding()``'s.
 """
 
 from __future__ import annotations
@@ -18,64 +20,61 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-import threading
-import time
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+from blockkv.wire.shedding import (
+    HEADER_TIMEOUT_S,
+    Shedder,
+    error_response,
+    openai_error,
+)
+
 log = logging.getLogger(__name__)
 
-_BUSY_BODY = b'{"error": "too many connections"}'
-BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+BUSY = error_response(503, "Service Unavailable", openai_error(
+    "blockkv route: every connection slot is serving a request; retry shortly", "server_error",
+    "too_many_connections"), retry_after=1)
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """A ``ThreadingHTTPServer`` of at most ``max_connections`` threads that drains on shutdown."""
+    """A ``ThreadingHTTPServer`` whose connections a ``Shedder`` admits, that drains on shutdown."""
 
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
-        self._max_connections = max_connections
-        self._active = 0
-        self._changed = threading.Condition()
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int,
+                 max_pending: int | None = None, header_timeout: float = HEADER_TIMEOUT_S) -> None:
+        self.shedder = Shedder(max_connections, max_pending, header_timeout)
         self._warned_full = False
-        super().__init__(address, handler)
+        try:
+            super().__init__(address, handler)
+        except BaseException:
+            self.shedder.stop()
+            raise
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        with self._changed:
-            full = self._active >= self._max_connections
-            self._active += 0 if full else 1
-        if full:
+        if not self.shedder.arrive(request):
             if not self._warned_full:
-                log.warning("blockkv route: %d connections at once; more are answered 503", self._max_connections)
+                log.warning("blockkv route: %d requests at once; more are answered 503",
+                            self.shedder.max_connections)
                 self._warned_full = True
             try:
                 request.settimeout(1.0)
                 request.sendall(BUSY)
             except OSError:
                 pass
-            self.shutdown_request(request)
+            super().shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._finished()
+            self.shutdown_request(request)
             raise
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._finished()
-
-    def _finished(self) -> None:
-        with self._changed:
-            self._active -= 1
-            self._changed.notify_all()
+    def shutdown_request(self, request: Any) -> None:
+        self.shedder.left(request)  # before the close: the shedder never shuts a closed socket's number
+        super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that left or stalled is no fault of the server's: one debug line, no traceback."""
@@ -89,8 +88,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         """Stop accepting, then wait up to ``bound`` seconds for the connections being
         served; how many were still being served at the bound."""
         self.server_close()
-        deadline = time.monotonic() + bound
-        with self._changed:
-            while self._active and (left := deadline - time.monotonic()) > 0:
-                self._changed.wait(left)
-            return self._active
+        try:
+            return self.shedder.drain(bound)
+        finally:
+            self.shedder.stop()

@@ -44,6 +44,10 @@ class BadResidency(ValueError):
     """A node's residency answer is not as published: its residency is unknown."""
 
 
+class KeyRefused(LookupError):
+    """A node answered 401: it does not take the router's key."""
+
+
 class Held:
     """The digests a node holds in one medium, the most recently stored
     ``cap``: past it the oldest are forgotten (a node that publishes more, or
@@ -113,6 +117,7 @@ class Node:
     routed: int = 0
     pace: Pace = field(default_factory=Pace)
     headers: dict[str, str] = field(default_factory=dict, repr=False)  # sent with every request (its API key)
+    key_refused: bool = False  # its last answer to the router was 401: the router's key is wrong for it
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -125,11 +130,22 @@ class Node:
 
     # -- health ------------------------------------------------------------------
     def usable(self, now: float) -> bool:
-        return self.up or now >= self.retry_at
+        return not self.key_refused and (self.up or now >= self.retry_at)
 
     def answered(self) -> None:
         with self.lock:
             self.up, self.failures = True, 0
+
+    def refuses_key(self, refused: bool) -> bool:
+        """Note whether the node just refused the router's key (a 401: no client's key
+        reaches a node, so the router's own is at fault); returns ``refused``."""
+        with self.lock:
+            if refused and not self.key_refused:
+                log.warning("blockkv route: node %s refuses the key this router sends (--node-api-key-file, "
+                            "else $BLOCKKV_NODE_API_KEY); no request is sent it while it does, unless no node takes it",
+                            self.url)
+            self.key_refused = refused
+        return refused
 
     def failed(self, why: object) -> None:
         """Skip this node for a backoff that doubles with each failure in a row."""
@@ -285,6 +301,8 @@ def read_json(node: Node, path: str, limit: int, timeout: float) -> Any:
         conn.request("GET", node.prefix + path, headers=node.headers)
         response = conn.getresponse()
         body = response.read(limit + 1)
+        if response.status == 401:
+            raise KeyRefused(f"{path}: HTTP 401")
         if response.status != 200:
             raise LookupError(f"{path}: HTTP {response.status}")
         if len(body) > limit:
@@ -338,6 +356,12 @@ class Follower:
                     if not node.apply_events(read_json(node, path, MAX_EVENTS_BYTES, LONG_POLL_S + POLL_TIMEOUT_S)):
                         node.forget()
                 node.answered()
+                node.refuses_key(False)
+            except KeyRefused:  # warned by refuses_key; asked again later, with a new key the node may take it
+                node.refuses_key(True)
+                node.forget()
+                node.answered()
+                self._stopped.wait(NO_RESIDENCY_RETRY_S)
             except (BadResidency, LookupError) as e:  # it answers, but its residency is unknown
                 self._warn_once("bad", "blockkv route: residency of node %s unusable (%s); routing without it",
                                 node.url, e)

@@ -25,6 +25,7 @@ import http.client
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -59,10 +60,19 @@ from blockkv.wire.auth import (
     with_keys,
 )
 from blockkv.wire.residency import BLOCK_SIZE, SALT_ENV, digest_key, prefix_digests
+from blockkv.wire.shedding import (
+    HEADER_TIMEOUT_S,
+    LARGE_SHARE,
+    BodyBudget,
+    openai_error,
+    shedding,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413)
+BODY_MEMORY = 256 << 20  # the request bodies held across all connections: past it a request is answered 503
+MIN_BODY_MEMORY = math.ceil(MAX_BODY_BYTES / LARGE_SHARE / (1 << 20)) << 20  # holds one largest body
 # A longer request is routed by load alone: tokenizing costs the router ~120 bytes of memory and
 # ~1.5 µs per prompt byte (a 1 MiB body is ~150k tokens), and a 128k-token prompt is ~0.5 MiB of text.
 MAX_TOKENIZED_BYTES = 1 << 20
@@ -179,6 +189,8 @@ class Handler(BaseHTTPRequestHandler):
     """Relays ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models``."""
 
     router: Router  # set on the subclass made per server
+    budget: BodyBudget  # and so is this: the request bodies held across its connections
+    server: BoundedHTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s - %s", self.address_string(), format % args)
@@ -188,51 +200,81 @@ class Handler(BaseHTTPRequestHandler):
         if not super().parse_request():
             return False
         if not _PATH.fullmatch(self.path):
-            self._reply(400, {"error": "the request path is not printable ASCII"})
+            self._error(400, "the request path is not printable ASCII", "invalid_request_path")
             return False
         return True
 
     def do_GET(self) -> None:
         if self.path.startswith("/v1/models"):
             self._relay("GET", None, None)
-        elif self.path == "/health":  # 503 with every node down: a balancer in front sends elsewhere
-            up = any(n.up for n in self.router.nodes)
-            self._reply(200 if up else 503, {"status": "ok" if up else "no node up", "nodes": {
-                n.url: {"up": n.up, "residency": n.block_size > 0, "in_flight": n.queue()[1],
-                        "active_cost": round(n.active_cost(), 1)} for n in self.router.nodes}})
+        elif self.path == "/health":
+            self._health()
         else:
-            self._reply(404, {"error": "Not Found"})
+            self._error(404, f"no such path: {self.path}", "not_found")
+
+    def _health(self) -> None:
+        """503 with no node up and taking the router's key: a balancer in front sends elsewhere."""
+        nodes = self.router.nodes
+        status = ("ok" if any(n.up and not n.key_refused for n in nodes) else "no node up"
+                  if not any(n.up for n in nodes) else "every node up refuses the router's key: "
+                  f"check --node-api-key-file (else ${NODE_KEY_ENV})")
+        self._reply(200 if status == "ok" else 503, {"status": status, "nodes": {
+            n.url: {"up": n.up, "key_refused": n.key_refused, "residency": n.block_size > 0,
+                    "in_flight": n.queue()[1], "active_cost": round(n.active_cost(), 1)} for n in nodes}})
 
     def do_POST(self) -> None:
         if self.path not in (*CHAT_PATHS, *TEXT_PATHS):
-            self._reply(404, {"error": "Not Found"})
+            self._error(404, f"no such path: {self.path}", "not_found")
             return
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
-            self._reply(411, {"error": "Content-Length header is required"})
+            self._error(411, "a Content-Length header is required", "length_required")
             return
         if not 0 <= length <= MAX_BODY_BYTES:
-            self._reply(413, {"error": f"request body over {MAX_BODY_BYTES} bytes"})
+            self._error(413, f"the request body is over {MAX_BODY_BYTES} bytes", "request_too_large")
+            return
+        if not self.budget.reserve(length):  # reserved at its declared length, before a byte is read
+            self.close_connection = True
+            self._error(503, f"blockkv route: the request bodies being received take all of --body-memory "
+                        f"({self.budget.limit >> 20} MiB); retry shortly", "body_memory_full", "server_error",
+                        retry_after=1)
             return
         try:
-            body = self.rfile.read(length)
-        except OSError as e:  # the client stalled (the timeout) or left: nothing to answer
-            log.debug("blockkv route: request body not received (%r)", e)
-            self.close_connection = True
-            return
-        if len(body) < length:
-            self.close_connection = True
-            return
-        if not _is_utf8(body):
-            self._reply(400, {"error": "the request body is not UTF-8"})
-            return
-        self._relay("POST", body, self.router.prompt(self.path, body))
+            body = self._body(length)
+            if body is None:
+                return
+            if not _is_utf8(body):
+                self._error(400, "the request body is not UTF-8", "invalid_body")
+                return
+            self._relay("POST", body, self.router.prompt(self.path, body))
+        finally:
+            self.budget.release(length)
 
-    def _relay(self, method: str, body: bytes | None, tokens: list[int] | None) -> None:
-        """Send the request to the best node that answers; relay its answer."""
+    def _body(self, length: int) -> bytearray | None:
+        """The request's body, read into one buffer of its length (bytes read in
+        pieces would be held twice), by the deadline its length allows; None if
+        the client stalled or left (nothing to answer)."""
+        body, shedder = bytearray(length), self.server.shedder
+        shedder.expect_body(self.connection, length)
+        try:
+            got = self.rfile.readinto(body)
+        except OSError as e:
+            log.debug("blockkv route: request body not received (%r)", e)
+            got = 0
+        finally:
+            shedder.body_read(self.connection)
+        if got < length:
+            self.close_connection = True
+            return None
+        return body
+
+    def _relay(self, method: str, body: bytearray | None, tokens: list[int] | None) -> None:
+        """Send the request to the best node that answers and takes the router's
+        key; relay its answer."""
         router = self.router
         request_id = router.next_id()
+        refused = []
         for node, start in router.candidates(tokens, request_id):  # queued there from now: its prefill may start
             try:
                 conn, response = self._send(node, method, body)
@@ -243,9 +285,15 @@ class Handler(BaseHTTPRequestHandler):
             except Exception as e:  # noqa: BLE001 - not the node's fault, and nothing was relayed yet
                 node.abandon(request_id)
                 log.warning("blockkv route: %s %s not sent to %s (%r)", method, self.path, node.url, e)
-                self._reply(500, {"error": "the router could not send the request"})
+                self._error(500, "blockkv route: the router could not send the request", "relay_failed",
+                            "server_error")
                 return
             node.answered()
+            if node.refuses_key(response.status == 401):  # the router's own key: never the client's to fix
+                conn.close()
+                node.abandon(request_id)
+                refused.append(node.url)
+                continue
             log.debug("blockkv route: %s -> %s (%s, %d tokens reused)", self.path, node.url, start.tier, start.reused)
             try:
                 self._answer(node, request_id, response)
@@ -253,9 +301,15 @@ class Handler(BaseHTTPRequestHandler):
                 conn.close()
                 node.end(request_id)
             return
-        self._reply(503, {"error": "no blockkv serve node answered"})
+        if refused:
+            self._error(502, f"blockkv route: {', '.join(refused)} refused the key this router sends them: check "
+                        f"--node-api-key-file (else ${NODE_KEY_ENV}); the client's own key is not at fault",
+                        "node_key_refused", "server_error")
+        else:
+            self._error(503, "blockkv route: no blockkv serve node answered", "no_node_answered", "server_error",
+                        retry_after=1)
 
-    def _send(self, node: Node, method: str, body: bytes | None) -> tuple[http.client.HTTPConnection, Any]:
+    def _send(self, node: Node, method: str, body: bytearray | None) -> tuple[http.client.HTTPConnection, Any]:
         conn = node.connection(CONNECT_TIMEOUT_S)
         try:
             conn.connect()
@@ -313,11 +367,21 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass  # the client left
 
+    def _error(self, status: int, message: str, code: str, kind: str = "invalid_request_error",
+               retry_after: int | None = None) -> None:
+        """The router's own error, in OpenAI's shape (the ``openai`` client shows ``message``)."""
+        self._send_json(status, openai_error(message, kind, code),
+                        {"Retry-After": str(retry_after)} if retry_after is not None else {})
+
     def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
+        self._send_json(status, json.dumps(body).encode(), {})
+
+    def _send_json(self, status: int, data: bytes, headers: dict[str, str]) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in headers.items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -335,12 +399,18 @@ def _is_utf8(data: bytes) -> bool:
 
 
 def serve(router: Router, host: str, port: int, keys: ApiKeys = ApiKeys(()),
-          client_timeout: float = CLIENT_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> BoundedHTTPServer:
+          client_timeout: float = CLIENT_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+          max_pending: int | None = None, header_timeout: float = HEADER_TIMEOUT_S,
+          body_memory: int = BODY_MEMORY) -> BoundedHTTPServer:
     """An HTTP server for ``router`` on ``host:port`` (not yet serving), answering only ``keys`` if any."""
     if not client_timeout > 0:
         raise ValueError(f"--client-timeout must be positive, got {client_timeout}")
-    handler = with_keys(type("RouteHandler", (Handler,), {"router": router, "timeout": client_timeout}), keys)
-    return BoundedHTTPServer((host, port), handler, max_connections)
+    if body_memory * LARGE_SHARE < MAX_BODY_BYTES:
+        raise ValueError(f"--body-memory must be at least {MIN_BODY_MEMORY >> 20} MiB: its share for large bodies "
+                         f"must hold one of the largest ({MAX_BODY_BYTES >> 20} MiB)")
+    handler = shedding(with_keys(type("RouteHandler", (Handler,), {
+        "router": router, "timeout": client_timeout, "budget": BodyBudget(body_memory)}), keys))
+    return BoundedHTTPServer((host, port), handler, max_connections, max_pending, header_timeout)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -359,7 +429,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, metavar="SECONDS",
                    help="longest wait for a client's next byte; an idle connection is closed (default: %(default)s)")
     p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
-                   help="connections served at once, a thread each; more are answered 503 (default: %(default)s)")
+                   help="connections served at once, a thread each: a new one drops the oldest still sending its "
+                   "headers, and is answered 503 only when every one is past them (default: %(default)s)")
+    p.add_argument("--max-pending", type=int, metavar="N",
+                   help="of those, the most still sending their headers, so not yet past the key check (default: "
+                   "3/4 of --max-connections: the rest are kept for requests that passed it)")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="a connection's request line and headers must arrive within this, however they trickle "
+                   "(default: %(default)s)")
+    p.add_argument("--body-memory", type=int, default=BODY_MEMORY >> 20, metavar="MIB",
+                   help="the request bodies held at once across all connections; a request past it is answered 503 "
+                   f"(default: %(default)s; at least {MIN_BODY_MEMORY >> 20}: bodies over 1 MiB may take 3/4 of it, "
+                   f"and one may be {MAX_BODY_BYTES >> 20} MiB)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_S, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, longest wait for the answers being relayed (default: %(default)s)")
     p.add_argument("--chat-template", default="", help="the nodes' --chat-template, if they use one")
@@ -404,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                                     trust_remote_code=args.trust_remote_code)
         keys = keys_from(args)
         router = Router(nodes, tokenizer, args.fleet_salt, args.node_timeout, node_key=_node_key(args))
-        server = serve(router, args.host, args.port, keys, args.client_timeout, args.max_connections)
+        server = serve(router, args.host, args.port, keys, args.client_timeout, args.max_connections,
+                       args.max_pending, args.header_timeout, args.body_memory << 20)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"blockkv route: error: {e}\n")
     if threading.current_thread() is threading.main_thread():

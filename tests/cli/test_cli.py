@@ -12,6 +12,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import time
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -603,6 +604,50 @@ def test_read_commands_never_wait_without_bound_on_a_stopped_writer(root: Root, 
         assert check.returncode == 75, check.stderr
         assert check.stderr.startswith("blockkv check: busy: a writer holds") and "Traceback" not in check.stderr
         assert stats.returncode == 0 and export.returncode == 0, (stats.stderr, export.stderr)
+    finally:
+        writer.send_signal(signal.SIGCONT)
+        writer.communicate(timeout=120)
+    assert writer.returncode == 0
+
+
+_STOPPED_IN_TXN = """
+import os, signal, sys
+from blockkv import BlockStore
+
+with BlockStore(sys.argv[1], model_id=sys.argv[2], config_fingerprint=sys.argv[3], tokenizer_hash="tok-llama",
+                max_bytes=1 << 30, block_tokens=16) as store:
+    def stop(txn):
+        print("in-txn", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    with store._keeper.locked(5.0, 0.0):  # as a store's index write: both locks held
+        store._keeper.index._env.write(stop)
+"""
+
+
+def test_check_behind_a_writer_stopped_in_an_index_transaction_says_busy(root: Root) -> None:
+    """A writer stopped inside an index write transaction holds the index's
+    lock as well as the directory's: ``check`` (plain or ``--repair``) says
+    busy (exit 75) within its ``--wait``, never "index missing"; ``--wait inf``
+    is a usage error, not a traceback."""
+    writer = subprocess.Popen([sys.executable, "-c", _STOPPED_IN_TXN, str(root.path), root.llama.model_id,
+                               root.llama.fingerprint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "in-txn\n"
+        _, status = os.waitpid(writer.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        t0 = time.monotonic()
+        plain, repair, forever = run_all(
+            ["check", root.path, "-f", root.llama.fingerprint, "--wait", "1", "--json"],
+            ["check", root.path, "-f", root.llama.fingerprint, "--repair", "--wait", "1"],
+            ["check", root.path, "--wait", "inf"])
+        took = time.monotonic() - t0
+        for busy in (plain, repair):
+            assert busy.returncode == 75, busy.stderr
+            assert busy.stderr.startswith("blockkv check: busy: a writer holds"), busy.stderr
+            assert "index_missing" not in busy.stdout and "Traceback" not in busy.stderr
+        assert took < 30, took  # each wait bounded by --wait (the index lock waited 10 s, then "missing", before)
+        assert forever.returncode == 2 and "finite" in forever.stderr and "Traceback" not in forever.stderr
     finally:
         writer.send_signal(signal.SIGCONT)
         writer.communicate(timeout=120)

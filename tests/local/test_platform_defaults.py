@@ -16,7 +16,8 @@ import pytest
 
 from blockkv.local.directory import ROOT_MARKER, default_root
 from blockkv.local.executors import _MAX_CORE_THREADS, core_threads
-from blockkv.local.locks import DirLock, TxnLock
+from blockkv.local.locks import DirLock
+from blockkv.local.txn_lock import TxnLock
 
 NOBODY = 65534  # an unprivileged uid that owns nothing here
 
@@ -75,11 +76,11 @@ def test_a_lock_file_this_user_may_not_open_is_a_clear_error(lock: type) -> None
     directory = Path(tempfile.mkdtemp(prefix="blockkv-lock-"))
     try:
         directory.chmod(0o755)
-        path = directory / "LOCK"
+        path = directory / ("data.mdb" if lock is TxnLock else "LOCK")  # the transaction lock is on the data file
         path.write_text("")
         path.chmod(0)
         kwargs = {"timeout": 1.0} if lock is TxnLock else {}
         with _as_another_user(), pytest.raises(PermissionError, match="another user"):
-            lock(path, **kwargs)
+            lock(directory if lock is TxnLock else path, **kwargs)
     finally:
         shutil.rmtree(directory)

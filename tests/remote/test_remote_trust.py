@@ -254,6 +254,40 @@ def test_with_a_fleet_key_a_manifest_record_that_fails_its_seal_costs_a_get_not_
         assert c.find_exact(convs[0][0]).entry.id == name_a.rpartition("/")[2].removesuffix(".bkv")
 
 
+
+def test_a_manifest_record_sealed_for_its_name_with_another_entrys_bytes_costs_a_get(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    """#43: the MANIFEST's record for header A holds header B's bytes, sealed
+    with the fleet key under A's name, with A's ETag. The seal holds, but the
+    bytes are not the object listed as A (its ETag is the MD5 of other bytes):
+    a fresh node fetches A on its own. Before, it learned A as B; once it had
+    stored B's conversation again, a second fresh node could not restore A."""
+    convs = [node.conversation(14), node.conversation(15)]
+    with keyed(tmp_path / "a", endpoint, bucket_name) as a:
+        assert all(a.store(*c) for c in convs)
+        name_a, name_b = (header_name("", a.find_exact(t).entry.id) for t, _ in convs)
+        bytes_a, bytes_b = a.remote.headers.get(name_a), a.remote.headers.get(name_b)
+        forged = a.remote.key.seal_header(name_a, bytes_b)  # B's entry, validly sealed as A
+        assert len(forged) == len(bytes_a)  # the premise: a swap that keeps every length
+        for _ in range(40):  # more entries, each sealed by a key holder under its own name
+            name = header_name("", uuid.uuid4().hex)
+            a.remote.headers.put_if_absent(name, [a.remote.key.seal_header(name, bytes_b)])
+    with keyed(tmp_path / "b", endpoint, bucket_name):  # fetches them one by one, then packs them
+        pass
+    raw = raw_store(endpoint, bucket_name)
+    key = f"fleet/{FP_DIR}/MANIFEST"
+    manifest = bytes(obstore.get(raw, key).bytes())
+    start = manifest.index(bytes_a, manifest.index(name_a.encode()))
+    obstore.put(raw, key, manifest[:start] + forged + manifest[start + len(forged):])
+    with keyed(tmp_path / "c", endpoint, bucket_name) as c:
+        assert c.find_exact(convs[0][0]).entry.id == name_a.rpartition("/")[2].removesuffix(".bkv")
+        assert c.store(*convs[1])  # B's conversation stored again
+        c.sync_remote()
+    with keyed(tmp_path / "d", endpoint, bucket_name) as d:
+        for tokens, caches in convs:
+            assert restores_bit_exact(d, tokens, caches)
+
+
 # -- case 5: a header with a mismatched namespace key ------------------------------------------
 
 def bait(store: BlockStore, tokens: list[int], ns: str, into: str) -> str:

@@ -24,7 +24,7 @@ import pytest
 
 from blockkv.model_dir import build_model_dir, sample_text
 from blockkv.router.fleet import Follower, Node, read_json
-from blockkv.router.route import MAX_BODY_BYTES, MAX_TOKENIZED_BYTES, NODE_HEADER, Router, serve
+from blockkv.router.route import BODY_MEMORY, MAX_BODY_BYTES, MAX_TOKENIZED_BYTES, NODE_HEADER, Router, serve
 from blockkv.router.route_tokens import PromptTokenizer
 from blockkv.router.scoring import (
     ACTIVE_COST,
@@ -597,27 +597,207 @@ def _listen_backlog(port: int) -> int:
 
 def test_idle_connections_time_out_and_connections_at_once_are_capped(
         model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
-    """Idle and half-sent connections are closed after --client-timeout, one past
-    --max-connections is answered 503 at once, and the listen backlog takes a burst of
-    64 clients (#32 case 8: 373 idle connections stayed open, a thread each; backlog 5)."""
-    fake = FakeNode({"/v1/chat/completions": (200, CHAT_ANSWER)})
+    """Idle and half-sent connections are closed (headers by --header-timeout, a body by
+    --client-timeout), one past --max-connections requests being served is answered 503 at
+    once in OpenAI's error shape, and the listen backlog takes a burst of 64 clients (#32
+    case 8: 373 idle connections stayed open, a thread each; backlog 5)."""
+    release = threading.Event()
+
+    def held(path: str, body: bytes) -> tuple[int, bytes]:
+        release.wait(BOUND_S)
+        return 200, CHAT_ANSWER
+
+    fake = FakeNode({"/v1/chat/completions": held})
     fakes.append(fake)
     router = Process(["route", "--model", str(model_dir), "--node", fake.url, "--client-timeout", "3",
-                      "--max-connections", "4"], tmp_path / "router.log")
+                      "--header-timeout", "3", "--max-connections", "4"], tmp_path / "router.log")
     router.wait_ready()
     try:
         assert _listen_backlog(router.port) >= 64
-        idle = [socket.create_connection(("127.0.0.1", router.port), timeout=BOUND_S) for _ in range(4)]
+        idle = [socket.create_connection(("127.0.0.1", router.port), timeout=BOUND_S) for _ in range(3)]
         idle[0].sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: 100\r\n\r\n{")  # body half sent
         idle[1].sendall(b"GET /v1/mod")  # request line half sent
         idle[2].sendall(b"GET /health HTTP/1.0\r\n")  # headers half sent
-        with socket.create_connection(("127.0.0.1", router.port), timeout=BOUND_S) as extra:
-            assert extra.recv(1 << 16).startswith(b"HTTP/1.0 503 ")  # the four are being served
         for s in idle:
             with s:
                 assert s.recv(1 << 16) == b""  # closed by the router (a timeout here would raise)
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
-        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+        results: list[Any] = []
+        senders = [threading.Thread(target=lambda: results.append(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]))) for _ in range(4)]
+        for sender in senders:
+            sender.start()
+        try:
+            assert fake.wait_for_hits("/v1/chat/completions", 4)  # four requests being served: every slot
+            with pytest.raises(openai.APIStatusError, match="every connection slot is serving a request") as e:
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert e.value.status_code == 503
+        finally:
+            release.set()
+            for sender in senders:
+                sender.join(BOUND_S)
+        assert len(results) == 4 and client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]).choices
         assert "Traceback" not in (tmp_path / "router.log").read_text()
     finally:
         router.stop()
+
+
+class Trickler:
+    """Slowloris: ``count`` unauthenticated clients, each sending one byte of a
+    request's headers per ``pause`` seconds and reconnecting whenever the router
+    closes it, until stopped."""
+
+    def __init__(self, port: int, count: int, pause: float) -> None:
+        self.port, self.pause = port, pause
+        self.connects = 0
+        self.closed = 0  # connections the router closed on them
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _count(self, field: str) -> None:
+        with self._lock:
+            setattr(self, field, getattr(self, field) + 1)
+
+    def _run(self) -> None:
+        line = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\nX-Pad: " + b"a" * 10_000
+        while not self._stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=BOUND_S) as sock:
+                    self._count("connects")
+                    sock.settimeout(self.pause)
+                    for byte in line:
+                        sock.sendall(bytes([byte]))
+                        try:
+                            if sock.recv(1 << 16) == b"" or self._stop.is_set():
+                                break
+                        except TimeoutError:
+                            continue
+            except OSError:
+                pass
+            self._count("closed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(BOUND_S)
+
+
+def test_clients_trickling_their_headers_never_keep_a_keyed_request_out(
+        model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
+    """#43: 8 unauthenticated clients trickling a header byte per half --client-timeout held
+    every --max-connections slot, and keyed requests got 503. With 8x --max-connections of
+    them (64), keyed requests are answered: a new connection drops the oldest still sending
+    its headers, and none holds a slot past --header-timeout."""
+    fake = FakeNode({"/v1/chat/completions": (200, CHAT_ANSWER)})
+    fakes.append(fake)
+    keys = tmp_path / "keys"
+    keys.write_text("the router's client key\n")
+    router = Process(["route", "--model", str(model_dir), "--node", fake.url, "--api-key-file", str(keys),
+                      "--max-connections", "8", "--client-timeout", "2"], tmp_path / "router.log")
+    router.wait_ready()
+    tricklers = Trickler(router.port, 64, pause=1.0)
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while tricklers.connects < 64 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tricklers.connects >= 64  # all of them in, and the slots long full
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="the router's client key", max_retries=0,
+                               timeout=BOUND_S)
+        for _ in range(3):
+            t0 = time.monotonic()
+            assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+            print(f"keyed request answered in {time.monotonic() - t0:.3f} s amid {tricklers.connects} trickling "
+                  f"connections, {tricklers.closed} closed by the router")
+        assert tricklers.closed > 0  # the router made room by closing theirs
+    finally:
+        tricklers.stop()
+        router.stop()
+
+
+def test_maximal_bodies_on_every_connection_cost_the_router_its_body_budget(
+        model_dir: Path, fakes: list[FakeNode], tmp_path: Path) -> None:
+    """#43: each connection could pin a 64 MiB body (6 clients pinned 384 MiB; 16 GiB at the
+    default 256 connections). 256 connections sending maximal bodies at once: the router holds
+    at most --body-memory (256 MiB by default) of them, answers the rest 503 in OpenAI's shape,
+    and still answers an ordinary request. Its resident memory stays under its size at rest
+    plus the budget plus 64 MiB (threads, buffers)."""
+    fake = FakeNode({"/v1/chat/completions": (200, CHAT_ANSWER)})
+    fakes.append(fake)
+    router = _router_process(model_dir, fake.url, tmp_path / "router.log")
+    try:
+        baseline = _status_mib(router.proc.pid, "VmRSS")
+        limit = baseline + BODY_MEMORY / 2**20 + 64
+        bound = MemoryBound(router, limit)
+        body = memoryview(bytes(MAX_BODY_BYTES - 1))  # all but the last byte: the router holds it, waiting
+        head = b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % MAX_BODY_BYTES
+        answers: list[bytes] = []
+        held: list[socket.socket] = []
+
+        def send() -> None:
+            sock = socket.create_connection(("127.0.0.1", router.port), timeout=BOUND_S)
+            try:
+                sock.sendall(head)
+                sock.sendall(body)
+                held.append(sock)  # the whole body but a byte went in: the router holds it
+            except OSError:
+                answers.append(_received(sock))
+                sock.close()
+
+        senders = [threading.Thread(target=send) for _ in range(256)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join(4 * BOUND_S)
+        assert not any(sender.is_alive() for sender in senders)
+        print(f"bodies held {len(held)}, refused {len(answers)}; peak {bound.peak_mib():.0f} MiB of {limit:.0f}")
+        assert 1 <= len(held) <= BODY_MEMORY // MAX_BODY_BYTES and len(held) + len(answers) == 256
+        assert any(b'"body_memory_full"' in a for a in answers)
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}]).choices
+        assert bound.peak_mib() <= limit
+        for sock in held:
+            sock.close()
+    finally:
+        router.stop()
+
+
+def _received(sock: socket.socket) -> bytes:
+    """What the router answered on ``sock`` before it closed it (b"" if the reset lost it)."""
+    try:
+        return sock.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+def test_a_node_refusing_the_routers_key_is_the_routers_error_naming_its_flag(fakes: list[FakeNode]) -> None:
+    """#43: a wrong --node-api-key-file handed clients the node's 401 (telling them to fix
+    their own key) while /health said ok. Now /health is 503 naming the flag, and a request
+    is the router's 502 naming it, in OpenAI's error shape."""
+    refusing = FakeNode({path: (401, b'{"error": {"message": "Incorrect API key"}}')
+                         for path in ("/blockkv/residency", "/v1/chat/completions")})
+    fakes.append(refusing)
+    router = Router([refusing.url], None, SALT, node_timeout=5.0, node_key="a stale key")
+    server = serve(router, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    router.start()
+    front = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert refusing.wait_for_hits("/blockkv/residency")
+        deadline = time.monotonic() + BOUND_S
+        while not (health := _post(front, None, "/health"))[0] == 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, _, body = health
+        assert status == 503 and "--node-api-key-file" in json.loads(body)["status"]
+        assert json.loads(body)["nodes"][refusing.url]["key_refused"] is True
+        client = openai.OpenAI(base_url=front + "/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+        with pytest.raises(openai.APIStatusError, match="--node-api-key-file") as e:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 502 and e.value.code == "node_key_refused"
+    finally:
+        router.stop()
+        server.shutdown()
+        server.server_close()

@@ -1,7 +1,7 @@
 """No lock blockkv or LMDB takes outlives its process (issue #31).
 
 LMDB is opened without its own lock; every transaction holds the
-environment's flock (``TxnLock``), which the kernel releases when its holder
+environment's flocks (``TxnLock``), which the kernel releases when its holder
 dies. The py-lmdb that macOS uses selects POSIX semaphores for LMDB's own
 writer lock, and a SIGKILLed holder never releases one: CI builds py-lmdb
 that way on Linux (``CFLAGS=-DMDB_USE_POSIX_SEM``, .ci/run) and runs this
@@ -24,8 +24,7 @@ from typing import Any
 import pytest
 
 from blockkv.errors import LockTimeout
-from blockkv.local.lmdb_env import TXN_LOCK
-from blockkv.local.locks import TxnLock
+from blockkv.local.txn_lock import TxnLock
 
 WAIT = 120  # seconds any child may take: far beyond a healthy run, short of a hung CI job
 
@@ -111,7 +110,7 @@ def test_a_writer_killed_inside_an_index_write_wedges_nothing(tmp_path: Path) ->
 _READER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from blockkv.local.locks import TxnLock
+    from blockkv.local.txn_lock import TxnLock
     lock = TxnLock(Path(sys.argv[1]), timeout=5.0)
     with lock.shared():
         print("reading", flush=True)
@@ -122,7 +121,7 @@ _READER = textwrap.dedent("""
 def test_a_reader_in_another_process_keeps_writers_out_until_it_dies(tmp_path: Path) -> None:
     """Without LMDB's reader table, the shared flock held for a read
     transaction's life is all that stops a writer reusing its pages."""
-    path = tmp_path / TXN_LOCK
+    path = tmp_path  # the environment's directory
     reader = subprocess.Popen([sys.executable, "-c", _READER, str(path)], stdout=subprocess.PIPE, text=True)
     lock = TxnLock(path, timeout=0.2)
     try:
@@ -144,7 +143,7 @@ def test_a_reader_in_another_process_keeps_writers_out_until_it_dies(tmp_path: P
 
 
 _ROWS = 64
-_WRITER = textwrap.dedent(f"""
+WRITER_SCRIPT = textwrap.dedent(f"""
     import sys
     from pathlib import Path
     from blockkv.local.lmdb_env import open_env, release_env
@@ -157,7 +156,7 @@ _WRITER = textwrap.dedent(f"""
     release_env(env)
 """)
 
-_SCANNER = textwrap.dedent(f"""
+SCANNER_SCRIPT = textwrap.dedent(f"""
     import sys
     from pathlib import Path
     from blockkv.local.lmdb_env import open_env, release_env
@@ -183,9 +182,9 @@ def test_readers_in_another_process_see_one_committed_state_while_a_writer_rewri
     pages a reader in another process walks. Every scan must see all rows of
     one generation, whole."""
     env_dir = tmp_path / "index"
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(env_dir), "500"])
+    writer = subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, str(env_dir), "500"])
     try:
-        scanner = subprocess.run([sys.executable, "-c", _SCANNER, str(env_dir), "500"], capture_output=True,
+        scanner = subprocess.run([sys.executable, "-c", SCANNER_SCRIPT, str(env_dir), "500"], capture_output=True,
                                  text=True, timeout=WAIT)
         assert writer.wait(WAIT) == 0
     finally:
