@@ -141,8 +141,9 @@ def unservable(view: DirectoryView) -> dict[str, Any]:
 
 def unservable_notes(fpr: dict[str, Any]) -> list[str]:
     notes = [
-        f"{f['entries']} entries of another tokenizer or chat template ({f['model_id']}, tokenizer "
-        f"{f['tokenizer_hash'][:12]}): kept, never served here"
+        f"{f['entries']} entries of another "
+        f"{'model id' if f['tokenizer_hash'] == fpr['tokenizer_hash'] else 'tokenizer or chat template'} "
+        f"({f['model_id']}, tokenizer {f['tokenizer_hash'][:12]}): kept, never served here"
         for f in fpr["foreign_entries"]
     ]
     if fpr["corrupt_headers"] or fpr["dangling_entries"]:

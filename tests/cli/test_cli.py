@@ -691,16 +691,25 @@ def test_check_names_the_owner_of_foreign_entries(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     tokens = random_tokens(40, seed=3)
     cache, _ = prefill(tiny_model("llama"), tokens)
-    for tokenizer in ("tok-first-aaaa", "tok-second-bbbb"):
-        with BlockStore(root, model_id="m", config_fingerprint="shared", tokenizer_hash=tokenizer,
+    for model, tokenizer in (("m", "tok-first-aaaa"), ("m", "tok-second-bbbb"), ("renamed", "tok-first-aaaa")):
+        with BlockStore(root, model_id=model, config_fingerprint="shared", tokenizer_hash=tokenizer,
                         max_bytes=1 << 30, block_tokens=16) as store:
             assert store.store(tokens, cache)
-    text, as_json, stats = run_all(["check", root], ["check", root, "--json"], ["stats", root, "--json"])
+    text, as_json, stats, stats_text = run_all(["check", root], ["check", root, "--json"], ["stats", root, "--json"],
+                                               ["stats", root])
     assert text.returncode == 0, text.stdout  # foreign entries are no fault
-    assert "1 foreign entries" in text.stdout and "tok-second-b" in text.stdout
-    owner = {"model_id": "m", "config_fingerprint": "shared", "tokenizer_hash": "tok-second-bbbb", "entries": 1}
-    assert parsed(as_json)["fingerprints"][0]["foreign_owners"] == [owner]
+    assert "1 entries of another model id (renamed, tokenizer tok-first-aa)" in stats_text.stdout
+    assert "1 entries of another tokenizer or chat template (m, tokenizer tok-second-b)" in stats_text.stdout
+    by_tokenizer, by_model = (line for line in text.stdout.splitlines() if "foreign entries" in line)
+    assert "1 foreign entries" in by_tokenizer and "tok-second-b" in by_tokenizer
+    assert "different tokenizers" in by_tokenizer
+    assert "'renamed'" in by_model and "different model ids" in by_model  # not "different tokenizers": they are one
+    assert "different tokenizers" not in by_model
+    owners = [{"model_id": "m", "config_fingerprint": "shared", "tokenizer_hash": "tok-second-bbbb", "entries": 1},
+              {"model_id": "renamed", "config_fingerprint": "shared", "tokenizer_hash": "tok-first-aaaa", "entries": 1}]
+    assert parsed(as_json)["fingerprints"][0]["foreign_owners"] == owners
     (fp,) = parsed(stats)["fingerprints"]
     assert fp["entries"] == 1 and fp["foreign_entries"] == [
-        {"model_id": "m", "tokenizer_hash": "tok-second-bbbb", "entries": 1}
+        {"model_id": "renamed", "tokenizer_hash": "tok-first-aaaa", "entries": 1},
+        {"model_id": "m", "tokenizer_hash": "tok-second-bbbb", "entries": 1},
     ]
