@@ -229,8 +229,9 @@ class BlockStore:
     @_open_only
     def total_bytes(self) -> int:
         """Headers plus every block this identity's entries reference, each
-        counted once: what the cap counts (another identity sharing the
-        directory counts its own)."""
+        counted once, those stored in the other ``isolate_namespaces`` mode
+        included: what the cap counts (another identity sharing the directory
+        counts its own)."""
         return self._retention.footprint()
 
     @property
