@@ -25,7 +25,6 @@ import logging
 import os
 import re
 import secrets
-import stat
 import sys
 import threading
 from dataclasses import dataclass
@@ -153,17 +152,22 @@ def disk_usage(path: Path) -> DiskUsage:
     them (``du -sb`` counts the same files and the directories themselves). A
     file removed while it is counted is left out; links are not followed."""
     total = outside = 0
-    for top, _, files in os.walk(path):
-        in_entries = Path(top).relative_to(path).parts[:1] in (("entries",), ("blobs",))
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(top, name))
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-                outside += 0 if in_entries else st.st_size
+    for top in os.scandir(path):
+        size = _files_bytes(top)
+        total += size
+        outside += 0 if top.name in ("entries", "blobs") and top.is_dir(follow_symlinks=False) else size
     return DiskUsage(total, outside)
+
+
+def _files_bytes(entry: os.DirEntry[str]) -> int:
+    """The apparent size of ``entry`` if it is a file, of every file under it if it is a directory."""
+    try:
+        if entry.is_dir(follow_symlinks=False):
+            with os.scandir(entry.path) as inside:
+                return sum(_files_bytes(e) for e in inside)
+        return entry.stat(follow_symlinks=False).st_size if entry.is_file(follow_symlinks=False) else 0
+    except FileNotFoundError:
+        return 0
 
 
 def stored_bytes(root: Path) -> int:
