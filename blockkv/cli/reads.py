@@ -31,32 +31,7 @@ from blockkv.records import Entry
 def cmd_stats(args: argparse.Namespace) -> int:
     """Per fingerprint and namespace: what is stored, what it costs, how well it dedups."""
     where, views = looked_at(args)
-    report: list[dict[str, Any]] = []
-    for fp, view in views:
-        entries, logical, blocks = view.entries, view.logical_bytes, view.blocks
-        disk = view.disk_bytes if args.remote else disk_usage(fp.path).total
-        stored = view.disk_bytes if args.remote else footprint(entries, view.block_sizes)
-        by_ns: dict[str, list[Entry]] = {}
-        for e in entries:
-            by_ns.setdefault(e.ns, []).append(e)
-        report.append(
-            {
-                **fp_json(fp),
-                **usage(entries),
-                # the whole fingerprint: its files' apparent size (docs/cli.md), in a bucket its objects'
-                "disk_bytes": disk,
-                "logical_bytes": logical,
-                "entry_bytes": stored,  # the entries' headers and blocks, each block once: what dedup is against
-                "dedup_ratio": logical / stored if stored else None,
-                "blocks": blocks,
-                "cap_bytes": args.cap,
-                **unservable(view),
-                "namespaces": [{"ns": ns, **usage(group)} for ns, group in sorted(by_ns.items())],
-                # in a bucket: blocks no header names (stores in progress, or garbage for gc --remote)
-                **({"unreferenced_blocks": view.unreferenced_blocks,
-                    "unreferenced_bytes": view.unreferenced_bytes} if args.remote else {}),
-            }
-        )
+    report = [fingerprint_stats(args, fp, view) for fp, view in views]
     if args.json:
         emit_json({where_key(args): where, "fingerprints": report})
         return EXIT_OK
@@ -109,6 +84,32 @@ def cmd_stats(args: argparse.Namespace) -> int:
                   f"{format_size(fpr['unreferenced_bytes'])}, named by no header (stores in progress, or "
                   "garbage 'blockkv gc --remote' deletes after the grace period)")
     return EXIT_OK
+
+
+def fingerprint_stats(args: argparse.Namespace, fp: Any, view: Any) -> dict[str, Any]:
+    """``stats`` of one fingerprint, local (``DirectoryView``) or in a bucket (``BucketView``)."""
+    entries, logical = view.entries, view.logical_bytes
+    # on disk: the directory's files' apparent size (docs/cli.md); in a bucket: its headers and referenced blocks
+    disk = view.disk_bytes if args.remote else disk_usage(fp.path).total
+    stored = view.disk_bytes if args.remote else footprint(entries, view.block_sizes)
+    by_ns: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_ns.setdefault(e.ns, []).append(e)
+    return {
+        **fp_json(fp),
+        **usage(entries),
+        "disk_bytes": disk,
+        "logical_bytes": logical,
+        "entry_bytes": stored,  # the entries' headers and blocks, each block once: what dedup is against
+        "dedup_ratio": logical / stored if stored else None,
+        "blocks": view.blocks,
+        "cap_bytes": args.cap,
+        **unservable(view),
+        "namespaces": [{"ns": ns, **usage(group)} for ns, group in sorted(by_ns.items())],
+        # in a bucket: blocks no header names (stores in progress, or garbage for gc --remote)
+        **({"unreferenced_blocks": view.unreferenced_blocks,
+            "unreferenced_bytes": view.unreferenced_bytes} if args.remote else {}),
+    }
 
 
 def looked_at(args: argparse.Namespace) -> tuple[str, list[tuple[Any, Any]]]:
