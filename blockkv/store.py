@@ -26,18 +26,13 @@ from blockkv.format.header import Identity
 from blockkv.format.layout import fingerprint_dirname
 from blockkv.fs import FileLayer
 from blockkv.local import writers
-from blockkv.local.adoptions import Adoptions
-from blockkv.local.catalog import Catalog
-from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory, read_identity
-from blockkv.local.disk_tier import DiskTier, Read
+from blockkv.local.disk_tier import Read
 from blockkv.local.executors import Executors
+from blockkv.local.handle import HandleSettings, LocalHandle, Options
 from blockkv.local.index import Index
-from blockkv.local.index_keeper import OPEN_WAIT, IndexKeeper
-from blockkv.local.locks import DirLock, waiting_at_most
-from blockkv.local.recovery import Recovery
-from blockkv.local.retention import Retention
-from blockkv.local.writers import IntentFile
+from blockkv.local.index_keeper import OPEN_WAIT
+from blockkv.local.locks import waiting_at_most
 from blockkv.records import CHECKPOINT_NS, CheckReport, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
 from blockkv.tiers import BackingTier, NoTier, Tier
 
@@ -87,16 +82,11 @@ class BlockStore:
         # and counts and evicts the other mode's with them (kin: ``Catalog``)
         self.identity = Identity(model_id, config_fingerprint, tokenizer_hash,
                                  KEYED_CODEC_ID if isolate_namespaces else CODEC_ID)
-        self._owner = self.identity.digest()
         self.directory = self.root / fingerprint_dirname(config_fingerprint)
         self.block_tokens = block_tokens
         self.compression = compression
         self.verify = verify
-        self.gc_grace = float(gc_grace)
-        self.tmp_grace = float(tmp_grace)
-        self.lock_timeout = float(lock_timeout)
-        self._max_bytes = max_bytes
-        self._limit = limit
+        self._settings = HandleSettings(max_bytes, limit, float(gc_grace), float(tmp_grace), float(lock_timeout))
         self._fs = fs or FileLayer()
         self._clock = clock
         self._dir = Directory(self.directory, self.identity, self._fs)
@@ -107,29 +97,15 @@ class BlockStore:
         self._executor = Executors()  # store_async, restore_async, block I/O
         self._closed = False
         self._pid = os.getpid()
-        self._remote: BackingTier = NoTier()  # the bucket's tier with remote=; local invariants stay as they are
-        if remote is not None or remote_options is not None:
-            if remote is None:
-                raise ValueError("remote_options given without remote")
-            from blockkv.remote.tier import RemoteTier  # needs obstore: pip install 'blockkv[s3]'
-            self._remote = RemoteTier(remote, remote_options, self.identity, self._dir, self._warn,
-                                      lambda: self._retention.every_entry(), block_tokens)
-        self._dir.create(self.root)
-        lock = DirLock(self.directory / "LOCK")
-        self._intents = IntentFile(self.directory / "writers")
-        self._commits = Commits(self._dir, self.identity, self._intents, self._fs, clock, self._warn,
-                                index=lambda: self._index, locked=lambda: self._retention.locked(),
-                                executor=self._executor, block_tokens=block_tokens, compression=compression)
-        self._recovery = Recovery(self._dir, self._intents.directory, self._fs, clock, self._owner,
-                                  tmp_grace=self.tmp_grace, map_size=index_map_size, warn=self._warn)
-        self._catalog = Catalog({self._owner}, clock, kin=self._dir.modes.keys() - {self._owner})
-        self._keeper = IndexKeeper(self._dir, lock, self._recovery, self._catalog, self._intents.directory,
-                                   map_size=index_map_size, lock_timeout=self.lock_timeout, warn=self._warn)
-        self._retention = Retention(self._dir, self._keeper, self._catalog, self._commits, self, clock, self._warn)
-        self._disk = DiskTier(self._dir, self.identity, verify, self._executor, self._retention,
-                              self._remote.heal_block, clock, self.stats)  # a rotten block healed from the tier
-        self._adoptions = Adoptions(self._commits, lambda: self.max_bytes,
-                                    lambda landed: self._remote.remove_replaced(self._retention.landed(landed)))
+        # the tier behind the disk first: a wrong remote= raises before anything is written
+        self._remote = self._backing_tier(remote, remote_options)
+        local = LocalHandle(self.root, self._dir, self._settings,
+                            Options(verify, block_tokens, compression, index_map_size), heal=self._remote.heal_block,
+                            replaced=self._remote.remove_replaced, executor=self._executor, clock=clock,
+                            warn=self._warn, stats=self.stats)
+        self._intents, self._recovery, self._catalog = local.intents, local.recovery, local.catalog
+        self._keeper, self._retention, self._commits = local.keeper, local.retention, local.commits
+        self._disk, self._adoptions = local.disk, local.adoptions
         try:
             with waiting_at_most(OPEN_WAIT):  # a stopped holder delays an open this long at most
                 self.scan()
@@ -137,10 +113,45 @@ class BlockStore:
             self._warn("lock", "index locks busy at open: serving the index as it is, recovering later")
             self._keeper.defer_recovery()
         try:
-            self._remote.open()  # learns every header in the bucket; another model's IDENTITY raises
-        except BaseException:
+            self._remote.open(self._retention.every_entry)  # learns every header in the bucket
+        except BaseException:  # another model's IDENTITY there, a missing bucket
             self.close()
             raise
+
+    def _backing_tier(self, remote: str | None, remote_options: Mapping[str, str] | None) -> BackingTier:
+        """The bucket's tier with ``remote=``; without, the disk alone (local invariants stay as they are)."""
+        if remote is None and remote_options is None:
+            return NoTier()
+        if remote is None:
+            raise ValueError("remote_options given without remote")
+        from blockkv.remote.tier import RemoteTier  # needs obstore: pip install 'blockkv[s3]'
+
+        return RemoteTier(remote, remote_options, self.identity, self._dir, self._warn, self.block_tokens)
+
+    # -- the handle's options as they are now (a tool may set them on an open handle) ---------
+    @property
+    def gc_grace(self) -> float:
+        return self._settings.gc_grace
+
+    @gc_grace.setter
+    def gc_grace(self, seconds: float) -> None:
+        self._settings.gc_grace = seconds
+
+    @property
+    def tmp_grace(self) -> float:
+        return self._settings.tmp_grace
+
+    @tmp_grace.setter
+    def tmp_grace(self, seconds: float) -> None:
+        self._settings.tmp_grace = seconds
+
+    @property
+    def lock_timeout(self) -> float:
+        return self._settings.lock_timeout
+
+    @lock_timeout.setter
+    def lock_timeout(self, seconds: float) -> None:
+        self._settings.lock_timeout = seconds
 
     @classmethod
     def open_dir(cls, directory: str | os.PathLike[str], *, max_bytes: int | None = None,
@@ -236,7 +247,7 @@ class BlockStore:
 
     @property
     def max_bytes(self) -> int:
-        return self._limit() if self._limit is not None else self._max_bytes
+        return self._settings.max_bytes
 
     @property
     @_open_only

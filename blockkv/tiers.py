@@ -14,7 +14,7 @@ disk alone would.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -37,7 +37,7 @@ class BackingTier(Tier, Protocol):
     @property
     def uploaded_bytes(self) -> int: ...
 
-    def open(self) -> None: ...
+    def open(self, local_entries: Callable[[], list[Entry]]) -> None: ...
     def close(self) -> None: ...
     def sync(self) -> int: ...
     def find(self, tokens: np.ndarray, ns: str, local: Match | None, exact: bool = False) -> Match | None: ...
@@ -57,7 +57,7 @@ class NoTier:
     bucket = None
     uploaded_bytes = 0
 
-    def open(self) -> None:
+    def open(self, local_entries: Callable[[], list[Entry]]) -> None:
         pass
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The real model's builder: concurrent builds agree, a failed download is an
 error, and the q/k rows go back to mlx-lm's order. (Its answers are checked
-through real servers in tests/system/test_real_model.py.)"""
+through real servers in tests/system/test_serve_real_model.py.)"""
 
 from __future__ import annotations
 
@@ -57,3 +57,15 @@ def test_unpermute_inverts_llama_cpps_q_k_permutation(heads: int, rows: int, col
     permuted = llama_cpp_permute(original)
     assert not mx.array_equal(permuted, original).item()
     assert mx.array_equal(_unpermute(permuted, heads), original).item()
+
+
+def test_tokenizer_keeps_special_tokens_whole_and_round_trips_text(real_model: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(real_model / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 49152
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False).ids
+    assert ids[0] == tokenizer.token_to_id("<|im_start|>") and ids[-1] == tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.encode("in 2024", add_special_tokens=False).tokens[-4:] == ["2", "0", "2", "4"]  # one digit each
+    text = "Grüße aus Köln — 東京 🙂, tabs\tand  two spaces"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids) == text

@@ -32,10 +32,17 @@ heads, head_dim 64, float32; 20 turns, a 12k-token document) and
 layers, 8 KV heads, head_dim 64; bfloat16, so 32 KiB of KV per token as the
 real model) and a narrow residual (hidden 128) so that it prefills at all on
 a CPU; it still prefills at ~10-80 tokens/s on 2 cores, so its session has 4
-turns and its document 8k tokens.
+turns and its document 8k tokens. And ``smollm2-135m``: a real model,
+SmolLM2-135M-Instruct 4-bit (``blockkv.real_model``, fetched from PyPI once;
+30 layers, 3 KV heads, head_dim 64; float32 KV, as its float32 norms make
+it); MLX's CPU backend prefills it at ~5-10 tokens/s, so its session has 3
+turns and its document 2k tokens (~17k prefilled tokens: 30-60 min more of
+the full run on 2 cores, estimated from that rate; not run yet).
 
     python tools/restart_bench.py --quick --out DIR   # ~1-2 min: demo model, 3 turns of 400 tokens, 1.5k-token document
-    python tools/restart_bench.py                     # docs/restart-bench.{md,json,png}; 72 min on 2 cores
+    python tools/restart_bench.py --quick --models smollm2-135m --turns 4 --system-tokens 150 --tool-tokens 40 --long-tokens 300 --out DIR
+                                                      # the real model, short prompts (docs/benchmarks.md's table)
+    python tools/restart_bench.py                     # docs/restart-bench.{md,json,png}; 72 min on 2 cores before smollm2-135m
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 16,
         "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
     },
+    "smollm2-135m": {},  # blockkv.real_model: SmolLM2-135M-Instruct as published, 4-bit
 }
 
 
@@ -75,26 +83,32 @@ class Shape:
     system_tokens: int = 1200
     tool_tokens: int = 950
     # the Llama-3.2-1B-shaped model prefills at ~10-80 tokens/s on a 2-core CPU: fewer turns, the shortest document
-    turns: dict[str, int] = field(default_factory=lambda: {"demo": 20, "llama-1b-kv": 4})
-    long_tokens: dict[str, int] = field(default_factory=lambda: {"demo": 12000, "llama-1b-kv": 8000})
+    turns: dict[str, int] = field(default_factory=lambda: {"demo": 20, "llama-1b-kv": 4, "smollm2-135m": 3})
+    long_tokens: dict[str, int] = field(default_factory=lambda: {"demo": 12000, "llama-1b-kv": 8000,
+                                                                  "smollm2-135m": 2000})
     max_tokens: int = 8
 
 
 # a smoke run: the demo model, 3 turns of a smaller session, a 1.5k-token document
-QUICK = Shape(models=["demo"], system_tokens=600, tool_tokens=400, turns={"demo": 3, "llama-1b-kv": 2},
-              long_tokens={"demo": 1500, "llama-1b-kv": 1000})
+QUICK = Shape(models=["demo"], system_tokens=600, tool_tokens=400,
+              turns={"demo": 3, "llama-1b-kv": 2, "smollm2-135m": 2},
+              long_tokens={"demo": 1500, "llama-1b-kv": 1000, "smollm2-135m": 500})
 
 
 # ---------------------------------------------------------------- the model and its prompts
 
 
 def build_model(kind: str, path: Path) -> Path:
-    """A loadable random-weight model directory of ``kind`` (see ``MODELS``)."""
+    """A loadable model directory of ``kind`` (see ``MODELS``): random weights
+    built in ``path``, or the real model from its cache."""
     import mlx.core as mx
 
     from blockkv.mlx_lm.demo import DEMO_MODEL
     from blockkv.model_dir import build_model_dir
+    from blockkv.real_model import real_model_dir
 
+    if kind == "smollm2-135m":
+        return real_model_dir()
     build_model_dir(path, "llama", overrides=MODELS[kind] or DEMO_MODEL)
     if kind == "llama-1b-kv":  # the real model's bytes per token: bf16 weights, so bf16 KV
         weights = mx.load(str(path / "model.safetensors"))
@@ -360,6 +374,8 @@ def main() -> int:
     parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--turns", type=int, help="turns per session, every model")
     parser.add_argument("--long-tokens", type=int, help="tokens of the long prompt's document")
+    parser.add_argument("--system-tokens", type=int, help="tokens of the session's system prompt")
+    parser.add_argument("--tool-tokens", type=int, help="tokens of each turn's tool result")
     parser.add_argument("--workdir", type=Path, help="where the caches and models go (default: a temp dir)")
     args = parser.parse_args()
     if args.quick and args.out is None:
@@ -374,13 +390,16 @@ def main() -> int:
         shape.turns = {m: args.turns for m in MODELS}
     if args.long_tokens:
         shape.long_tokens = {m: args.long_tokens for m in MODELS}
+    shape.system_tokens = args.system_tokens or shape.system_tokens
+    shape.tool_tokens = args.tool_tokens or shape.tool_tokens
     out = args.out or REPO / "docs"
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="blockkv-restart-", dir=args.workdir))
     command = "python tools/restart_bench.py" + "".join(
         f" {flag}" + ("" if value is True else f" {value}")
         for flag, value in (("--quick", args.quick), ("--models", args.models), ("--turns", args.turns),
-                            ("--long-tokens", args.long_tokens)) if value)
+                            ("--long-tokens", args.long_tokens), ("--system-tokens", args.system_tokens),
+                            ("--tool-tokens", args.tool_tokens)) if value)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "platform": platform.platform(), "cores": os.cpu_count(),
                               "loadavg_before": ", ".join(f"{x:.2f}" for x in os.getloadavg()),

@@ -12,12 +12,14 @@ that may continue it, a listing of the bucket, and close.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from blockkv.format.header import Header
 from blockkv.local.commit import Commits
+from blockkv.local.retention import Settings
+from blockkv.records import Entry
 
 
 @dataclass(frozen=True)
@@ -32,11 +34,14 @@ class Adoption:
 
 
 class Adoptions:
-    """One handle's adoptions, one at a time. ``landed(entry_id)`` runs under
-    the lock once an adopted entry is visible (the store's rules)."""
+    """One handle's adoptions, one at a time. Once an adopted entry is visible,
+    under the lock, ``landed(entry_id)`` applies the store's rules and
+    ``replaced`` is handed the entries they removed (the tier deletes its copies)."""
 
-    def __init__(self, commits: Commits, cap: Callable[[], int], landed: Callable[[str], object]) -> None:
-        self._commits, self._cap, self._landed = commits, cap, landed
+    def __init__(self, commits: Commits, settings: Settings, landed: Callable[[str], list[Entry]],
+                 replaced: Callable[[Iterable[Entry]], None]) -> None:
+        self._commits, self._settings = commits, settings
+        self._landed, self._replaced = landed, replaced
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="blockkv-adopt")
         self._mutex = threading.Lock()
         self._pending: dict[str, Future[None]] = {}  # remote entry id -> its adoption in flight
@@ -47,7 +52,7 @@ class Adoptions:
         def adopt() -> None:
             try:
                 if self._commits.adopt(adoption.entry_id, adoption.header, adoption.encoded, adoption.frame_of,
-                                       self._cap(), self._landed) and adoption.whole:
+                                       self._settings.max_bytes, self._rules) and adoption.whole:
                     adopted(remote_id)  # an ordinary local entry from now on
             finally:
                 with self._mutex:
@@ -60,6 +65,9 @@ class Adoptions:
             except RuntimeError:  # closing: the restore is served, nothing kept
                 return
             self._pending[remote_id] = future
+
+    def _rules(self, entry_id: str) -> None:
+        self._replaced(self._landed(entry_id))
 
     def wait_kept(self, remote_id: str | None = None) -> None:
         """Wait until what restores fetched is kept locally (of ``remote_id``, or of every entry)."""

@@ -34,6 +34,7 @@ from blockkv.fs import FileLayer, refuse_linked
 from blockkv.local import writers
 from blockkv.local.directory import Directory, new_entry_id
 from blockkv.local.index import Index
+from blockkv.local.index_keeper import IndexKeeper
 from blockkv.local.writers import IntentFile
 from blockkv.pool.local import LocalPool
 from blockkv.pool.protocol import Staged
@@ -58,10 +59,10 @@ class Stored:
 
 class Commits:
     def __init__(self, directory: Directory, identity: Identity, intents: IntentFile, fs: FileLayer,
-                 clock: Callable[[], float], warn: Callable[..., None], *, index: Callable[[], Index],
+                 clock: Callable[[], float], warn: Callable[..., None], *, keeper: IndexKeeper,
                  locked: Callable[[], AbstractContextManager[object]],
                  executor: Callable[[str], ThreadPoolExecutor], block_tokens: int, compression: str | None) -> None:
-        """``index``: the handle's index now (reopened when replaced); ``locked``: the directory lock."""
+        """``keeper``: the handle's index (``keeper.index``, reopened when replaced); ``locked``: the directory lock."""
         self._dir = directory
         self._pool = directory.pool
         self._identity = identity
@@ -69,7 +70,7 @@ class Commits:
         self._fs = fs
         self._clock = clock
         self._warn = warn
-        self._index = index
+        self._keeper = keeper
         self._locked = locked
         self._executor = executor
         self._block_tokens = block_tokens
@@ -83,7 +84,7 @@ class Commits:
         undone, if it was refused or failed."""
         entry_id = new_entry_id(self._clock())
         path = self._dir.header_path(ns, entry_id)
-        writer = BlockWriter(self._pool, self._index(), self._intents, self._executor("io"), self._compression)
+        writer = BlockWriter(self._pool, self._keeper.index, self._intents, self._executor("io"), self._compression)
         try:
             # each new block is written (outside the lock: the slow part) while the next is hashed
             layout = split_entry(snap, self._block_tokens, on_block=writer.submit,
@@ -100,7 +101,7 @@ class Commits:
             written = writer.wait()
             self._fs.crash_point("store:blocks-written")
             with self._locked():
-                written += self.publish(self._index(), writer, layout, header, encoded, entry_id, path)
+                written += self.publish(self._keeper.index, writer, layout, header, encoded, entry_id, path)
                 replaced = landed(entry_id)
         except Exception as exc:  # noqa: BLE001 - a failed store must never take serving down
             if writer.referenced:
@@ -126,7 +127,7 @@ class Commits:
         entry_id = entry_id or new_entry_id(self._clock())
         path = self._dir.header_path(header.ns, entry_id)
         layout = adopted_layout(header)
-        writer = AdoptedBlocks(frame_of, self._pool, self._index(), self._intents, self._executor("io"))
+        writer = AdoptedBlocks(frame_of, self._pool, self._keeper.index, self._intents, self._executor("io"))
         try:
             for block in layout.blocks:
                 writer.submit(block)
@@ -134,8 +135,8 @@ class Commits:
             if len(encoded) + sum(writer.sizes.values()) > cap:
                 raise BlockKVError(f"the entry exceeds the {cap}-byte local cap")
             with self._locked():
-                if self._index().entry(entry_id) is None:
-                    self.publish(self._index(), writer, layout, header, encoded, entry_id, path)
+                if self._keeper.index.entry(entry_id) is None:
+                    self.publish(self._keeper.index, writer, layout, header, encoded, entry_id, path)
                     landed(entry_id)
         except Exception as exc:  # noqa: BLE001 - a restore must never take serving down
             if writer.referenced:
@@ -154,7 +155,7 @@ class Commits:
         writer.abandon()
         try:
             with self._locked():
-                self.delete_unreferenced(self._index(), writer.new)
+                self.delete_unreferenced(self._keeper.index, writer.new)
         except (OSError, lmdb.Error, BlockKVError):
             pass  # left as garbage: the next gc reclaims it
 
@@ -195,29 +196,31 @@ class Commits:
         try:
             with self._locked():
                 self._dir.unlink_quietly(path)
-                self._index().rollback_pending(entry_id, self._clock())
+                self._keeper.index.rollback_pending(entry_id, self._clock())
         except (OSError, lmdb.Error, BlockKVError) as exc:
             self._warn("undo", f"could not undo a failed store ({exc}); check(repair=True) reclaims it")
 
-    def remove(self, index: Index, entry_id: str) -> None:
-        """Under the lock: unlink the header first, then drop its references (a crash between leaks, never dangles)."""
-        record = index.entry(entry_id)
-        if record is not None:
-            try:  # derived from (ns, id), never the record's path: the index is not trusted as a path
-                path: Path | None = self._dir.header_path(record.ns, entry_id)
-            except CorruptError as exc:
-                self._warn("index-path", f"index row {entry_id[:80]!r} is not ours ({exc}); dropping the row only")
-                path = None
-            if path is not None and path.parent.is_symlink():
-                path = None  # what is behind a linked namespace directory is not ours
-            if path is not None:
-                try:
-                    self._fs.unlink(path)
-                except FileNotFoundError:
-                    pass
-                self._fs.fsync_dir(path.parent)
-            self._fs.crash_point("remove:header-unlinked")
-            index.remove_entry(entry_id, self._clock())
+
+def remove_entry(directory: Directory, fs: FileLayer, clock: Callable[[], float], warn: Callable[..., None],
+                 index: Index, entry_id: str) -> None:
+    """Under the lock: unlink the header first, then drop its references (a crash between leaks, never dangles)."""
+    record = index.entry(entry_id)
+    if record is not None:
+        try:  # derived from (ns, id), never the record's path: the index is not trusted as a path
+            path: Path | None = directory.header_path(record.ns, entry_id)
+        except CorruptError as exc:
+            warn("index-path", f"index row {entry_id[:80]!r} is not ours ({exc}); dropping the row only")
+            path = None
+        if path is not None and path.parent.is_symlink():
+            path = None  # what is behind a linked namespace directory is not ours
+        if path is not None:
+            try:
+                fs.unlink(path)
+            except FileNotFoundError:
+                pass
+            fs.fsync_dir(path.parent)
+        fs.crash_point("remove:header-unlinked")
+        index.remove_entry(entry_id, clock())
 
 
 class BlockWriter:

@@ -25,7 +25,7 @@ from blockkv.arguments import check_size
 from blockkv.errors import BlockKVError, BlockMissingError, CorruptBlockError, CorruptError, LockTimeout
 from blockkv.format.blocks import block_naming_key
 from blockkv.local.catalog import Catalog
-from blockkv.local.commit import Commits
+from blockkv.local.commit import remove_entry
 from blockkv.local.directory import Directory
 from blockkv.local.directory_check import inspect_directory, verify_blocks
 from blockkv.local.directory_check import repair as repair_directory
@@ -52,12 +52,11 @@ class Settings(Protocol):
 class Retention:
     evicted = 0  # entries removed by eviction (the cap or evict_to) since the handle opened
 
-    def __init__(self, directory: Directory, keeper: IndexKeeper, catalog: Catalog, commits: Commits,
+    def __init__(self, directory: Directory, keeper: IndexKeeper, catalog: Catalog,
                  settings: Settings, clock: Callable[[], float], warn: Callable[..., None]) -> None:
         self._dir = directory
         self._keeper = keeper
         self._catalog = catalog
-        self._commits = commits
         self._settings = settings
         self._clock = clock
         self._warn = warn
@@ -157,8 +156,8 @@ class Retention:
             self._warn("remove", f"could not remove entry {entry_id}: {exc}")
 
     def _remove_locked(self, entry_id: str) -> None:
-        """Remove an entry from the files and the index (``Commits.remove``), then from the catalog."""
-        self._commits.remove(self._keeper.index, entry_id)
+        """Remove an entry from the files and the index (``commit.remove_entry``), then from the catalog."""
+        remove_entry(self._dir, self._dir.fs, self._clock, self._warn, self._keeper.index, entry_id)
         self.refresh()
         self._catalog.drop(entry_id)
 

@@ -10,8 +10,10 @@ quantisation, so two models or two revisions never share entries.
 
 The disk tier never raises into the caller: a cache object blockkv has no codec
 for stays in the RAM tier (one warning per class), a store that cannot be
-opened leaves its model RAM-only, and a failing read or write is a miss or a
-not-stored. A restored cache list that does not fit the model's own layout
+opened leaves its model RAM-only until a later use opens it, and a failing
+read or write is a miss or a not-stored. An entry whose caches hold fewer
+tokens than its key (a draft model's) or whose key names images is stored as
+what the disk can hold exactly (``storable``). A restored cache list that does not fit the model's own layout
 (``cache_fit``: a planted or imported entry of another model) is a miss too,
 never handed to mlx-lm, whose generation thread would die on it. What the RAM
 tier does is exactly what ``LRUPromptCache`` does.
@@ -26,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -38,6 +41,7 @@ from blockkv.fs import FileLayer
 from blockkv.mlx_lm.budget import DiskShare
 from blockkv.mlx_lm.cache_fit import ModelLayout
 from blockkv.mlx_lm.identity import KVQuant, StoreIdentity, identity_from_key
+from blockkv.mlx_lm.storable import storable, text_prefix_len
 
 __all__ = ["PersistentPromptCache"]
 
@@ -50,10 +54,16 @@ DEFAULT_CACHE_BYTES = 16 << 30
 RESTORE_READ_PER_SAVED = 16
 
 
-def _text_only(tokens: list[int]) -> bool:
-    """mlx-lm's server keys image prompts with negative per-image ids: their
-    caches depend on pixels the key only names, so they stay in RAM."""
-    return min(tokens) >= 0
+# A model key whose store could not be opened is tried again at its next use,
+# at most this often: a first run opens before mlx-lm has downloaded the model.
+RETRY_OPEN_S = 1.0
+
+
+@dataclass
+class _OpenFailure:
+    at: float  # time.monotonic() of the last try
+    reason: str
+    tries: int
 
 
 class PersistentPromptCache(LRUPromptCache):
@@ -127,7 +137,9 @@ class PersistentPromptCache(LRUPromptCache):
         self.isolate_namespaces = bool(isolate_namespaces)
         self._serving = threading.local()  # .ns: the namespace of the request this thread serves
         self._identity = identity or partial(identity_from_key, kv=kv, chat_template=chat_template)
-        self._stores: dict[Any, BlockStore | None] = {}
+        self._stores: dict[Any, BlockStore] = {}
+        self._open_failures: dict[Any, _OpenFailure] = {}
+        self._open_lock = threading.Lock()
         self._models = models
         self._layouts: dict[Any, ModelLayout | None] = {}
         self._pending: set[Future[bool]] = set()
@@ -165,16 +177,44 @@ class PersistentPromptCache(LRUPromptCache):
     # -- the disk tier ----------------------------------------------------
     def store_for(self, model: Any) -> BlockStore | None:
         """The store for mlx-lm model key ``model`` (opened on first use); None
-        if no identity can be made for the key or its directory cannot be
-        opened, and the model then runs RAM-only."""
-        if model not in self._stores:
-            try:
-                ident = self._identity(model)
-                self._stores[model] = self._open_store(ident, self._remote)
-            except Exception as e:  # noqa: BLE001 - any failure here only costs the disk tier
-                log.warning("blockkv: cannot open cache %s for %r (%s); RAM-only for it", self.cache_dir, model, e)
-                self._stores[model] = None
-        return self._stores[model]
+        while no identity can be made for the key or its directory cannot be
+        opened: the model runs RAM-only meanwhile, and the open is tried again
+        at its next use (at most every ``RETRY_OPEN_S``), for the life of the
+        process: a first run's model is still downloading when serve starts."""
+        store = self._stores.get(model)
+        if store is not None:
+            return store
+        with self._open_lock:  # serve opens the default model's store on a thread of its own too
+            store = self._stores.get(model)
+            return store if store is not None else self._try_open(model)
+
+    def _try_open(self, model: Any) -> BlockStore | None:
+        failed = self._open_failures.get(model)
+        if failed is not None and time.monotonic() - failed.at < RETRY_OPEN_S:
+            return None
+        try:
+            store = self._open_store(self._identity(model), self._remote)
+        except Exception as e:  # noqa: BLE001 - any failure here only costs the disk tier, until it opens
+            tries = failed.tries + 1 if failed is not None else 1
+            self._open_failures[model] = _OpenFailure(time.monotonic(), str(e), tries)
+            self._warn_once(f"open:{model!r}", "blockkv: cannot open cache %s for %r (%s); RAM-only for it until "
+                            "it opens (tried again at its next use)", self.cache_dir, model, e)
+            return None
+        if failed is not None:
+            log.info("blockkv: cache %s for %r opened after %d failed tries: its disk tier is on", self.cache_dir,
+                     model, failed.tries)
+            self._open_failures.pop(model, None)
+        self._stores[model] = store
+        return store
+
+    def disk_tier(self, model: Any) -> tuple[str, str | None]:
+        """Whether model key ``model`` has its disk tier now, without opening it:
+        ``("on", None)``, ``("off", why)`` (its last open failed; tried again at
+        its next use) or ``("not open yet", None)``."""
+        if model in self._stores:
+            return "on", None
+        failed = self._open_failures.get(model)
+        return ("off", failed.reason) if failed is not None else ("not open yet", None)
 
     def _open_store(self, ident: Any, remote: str | None) -> BlockStore:
         """The model's store; if its bucket refuses it (missing, another
@@ -200,19 +240,19 @@ class PersistentPromptCache(LRUPromptCache):
 
     def stores(self) -> list[BlockStore]:
         """The stores opened so far, one per model key that has one."""
-        return [s for s in list(self._stores.values()) if s is not None]
+        return list(self._stores.values())
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
-    def _warn_once(self, key: str, message: str, *args: object) -> None:
+    def _warn_once(self, key: str, message: str, *args: object, level: int = logging.WARNING) -> None:
         """One warning per kind of trouble: a full disk must not flood the log."""
         with self._lock:
             first = key not in self._warned
             self._warned.add(key)
-        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
+        log.log(level if first else logging.DEBUG, message, *args)
 
     @property
     def tier_stats(self) -> dict[str, int]:
@@ -266,12 +306,14 @@ class PersistentPromptCache(LRUPromptCache):
     def _fetch_from_disk(
         self, model: Any, tokens: list[int], from_ram: int, ram_key: Any, ns: str
     ) -> tuple[list[Any], list[int]] | None:
-        # find leaves at least one token to compute, so len(tokens) - 1 is the most it can match
-        if not self._worth_restoring(len(tokens) - 1, from_ram) or not _text_only(tokens):
+        # the disk holds no image (storable.py): an image prompt is looked up by its text before the first one
+        searchable = list(tokens[: text_prefix_len(tokens)])
+        # find leaves at least one token to compute, so len(searchable) - 1 is the most it can match
+        if not self._worth_restoring(len(searchable) - 1, from_ram):
             return None
         try:
             store = self.store_for(model)
-            match = store.find(list(tokens), ns) if store is not None else None
+            match = store.find(searchable, ns) if store is not None else None
             if store is None or match is None or not self._worth_restoring(match.prefix_len, from_ram):
                 return None
             tier = store.tier_of(match.entry)
@@ -346,7 +388,7 @@ class PersistentPromptCache(LRUPromptCache):
         list with a class blockkv cannot encode stays in the RAM tier only."""
         ram_key, ns = self._namespace(model)
         super().insert_cache(ram_key, tokens, prompt_cache, cache_type=cache_type)
-        if not tokens or not _text_only(tokens):
+        if not tokens:
             return
         kinds = tuple(type(c) for c in prompt_cache)
         if kinds in self._ram_only_kinds:
@@ -373,6 +415,14 @@ class PersistentPromptCache(LRUPromptCache):
         store = self.store_for(model)
         if store is None:
             return
+        if text_prefix_len(key) < len(key):
+            self._warn_once("image", "blockkv: image prompts are stored on disk up to their first image only: an "
+                            "image's KV stays in the RAM tier (docs/mlx-lm.md)", level=logging.INFO)
+        kept = storable(key, prompt_cache)
+        if kept is None:
+            self._count(ram_only_inserts=1)
+            return
+        key, prompt_cache = kept
         if store.find_exact(key, ns) is not None:
             self._count(spills_skipped=1)
             return

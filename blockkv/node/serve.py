@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -36,6 +37,7 @@ from blockkv.mlx_lm.identity import KVQuant
 from blockkv.mlx_lm.prompt_cache import DEFAULT_CACHE_BYTES, check_remote
 from blockkv.node import hooks, tenants
 from blockkv.node.flush import flush_handler
+from blockkv.node.health import health_handler
 from blockkv.node.journal import Journal
 from blockkv.node.metrics import ServeMetrics, with_metrics_path
 from blockkv.node.residency_endpoint import ResidentPromptCache, residency_handler
@@ -43,6 +45,9 @@ from blockkv.wire.auth import ApiKeys, add_key_options, keys_from, with_keys
 from blockkv.wire.residency import SALT_ENV, digest_key
 
 log = logging.getLogger(__name__)
+
+# how often serve looks whether mlx-lm has loaded a model given as a repo id (to open its store then)
+LOAD_POLL_S = 0.2
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -119,20 +124,42 @@ def _loaded_models(model_provider: Any, key: Any) -> list[Any] | None:
 
 
 def check_model(rest: list[str]) -> None:
-    """Refuse a ``--model`` that is neither a directory nor a Hugging Face repo id
-    now: mlx-lm loads it only on the first request, and would answer every one
-    with 404 "generation thread died"."""
+    """Refuse a ``--model`` that is not a directory but looks like a path (mlx-lm
+    would ask Hugging Face for it, and answer ``/health`` 503 for ever behind the
+    error) or is not a Hugging Face repo id either: mlx-lm loads it only after
+    the server started, and would answer every request with 404 "generation
+    thread died"."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model")
     model = parser.parse_known_args(rest)[0].model
     if model is None or Path(model).expanduser().is_dir():
         return
+    if _looks_local(model):
+        raise FileNotFoundError(f"--model {model}: no such directory")
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(model)
     except HFValidationError:
         raise FileNotFoundError(f"--model {model}: no such directory, and not a Hugging Face repo id") from None
+
+
+def _looks_local(model: str) -> bool:
+    """A path, not a repo id (``owner/name``): absolute, relative to ``.``/``~``,
+    deeper than two parts, or under a directory that exists here (``models/nope``)."""
+    path = Path(model)
+    return (model.startswith((".", "~", os.sep)) or len(path.parts) > 2
+            or (len(path.parts) == 2 and path.parent.is_dir()))
+
+
+def check_port(host: str, port: int) -> None:
+    """``OSError`` if mlx-lm's HTTP server could not listen on ``host:port`` (another
+    process has it): found before mlx-lm starts its threads, which would keep the
+    process alive behind the traceback."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server's own
+        probe.bind(address)
 
 
 def _writable(directory: Path) -> bool:
@@ -239,6 +266,7 @@ class _Node:
         self.metrics = ServeMetrics(lambda: list(self.caches))
         self.journal = Journal(digest_key(args.fleet_salt))
         self.model_provider: Any = None
+        self._closing = threading.Event()
 
     def hooks(self) -> hooks.ServeHooks:
         return hooks.ServeHooks(on_run=self.on_run, make_cache=self.make_cache, handler=self.handler,
@@ -247,6 +275,12 @@ class _Node:
     def on_run(self, model_provider: Any) -> None:
         """Only now, with every flag parsed: --help or a typo must not create directories."""
         self.model_provider = model_provider
+        cli = model_provider.cli_args
+        try:
+            check_port(cli.host, cli.port)
+        except OSError as e:
+            print(f"blockkv serve: error: cannot listen on {cli.host}:{cli.port}: {e.strerror or e}", file=sys.stderr)
+            raise SystemExit(2) from None
         try:
             self.args.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -282,7 +316,8 @@ class _Node:
 
     def handler(self, base: type) -> type:
         """mlx-lm's handler with blockkv's paths, behind the API keys."""
-        handler = residency_handler(base, self.journal) if self.publish else base
+        handler = health_handler(base, self.disk_tier)
+        handler = residency_handler(handler, self.journal) if self.publish else handler
         handler = flush_handler(handler, lambda: list(self.caches))
         handler = with_metrics_path(handler, self.metrics)
         if self.args.per_key_cache:
@@ -290,10 +325,33 @@ class _Node:
         return with_keys(handler, self.keys)
 
     def open_caches(self) -> None:
-        for cache in self.caches:
+        """Open the default model's store before serving, so a restarted node
+        publishes its disk at once; a model that is not a directory (a repo id)
+        may still be downloading, and an identity hashed from half its files
+        would be another model's: its store opens once mlx-lm has loaded it."""
+        model = self.model_provider.cli_args.model
+        if model is not None and Path(model).expanduser().is_dir():
+            self._open_published()
+        elif model is not None:
+            threading.Thread(target=self._open_after_load, name="blockkv-open-after-load", daemon=True).start()
+
+    def _open_after_load(self) -> None:
+        while self.model_provider.model_key is None and not self._closing.wait(LOAD_POLL_S):
+            pass
+        if not self._closing.is_set():
+            self._open_published()
+
+    def _open_published(self) -> None:
+        for cache in list(self.caches):
             cache.open_published()
 
+    def disk_tier(self) -> tuple[str, str | None]:
+        """The default model's disk tier, for ``/health``."""
+        caches = list(self.caches)
+        return caches[0].disk_tier(caches[0].model_key) if caches else ("not open yet", None)
+
     def close(self) -> None:
+        self._closing.set()
         for cache in self.caches:
             cache.close()
             stats = cache.tier_stats

@@ -57,9 +57,9 @@ from blockkv.local.directory import Directory
 from blockkv.local.disk_tier import Restored
 from blockkv.records import Entry, Match
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.local_state import HeaderCache
 from blockkv.remote.learn import Learner
 from blockkv.remote.listing import Listing
+from blockkv.remote.local_state import HeaderCache
 from blockkv.remote.lookup import Lookup, RecentHeaders
 from blockkv.remote.options import split_options
 from blockkv.remote.remote_catalog import RemoteCatalog, RemoteEntry
@@ -71,11 +71,12 @@ MISS_SYNC_INTERVAL = 1.0  # a miss lists the bucket at most this often
 
 class RemoteTier:
     """One store handle's view of the bucket (the store's ``Tier``, tiers.py).
-    ``local_entries()`` is the local catalog now (every identity)."""
+    ``open(local_entries)`` hands it the local catalog (every identity): the
+    tier is made before the local pieces, so a wrong argument raises before
+    anything is written."""
 
     def __init__(self, url: str, options: Mapping[str, object] | None, identity: Identity, directory: Directory,
-                 warn: Callable[[str, str], None], local_entries: Callable[[], list[Entry]],
-                 block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+                 warn: Callable[[str, str], None], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         if not isinstance(url, str):
             raise TypeError(f"remote must be an s3://bucket/prefix string, got {type(url).__name__}")
         opts = split_options(options)
@@ -85,7 +86,7 @@ class RemoteTier:
         self.identity = identity
         self.dir = directory
         self.warn = warn
-        self.local_entries = local_entries
+        self._local: Callable[[], list[Entry]] | None = None  # the local catalog, from open()
         self.cache = HeaderCache(directory.path / "remote-headers", directory.fs, warn)
         self.catalog = RemoteCatalog(block_tokens)  # remote-only entries: served, never indexed
         self.listing = Listing()
@@ -99,7 +100,7 @@ class RemoteTier:
         self._last_sync = -MISS_SYNC_INTERVAL
         self._sync_queued = False
         self.uploads = Uploader(self.bucket, directory, identity, self.cache, self.listing, self.catalog,
-                                self.breaker, warn, self.outage, local_entries)
+                                self.breaker, warn, self.outage, self.local_entries)
         self._learner = Learner(self.bucket, identity, directory, self.catalog, self.cache, self.listing, warn,
                                 self.uploads.submit)
 
@@ -108,10 +109,12 @@ class RemoteTier:
         self.bucket.close()
 
     # -- learning what the fleet wrote -------------------------------------------------
-    def open(self) -> None:
-        """Check the bucket's IDENTITY and learn every header. A missing bucket is
-        a FileNotFoundError, another model's IDENTITY a ValueError (one line
-        each); an outage is a warning (the next sync retries)."""
+    def open(self, local_entries: Callable[[], list[Entry]]) -> None:
+        """Take the local catalog, check the bucket's IDENTITY and learn every
+        header. A missing bucket is a FileNotFoundError, another model's
+        IDENTITY a ValueError (one line each); an outage is a warning (the next
+        sync retries)."""
+        self._local = local_entries
         try:
             self._check_identity()
         except BucketMissingError as exc:
@@ -120,6 +123,10 @@ class RemoteTier:
             self.outage("bucket unreachable at open", exc)
             return
         self.sync()
+
+    def local_entries(self) -> list[Entry]:
+        """The local catalog now (none before ``open``)."""
+        return self._local() if self._local is not None else []
 
     def _check_identity(self) -> None:
         note = self.bucket.ensure_identity(self.identity)

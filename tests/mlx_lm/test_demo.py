@@ -73,6 +73,19 @@ def test_local_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str
     _check_report(out, sessions=2, turns=2, cold_checks=1)
 
 
+def test_real_model(real_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--real-model: the same demo on SmolLM2-135M-Instruct (the session's build). The
+    CPU prefills it at a few tokens a second, so the prompts here are shorter than
+    the one block a restore from disk needs: this checks the run, the entry found
+    again and the greedy output; restores on this model are tests/system/test_serve_real_model.py's."""
+    argv = ["--real-model", "--sessions", "1", "--turns", "1", "--system-words", "5", "--user-words", "2",
+            "--max-tokens", "2", "--cold-checks", "1"]
+    assert demo.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "model: SmolLM2-135M-Instruct 4-bit (blockkv.real_model)" in out
+    assert "restart: 1/1 entries found again; greedy output identical to a cold prefill: 1/1" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -80,6 +93,7 @@ def test_local_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["--system-words", "-1"], "--system-words must be >= 0"),
         (["--model", "/nonexistent/model"], "not an mlx-lm model directory"),
+        (["--model", "/nonexistent/model", "--real-model"], "not allowed with argument --model"),
     ],
 )
 def test_bad_arguments_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

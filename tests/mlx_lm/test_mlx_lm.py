@@ -355,22 +355,6 @@ def test_disk_full_degrades_to_not_stored(
         assert llama.agent.ask_tokens(prompt + [1], cache).from_disk == 0
 
 
-def test_image_prompts_stay_in_the_ram_tier(llama: Model, cache_dir: Path) -> None:
-    """mlx-lm's server marks image patches with negative ids in the cache key;
-    such entries are served from RAM as in mlx-lm and never written to disk."""
-    text = llama.encode(30, seed=19)
-    key = text[:10] + [-5, -5, -5] + text[10:]
-    caches, _ = _prefill(llama, text[:10] + [1, 1, 1] + text[10:])
-    with ShortPromptCache(cache_dir=cache_dir) as cache:
-        cache.insert_cache(llama.key, key, caches)
-        _, rest = cache.fetch_nearest_cache(llama.key, key + [7])
-        assert rest == [7]
-        cache.flush()
-        store = cache.store_for(llama.key)
-        assert store is not None and len(store) == 0
-    assert cache.tier_stats["spills"] == 0 and cache.tier_stats["spill_failures"] == 0
-
-
 # -- the RAM tier is mlx-lm's LRUPromptCache, whatever the disk tier does -----------------
 
 

@@ -21,3 +21,11 @@ def test_each_turn_extends_the_last_and_texts_have_the_sizes_asked(tmp_path: Pat
     assert abs(texts.count(turns[0][0]["content"]) - 300) <= 8
     assert abs(texts.count(turns[2][-1]["content"].split(": ", 1)[1]) - 200) <= 8
     assert texts.of(200, seed=5) == texts.of(200, seed=5)  # the same prompts in every phase and run
+
+
+def test_every_model_has_a_session_and_a_document_and_the_real_one_is_built(real_model: Path, tmp_path: Path) -> None:
+    bench = load("restart_bench")
+    for shape in (bench.Shape(models=list(bench.MODELS)), bench.QUICK):
+        assert set(shape.turns) == set(shape.long_tokens) == set(bench.MODELS)
+    assert bench.build_model("smollm2-135m", tmp_path / "unused") == real_model
+    assert not (tmp_path / "unused").exists()

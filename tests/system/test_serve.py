@@ -37,10 +37,10 @@ REQUEST_BOUND_S = 120.0
 
 
 class Server:
-    """One ``blockkv serve`` subprocess on 127.0.0.1, logging to a file (or
-    ``python -m mlx_lm.server``, as a reference, when ``cache_dir`` is None)."""
+    """One ``blockkv serve`` subprocess on 127.0.0.1, logging to a file (or, without
+    ``cache_dir``, one ``mlx_lm server`` for answers to compare with)."""
 
-    def __init__(self, command: list[str], model: Path, cache_dir: Path | None, log: Path) -> None:
+    def __init__(self, command: list[str], model: Path | str, cache_dir: Path | None, log: Path) -> None:
         self.port = free_port()
         self.log = log
         self.blockkv = cache_dir is not None
@@ -226,7 +226,8 @@ def test_help_lists_blockkv_and_mlx_lm_flags_and_creates_nothing(tmp_path: Path)
      (["--remote", "http://bucket/prefix"], "s3://"), (["--remote", "s3://b/p", "--remote-option", "grace"], "KEY=VALUE"),
      (["--remote", "s3://b/p", "--remote-option", "colour=blue"], "unknown remote option"),
      (["--remote-option", "region=auto"], "without remote"),
-     (["--model", "/nonexistent/model"], "not a Hugging Face repo id"),
+     (["--model", "/nonexistent/model"], "no such directory"), (["--model", "./nope"], "no such directory"),
+     (["--model", "no such model"], "not a Hugging Face repo id"),
      (["--per-key-cache"], "needs API keys"), (["--cache-bytes", "150%"], "not a share of the disk"),
      (["--cache-dir", "/etc/hosts"], "is a file, not a directory"), (["--api-key-file", "/nonexistent/keys"], "cannot read it")],
 )
