@@ -79,7 +79,8 @@ class BlockStore:
                       isolate_namespaces=isolate_namespaces, namespace_share=namespace_share)
         self.root = Path(root).expanduser()
         self.isolate_namespaces = isolate_namespaces
-        # the codec id in every header says how its blocks are named; the two modes' entries are foreign to each other
+        # the codec id in every header says how its blocks are named; a handle serves its own mode's entries,
+        # and counts and evicts the other mode's with them (kin: ``Catalog``)
         self.identity = Identity(model_id, config_fingerprint, tokenizer_hash,
                                  KEYED_CODEC_ID if isolate_namespaces else CODEC_ID)
         self.directory = self.root / fingerprint_dirname(config_fingerprint)
@@ -250,8 +251,9 @@ class BlockStore:
     @_open_only
     def total_bytes(self) -> int:
         """Headers plus every block this identity's entries reference, each
-        counted once: what the cap counts (another identity sharing the
-        directory counts its own)."""
+        counted once, those stored in the other ``isolate_namespaces`` mode
+        included: what the cap counts (another identity sharing the directory
+        counts its own)."""
         return self._retention.footprint()
 
     @property

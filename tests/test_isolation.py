@@ -12,7 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from blockkv import BlockStore
+from blockkv import BlockStore, ReadOnlyStore
+from blockkv.local.catalog import footprint
+from blockkv.local.reader import read_directory
 from blockkv.store import CHECKPOINT_NS
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
@@ -80,6 +82,35 @@ def test_isolated_and_shared_handles_on_one_root_leave_each_other_alone(
         _restores(iso, tokens, "alice", cache)
         _restores(shared, tokens, "alice", cache)
         assert iso.check().clean and shared.check().clean
+
+
+def test_both_modes_are_one_identity_counted_evicted_and_read_together(
+    tmp_path: Path, filled: tuple[list[int], list[Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory switched to isolation (``serve --per-key-cache``) keeps its
+    earlier entries: each handle serves its own mode's, and counts, evicts and
+    lists the other's with them, never as another identity's."""
+    tokens, cache = filled
+    other = random_tokens(N, seed=8)
+    other_cache, _ = prefill(tiny_model("llama"), other)
+    with BlockStore(tmp_path, **IDENT) as shared, BlockStore(tmp_path, isolate_namespaces=True, **IDENT) as iso:
+        assert shared.store(tokens, cache) and iso.store(other, other_cache, "key-a")
+        assert len(shared) == 1 and len(iso) == 1  # each serves only its own mode's
+        assert shared.find_exact(other, "key-a") is None and iso.find_exact(tokens) is None
+        assert shared.total_bytes == iso.total_bytes == footprint([*shared.entries(), *iso.entries()],
+                                                                  read_directory(shared.directory).block_sizes)
+        ids = [e.id for e in (*shared.entries(), *iso.entries())]  # stored in this order: LRU first
+        assert [e.id for e in shared.evict_plan(0)] == [e.id for e in iso.evict_plan(0)] == ids
+        view = read_directory(shared.directory)
+        assert sorted(e.id for e in view.entries) == sorted(ids) and not view.foreign
+        with ReadOnlyStore.open_dir(shared.directory) as reader:  # reads each under its header's key
+            assert sorted(e.id for e in reader.entries()) == sorted(ids)
+            for t, ns, c in ((tokens, "", cache), (other, "key-a", other_cache)):
+                loaded = reader.restore(reader.find_exact(t, ns).entry)
+                assert loaded is not None and _bits(loaded.caches) == _bits(c)
+        assert [e.id for e in shared.evict_to(0)] == ids
+        assert len(iso) == 0 and iso.check().clean
+    assert "another identity" not in caplog.text
 
 
 def test_namespace_scoped_listings(tmp_path: Path, filled: tuple[list[int], list[Any]]) -> None:

@@ -28,7 +28,7 @@ from blockkv.bucket.bucket_verdicts import convicts, frame_limit
 from blockkv.bucket.clock import CLOCK_SLACK
 from blockkv.bucket.objects import BucketError, outage
 from blockkv.errors import BlockMissingError, OversizedError
-from blockkv.format.blocks import block_naming_key
+from blockkv.format.blocks import block_naming_key, modes
 from blockkv.format.descriptor import blocks_for_prefix
 from blockkv.format.frame import judge_block
 from blockkv.format.header import Identity
@@ -66,7 +66,7 @@ def check_bucket(bucket: BucketDir, identity: Identity, progress: Callable[[int,
     nothing is written; with it, what is proven goes (``_repair``) and
     ``actions`` says what."""
     listed = list_directory(bucket)
-    own = identity.digest()
+    own = {mode.digest() for mode in modes(identity)}  # a --per-key-cache node's entries are ours too
     report = BucketCheckReport(unsealed_headers=listed.unsealed,
                                newer_headers=listed.sealed_damaged)
     claims: dict[str, list[_Claim]] = {}
@@ -76,7 +76,7 @@ def check_bucket(bucket: BucketDir, identity: Identity, progress: Callable[[int,
                 report.corrupt_headers.append(name)
             continue
         record, copy = read
-        if record.owner != own:
+        if record.owner not in own:
             report.foreign_headers.append(name)
         else:
             report.entries += 1
@@ -100,7 +100,7 @@ def check_bucket(bucket: BucketDir, identity: Identity, progress: Callable[[int,
     convicted = set(report.bad_headers)
     report.dangling = sorted(
         r.id for n, read in listed.records.items() if read is not None and n not in convicted
-        for r in [read[0]] if r.owner == own and any(b in gone for b in r.blocks))
+        for r in [read[0]] if r.owner in own and any(b in gone for b in r.blocks))
     report.in_flight = sorted(n for n in listed.blocks if n not in claims)
     if repair:
         report.actions = _repair(bucket, report, listed, bad, gone)

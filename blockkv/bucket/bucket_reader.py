@@ -21,7 +21,7 @@ from blockkv.bucket.bucket_dir import BucketDir, HeaderCopy
 from blockkv.bucket.fleet_key import FleetKey
 from blockkv.bucket.objects import MAX_IDENTITY_BYTES, ObjectInfo, outage
 from blockkv.errors import BlockMissingError, CorruptError, OversizedError
-from blockkv.format.blocks import CODEC_ID
+from blockkv.format.blocks import CODEC_ID, modes
 from blockkv.format.header import Identity
 from blockkv.format.layout import Layout, entry_id_of, entry_record, fingerprint_dirname
 from blockkv.pool.s3 import S3Pool
@@ -143,7 +143,7 @@ def list_directory(bucket: BucketDir) -> Listed:
 def read_bucket(bucket: BucketDir, identity: Identity) -> BucketView:
     """A read-only view of ``bucket``'s fingerprint directory, for ``identity``."""
     listed = list_directory(bucket)
-    own = identity.digest()
+    own = {mode.digest() for mode in modes(identity)}  # a --per-key-cache node's entries are ours too
     entries: list[Entry] = []
     foreign: Counter[Identity] = Counter()
     corrupt, dangling = [], []
@@ -155,12 +155,12 @@ def read_bucket(bucket: BucketDir, identity: Identity) -> BucketView:
             continue
         record, copy = read
         if any(b not in listed.blocks for b in record.blocks):
-            if record.owner == own:
+            if record.owner in own:
                 dangling.append(record.id)
             continue
         header_bytes += record.header_bytes
         referenced.update(record.blocks)
-        if record.owner != own:
+        if record.owner not in own:
             foreign[copy.header.identity] += 1
             continue
         last_use = max(listed.headers[name].last_modified, listed.used.get(name, 0.0))

@@ -152,12 +152,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         for what, item in found:
             print(f"  {what}: {item if isinstance(item, str) else ' '.join(map(str, item))}")
         for owner in owners:
-            print(
-                f"  {owner['entries']} foreign entries (kept, never served here) belong to model "
-                f"{owner['model_id']!r} with tokenizer {owner['tokenizer_hash'][:12]} (this directory's: "
-                f"{fp.tokenizer_hash[:12]}): two stores share this fingerprint with different "
-                "tokenizers or chat templates; give each its own config_fingerprint"
-            )
+            print(f"  {owner['entries']} foreign entries (kept, never served here) {owner_note(owner, fp)}")
         for action in report.actions:
             print(f"  repaired: {action}")
         if args.remote and getattr(report, "waiting_for_copy", None):
@@ -204,6 +199,17 @@ def foreign_owners(fp: FingerprintDir, rels: Sequence[str]) -> list[dict[str, An
         except (BlockKVError, OSError):
             continue  # gone or damaged since check read it
     return owner_rows(identities)
+
+
+def owner_note(owner: dict[str, Any], fp: Any) -> str:
+    """Whose foreign entries are, against the directory's own identity, and what tells them apart."""
+    if owner["tokenizer_hash"] == fp.tokenizer_hash:
+        return (f"belong to model {owner['model_id']!r} (this directory's: {fp.model_id!r}), with the same "
+                f"tokenizer {fp.tokenizer_hash[:12]}: two stores share this fingerprint under different model "
+                "ids; give each its own config_fingerprint")
+    return (f"belong to model {owner['model_id']!r} with tokenizer {owner['tokenizer_hash'][:12]} (this "
+            f"directory's: {fp.tokenizer_hash[:12]}): two stores share this fingerprint with different "
+            "tokenizers or chat templates; give each its own config_fingerprint")
 
 
 def owner_rows(identities: Sequence[Any]) -> list[dict[str, Any]]:

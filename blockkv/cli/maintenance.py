@@ -34,7 +34,7 @@ from blockkv.cli.remote import open_bucket, remote_fingerprints
 from blockkv.cli.stores import DEFAULT_GC_GRACE, open_store
 from blockkv.human import format_size, format_time, render_table
 from blockkv.local.catalog import footprint, lru_plan
-from blockkv.local.directory import FingerprintDir
+from blockkv.local.directory import DiskUsage, FingerprintDir, disk_usage
 from blockkv.local.reader import read_directory
 from blockkv.records import Entry
 
@@ -48,7 +48,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for fp in select_fingerprints(root, args.fingerprint, args.all, mutating="gc"):
         with open_store(fp, gc_grace=args.grace) as store:
             deleted = store.gc()
-            disk = store.total_bytes
+        disk = disk_usage(fp.path).total
         out.append({**fp_json(fp), "blocks_deleted": deleted, "disk_bytes": disk})
     if args.json:
         emit_json({"root": str(root), "fingerprints": out})
@@ -89,10 +89,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
             after, released, grace = before, 0, DEFAULT_GC_GRACE
         else:
             with open_store(fp) as store:
-                before, blocks_before = store.total_bytes, store.block_count
-                gone = store.evict_to(args.to)
-                after, released = store.total_bytes, blocks_before - store.block_count
-                grace = store.gc_grace
+                usage, blocks_before = disk_usage(fp.path), store.block_count
+                gone = store.evict_to(entries_target(args.to, usage))
+                released, grace = blocks_before - store.block_count, store.gc_grace
+            before, after = usage.total, disk_usage(fp.path).total
         out.append(
             {**fp_json(fp), "target_bytes": args.to, "disk_bytes_before": before,
              "disk_bytes_after": after, "blocks_released": released, "gc_grace": grace,
@@ -105,9 +105,13 @@ def cmd_evict(args: argparse.Namespace) -> int:
     for fp_out in out:
         gone = fp_out["entries"]
         was = format_size(fp_out["disk_bytes_before"])
+        if not gone and fp_out["disk_bytes_before"] <= args.to:
+            print(f"{label(fp_out)}: nothing to remove, {was} on disk is within {format_size(args.to)}")
+            continue
         if not gone:
-            print(f"{label(fp_out)}: nothing to remove, {was} on disk is within "
-                  f"{format_size(args.to)}")
+            print(f"{label(fp_out)}: nothing to remove: its entries fit in {format_size(args.to)}; the rest of the "
+                  f"{was} on disk is its LMDB index and blocks no entry references (which 'blockkv gc -f "
+                  f"{fp_out['fingerprint']}' deletes once unreferenced for {fp_out['gc_grace']:g} s)")
             continue
         now = "" if args.dry_run else f" -> {format_size(fp_out['disk_bytes_after'])}"
         print(
@@ -130,15 +134,22 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def entries_target(target: int, usage: DiskUsage) -> int:
+    """What a directory's entries (headers and referenced blocks) may hold for
+    its files to fit in ``target`` bytes once gc has deleted the blocks they
+    free: the index and bookkeeping files stay whatever goes."""
+    return max(0, target - usage.outside_entries)
+
+
 def planned_eviction(fp: FingerprintDir, target: int) -> tuple[int, list[Entry]]:
-    """What ``evict`` would remove to bring ``fp`` down to ``target`` bytes,
-    from the files alone (``read_directory``), with the store's LRU rule over
-    the directory identity's entries (``catalog.lru_plan``); and the bytes it
-    counts now. Changes nothing."""
-    view = read_directory(fp.path)
+    """What ``evict`` would remove to bring ``fp`` down to ``target`` bytes on
+    disk, from the files alone (``read_directory``), with the store's LRU rule
+    over the directory identity's entries of either mode (``catalog.lru_plan``);
+    and the bytes on disk now. Changes nothing."""
+    usage, view = disk_usage(fp.path), read_directory(fp.path)
     total = footprint(view.entries, view.block_sizes)
     last_use = {e.id: e.last_use for e in view.entries}
-    return total, lru_plan(view.entries, last_use, view.block_sizes, total, target)
+    return usage.total, lru_plan(view.entries, last_use, view.block_sizes, total, entries_target(target, usage))
 
 
 def gc_remote(args: argparse.Namespace) -> int:

@@ -22,6 +22,8 @@ from blockkv.cli.common import (
 )
 from blockkv.cli.remote import open_bucket, remote_fingerprints
 from blockkv.human import format_ratio, format_size, format_time, render_table
+from blockkv.local.catalog import footprint
+from blockkv.local.directory import disk_usage
 from blockkv.local.reader import DirectoryView, read_directory
 from blockkv.records import Entry
 
@@ -29,38 +31,17 @@ from blockkv.records import Entry
 def cmd_stats(args: argparse.Namespace) -> int:
     """Per fingerprint and namespace: what is stored, what it costs, how well it dedups."""
     where, views = looked_at(args)
-    report: list[dict[str, Any]] = []
-    for fp, view in views:
-        entries, disk, logical, blocks = view.entries, view.disk_bytes, view.logical_bytes, view.blocks
-        by_ns: dict[str, list[Entry]] = {}
-        for e in entries:
-            by_ns.setdefault(e.ns, []).append(e)
-        report.append(
-            {
-                **fp_json(fp),
-                **usage(entries),
-                # the store's own totals for the whole fingerprint
-                "disk_bytes": disk,
-                "logical_bytes": logical,
-                "dedup_ratio": logical / disk if disk else None,
-                "blocks": blocks,
-                "cap_bytes": args.cap,
-                **unservable(view),
-                "namespaces": [{"ns": ns, **usage(group)} for ns, group in sorted(by_ns.items())],
-                # in a bucket: blocks no header names (stores in progress, or garbage for gc --remote)
-                **({"unreferenced_blocks": view.unreferenced_blocks,
-                    "unreferenced_bytes": view.unreferenced_bytes} if args.remote else {}),
-            }
-        )
+    report = [fingerprint_stats(args, fp, view) for fp, view in views]
     if args.json:
         emit_json({where_key(args): where, "fingerprints": report})
         return EXIT_OK
     logical = sum(r["logical_bytes"] for r in report)
     disk = sum(r["disk_bytes"] for r in report)
+    stored = sum(r["entry_bytes"] for r in report)
     print(
         f"{where}: {len(report)} fingerprint(s), {sum(r['entries'] for r in report)} "
         f"entries, {format_size(disk)} {'in the bucket' if args.remote else 'on disk'}, "
-        f"{format_size(logical)} logical (dedup {format_ratio(logical, disk)})"
+        f"{format_size(logical)} logical (dedup {format_ratio(logical, stored)})"
     )
     rows: list[list[str]] = []
     for fpr in report:
@@ -72,7 +53,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             [fpr["fingerprint"], fpr["model_id"], or_dash(fpr["kv_quantisation"]),
              or_dash(fpr["chat_template"]), "*", str(fpr["entries"]),
              format_size(fpr["logical_bytes"]), format_size(fpr["disk_bytes"]),
-             format_ratio(fpr["logical_bytes"], fpr["disk_bytes"]), str(fpr["blocks"]),
+             format_ratio(fpr["logical_bytes"], fpr["entry_bytes"]), str(fpr["blocks"]),
              format_time(fpr["oldest_use"]), format_time(fpr["newest_use"]),
              cap_text]
         )
@@ -105,6 +86,32 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def fingerprint_stats(args: argparse.Namespace, fp: Any, view: Any) -> dict[str, Any]:
+    """``stats`` of one fingerprint, local (``DirectoryView``) or in a bucket (``BucketView``)."""
+    entries, logical = view.entries, view.logical_bytes
+    # on disk: the directory's files' apparent size (docs/cli.md); in a bucket: its headers and referenced blocks
+    disk = view.disk_bytes if args.remote else disk_usage(fp.path).total
+    stored = view.disk_bytes if args.remote else footprint(entries, view.block_sizes)
+    by_ns: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_ns.setdefault(e.ns, []).append(e)
+    return {
+        **fp_json(fp),
+        **usage(entries),
+        "disk_bytes": disk,
+        "logical_bytes": logical,
+        "entry_bytes": stored,  # the entries' headers and blocks, each block once: what dedup is against
+        "dedup_ratio": logical / stored if stored else None,
+        "blocks": view.blocks,
+        "cap_bytes": args.cap,
+        **unservable(view),
+        "namespaces": [{"ns": ns, **usage(group)} for ns, group in sorted(by_ns.items())],
+        # in a bucket: blocks no header names (stores in progress, or garbage for gc --remote)
+        **({"unreferenced_blocks": view.unreferenced_blocks,
+            "unreferenced_bytes": view.unreferenced_bytes} if args.remote else {}),
+    }
+
+
 def looked_at(args: argparse.Namespace) -> tuple[str, list[tuple[Any, Any]]]:
     """Where ``ls``/``stats`` look (a root's path or a bucket's URL) and, per
     chosen fingerprint, a read-only view (``DirectoryView`` or ``BucketView``)."""
@@ -135,8 +142,9 @@ def unservable(view: DirectoryView) -> dict[str, Any]:
 
 def unservable_notes(fpr: dict[str, Any]) -> list[str]:
     notes = [
-        f"{f['entries']} entries of another tokenizer or chat template ({f['model_id']}, tokenizer "
-        f"{f['tokenizer_hash'][:12]}): kept, never served here"
+        f"{f['entries']} entries of another "
+        f"{'model id' if f['tokenizer_hash'] == fpr['tokenizer_hash'] else 'tokenizer or chat template'} "
+        f"({f['model_id']}, tokenizer {f['tokenizer_hash'][:12]}): kept, never served here"
         for f in fpr["foreign_entries"]
     ]
     if fpr["corrupt_headers"] or fpr["dangling_entries"]:

@@ -36,22 +36,24 @@ def add_command(make: Any) -> None:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from blockkv.cli.stores import open_store
+    from blockkv.local.directory import disk_usage
+    from blockkv.local.reader import read_directory
 
     root, wanted = _root_and_entries(args)
     if not wanted and not args.namespace:
         raise UsageError("name entries (ENTRY...) or a namespace (-n NS) to remove")
     (fp,) = select_fingerprints(root, [args.fingerprint], False, mutating="rm")
+    entries = read_directory(fp.path).entries  # of either mode, a per-key server's too: the store serves one
+    doomed = [e for e in entries if args.namespace and e.ns in args.namespace]
+    for want in wanted:
+        entry = one_entry(entries, want, fp.path.name)
+        doomed += [entry] if entry not in doomed else []
     with open_store(fp) as store:
-        entries = store.entries()
-        doomed = [e for e in entries if args.namespace and e.ns in args.namespace]
-        for want in wanted:
-            entry = one_entry(entries, want, fp.path.name)
-            doomed += [entry] if entry not in doomed else []
         blocks_before = store.block_count
         for entry in doomed:
             store.remove(entry)
         released, grace = blocks_before - store.block_count, store.gc_grace
-        disk = store.total_bytes
+    disk = disk_usage(fp.path).total
     out = {**fp_json(fp), "entries": [entry_json(e) for e in doomed], "blocks_released": released,
            "gc_grace": grace, "disk_bytes": disk}
     if args.json:

@@ -186,6 +186,13 @@ def block_naming_key(identity: Identity, ns: str) -> bytes | None:
     return namespace_key(ns) if identity.codec == KEYED_CODEC_ID else None
 
 
+def modes(identity: Identity) -> tuple[Identity, Identity]:
+    """The identity as a store writes it without and with ``isolate_namespaces``:
+    the same model's entries either way (``blockkv serve --per-key-cache``'s
+    are namespaces of it), only their blocks are named differently."""
+    return replace(identity, codec=CODEC_ID), replace(identity, codec=KEYED_CODEC_ID)
+
+
 def hasher(key: bytes | None, data: bytes | memoryview = b"") -> blake3:
     """The blake3 a block's name is made with: keyed in an isolated namespace."""
     return blake3(data) if key is None else blake3(data, key=key)

@@ -6,14 +6,18 @@ It mirrors the index's ``entries`` table and follows it through the change
 log (``apply_changes``); it is never the truth and never writes. Another
 identity's entries are kept apart: never served, never counted toward the
 handle's cap nor evicted by it (the seed's rule: never ours to delete or
-serve). Thread-safe: one mutex guards every structure.
+serve). The handle's identity in its other mode (entries stored with or
+without ``isolate_namespaces``: ``blocks.modes``) is kin: the same model's
+entries, counted toward the cap and evicted in LRU order with the served
+ones, never served by a handle that names blocks the other way.
+Thread-safe: one mutex guards every structure.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import numpy as np
 
@@ -52,11 +56,13 @@ def lru_plan(entries: Iterable[Entry], last_use: Mapping[str, float], sizes: Map
 
 
 class Catalog:
-    def __init__(self, owner: str, clock: Callable[[], float]) -> None:
-        self._owner = owner  # Identity.digest() of the handle: whose entries are served
+    def __init__(self, served: Collection[str], clock: Callable[[], float], kin: Collection[str] = ()) -> None:
+        self._served = frozenset(served)  # Identity.digest()s whose entries are served
+        self._kin = frozenset(kin)  # digests whose entries are counted and evicted, not served
         self._clock = clock
         self._mutex = threading.RLock()
         self._entries: dict[str, Entry] = {}
+        self._kin_entries: dict[str, Entry] = {}
         self._foreign: dict[str, Entry] = {}  # another identity's entries: never served, counted or evicted
         self._tries: dict[str, PrefixIndex[Entry]] = {}
         self._exact: dict[tuple[str, bytes], str] = {}
@@ -74,7 +80,7 @@ class Catalog:
             sizes = index.block_sizes()
             if records is None:
                 records = index.entries()
-            self._entries, self._foreign, self._tries, self._exact = {}, {}, {}, {}
+            self._entries, self._kin_entries, self._foreign, self._tries, self._exact = {}, {}, {}, {}, {}
             for record in records:
                 self._add(record, last_use.get(record.id, 0.0), sizes)
             self._position = position
@@ -93,7 +99,7 @@ class Catalog:
             for op, entry_id in ops:
                 if op == "-":
                     self.drop(entry_id)
-                elif entry_id not in self._entries and entry_id not in self._foreign:
+                elif not any(entry_id in d for d in (self._entries, self._kin_entries, self._foreign)):
                     record = index.entry(entry_id)
                     if record is not None:
                         self._add(record, self._clock(), index.block_sizes(record.blocks))
@@ -106,8 +112,8 @@ class Catalog:
 
     def _add(self, record: EntryRecord, last_use: float, sizes: Mapping[str, int]) -> None:
         entry = Entry.of(record, record.header_bytes + sum(sizes.get(n, 0) for n in record.blocks), last_use)
-        if record.owner != self._owner:
-            self._foreign[entry.id] = entry
+        if record.owner not in self._served:
+            (self._kin_entries if record.owner in self._kin else self._foreign)[entry.id] = entry
             return
         self._entries[entry.id] = entry
         trie = self._tries.get(entry.ns)
@@ -120,6 +126,7 @@ class Catalog:
         """Forget an entry removed from the tables by this handle."""
         with self._mutex:
             self._foreign.pop(entry_id, None)
+            self._kin_entries.pop(entry_id, None)
             entry = self._entries.pop(entry_id, None)
             if entry is None:
                 return
@@ -144,27 +151,37 @@ class Catalog:
             return [e for e in self._entries.values() if ns is None or e.ns == ns]
 
     def every_identity(self) -> list[Entry]:
-        """Served and foreign entries: every entry the directory's files hold."""
+        """Served, kin and foreign entries: every entry the directory's files hold."""
         with self._mutex:
-            return [*self._entries.values(), *self._foreign.values()]
+            return [*self._entries.values(), *self._kin_entries.values(), *self._foreign.values()]
+
+    def ours(self) -> list[Entry]:
+        """Served and kin entries: what the cap counts and eviction may remove."""
+        with self._mutex:
+            return [*self._entries.values(), *self._kin_entries.values()]
 
     def foreign(self) -> list[Entry]:
-        """Other identities' entries: never served."""
+        """Other identities' entries: never served, counted or evicted."""
         with self._mutex:
             return list(self._foreign.values())
 
+    def unserved(self) -> list[Entry]:
+        """Kin and foreign entries: indexed here, never served by this handle."""
+        with self._mutex:
+            return [*self._kin_entries.values(), *self._foreign.values()]
+
     def footprint(self, index: Index) -> int:
-        """The bytes the handle's cap counts: its own identity's entries
-        (``footprint``). With no other identity in the directory that is every
-        referenced byte, which the index keeps as one number."""
+        """The bytes the handle's cap counts: its own identity's entries, of
+        either mode (``footprint``). With no other identity in the directory
+        that is every referenced byte, which the index keeps as one number."""
         if not self._foreign:
             return index.total_bytes()
-        return footprint(self.entries(), index.block_sizes())
+        return footprint(self.ours(), index.block_sizes())
 
     def eviction_plan(self, last_use: Mapping[str, float], block_sizes: Mapping[str, int], total: int,
                       target: int) -> list[Entry]:
-        """``lru_plan`` over the handle's own identity's entries, by ``last_use``."""
-        return lru_plan(self.entries(), last_use, block_sizes, total, target)
+        """``lru_plan`` over the handle's own identity's entries, of either mode, by ``last_use``."""
+        return lru_plan(self.ours(), last_use, block_sizes, total, target)
 
     def in_namespace(self, ns: str) -> list[Entry]:
         """One namespace's entries, in its trie's order."""

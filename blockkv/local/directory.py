@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockkv.errors import CorruptError
-from blockkv.format.blocks import CODEC_ID
+from blockkv.format.blocks import CODEC_ID, modes
 from blockkv.format.header import MAX_HEADER_BYTES, SUFFIX, Header, Identity
 from blockkv.format.layout import (
     ENTRY_ID,
@@ -138,6 +138,43 @@ def list_fingerprints(root: str | os.PathLike[str]) -> list[FingerprintDir]:
     return out
 
 
+@dataclass(frozen=True)
+class DiskUsage:
+    """What a fingerprint directory takes on disk: the one figure every ``blockkv``
+    command prints as "on disk" (docs/cli.md)."""
+
+    total: int  # the apparent size of every file in it: headers, blocks (those awaiting gc too), index, bookkeeping
+    outside_entries: int  # of it, the files no entry owns: the LMDB index and the bookkeeping, outside entries/ and blobs/
+
+
+def disk_usage(path: Path) -> DiskUsage:
+    """Every file's apparent size under ``path``, as ``find PATH -type f`` lists
+    them (``du -sb`` counts the same files and the directories themselves). A
+    file removed while it is counted is left out; links are not followed."""
+    total = outside = 0
+    for top in os.scandir(path):
+        size = _files_bytes(top)
+        total += size
+        outside += 0 if top.name in ("entries", "blobs") and top.is_dir(follow_symlinks=False) else size
+    return DiskUsage(total, outside)
+
+
+def _files_bytes(entry: os.DirEntry[str]) -> int:
+    """The apparent size of ``entry`` if it is a file, of every file under it if it is a directory."""
+    try:
+        if entry.is_dir(follow_symlinks=False):
+            with os.scandir(entry.path) as inside:
+                return sum(_files_bytes(e) for e in inside)
+        return entry.stat(follow_symlinks=False).st_size if entry.is_file(follow_symlinks=False) else 0
+    except FileNotFoundError:
+        return 0
+
+
+def stored_bytes(root: Path) -> int:
+    """What a root's fingerprint directories hold on disk (``disk_usage``), for serve's first log line."""
+    return sum(disk_usage(fp.path).total for fp in list_fingerprints(root))
+
+
 @dataclass
 class DirectoryListing:
     """What one directory listing found. Paths stay strings: at 10k entries,
@@ -156,6 +193,8 @@ class Directory:
     def __init__(self, path: Path, identity: Identity, fs: FileLayer) -> None:
         self.path = path
         self.identity = identity
+        # owner digest -> the identity in each mode: whose entries these files are (another's are foreign)
+        self.modes = {mode.digest(): mode for mode in modes(identity)}
         self.fs = fs
         self.pool = LocalPool(path / "blobs", fs)
         self.entries_dir = path / "entries"

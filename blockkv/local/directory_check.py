@@ -153,7 +153,7 @@ def inspect_directory(directory: Directory, rows: dict[str, BlockRow] | None,
             report.unreadable.append(directory.rel(path))
             continue
         key = block_naming_key(header.identity, header.ns)
-        read[entry_id] = _Read(record.path, record, key, record.owner == directory.identity.digest())
+        read[entry_id] = _Read(record.path, record, key, record.owner in directory.modes)  # of either mode
         _add_keys(keys, key, record.blocks)
     known, unread = verified or ({}, [])
     rest = {n: known[n] for n in files if n in known}

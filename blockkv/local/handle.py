@@ -74,7 +74,7 @@ class LocalHandle:
         self.intents = IntentFile(directory.path / "writers")
         self.recovery = Recovery(directory, self.intents.directory, fs, clock, owner,
                                  tmp_grace=settings.tmp_grace, map_size=options.index_map_size, warn=warn)
-        self.catalog = Catalog(owner, clock)
+        self.catalog = Catalog({owner}, clock, kin=directory.modes.keys() - {owner})  # the other mode's: kin
         self.keeper = IndexKeeper(directory, DirLock(directory.path / "LOCK"), self.recovery, self.catalog,
                                   self.intents.directory, map_size=options.index_map_size,
                                   lock_timeout=settings.lock_timeout, warn=warn)

@@ -8,6 +8,9 @@ nothing for writing: it lists the directory the way ``blockkv ls`` does
 creating no file, its lock taken shared) and restores through the same verified reads as a store.
 It never deletes: a corrupt header or block is a miss with a warning, left for
 a writer's ``check --repair``. ``refresh()`` sees what writers changed since.
+It serves the identity's entries of both modes (stored with or without
+``isolate_namespaces``, as ``ls`` lists them): a reader of the files is no
+tenant, and each entry's blocks are read under the key its header names.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class ReadOnlyStore:
             raise FileNotFoundError(f"no store for {config_fingerprint!r} in {self.root}")
         self.verify = verify
         self._dir = Directory(self.directory, self.identity, FileLayer())
-        self._catalog = Catalog(self.identity.digest(), time.time)
+        self._catalog = Catalog(self._dir.modes, time.time)
+        self._owners: dict[str, str] = {}  # entry id -> its header's identity digest (its mode)
         self._io = ThreadPoolExecutor(core_threads(), thread_name_prefix="blockkv-read")
         self.refresh()
 
@@ -67,10 +71,10 @@ class ReadOnlyStore:
         """List the directory again; returns the entries it serves."""
         view = read_directory(self.directory)
         last_use = {e.id: e.last_use for e in view.entries}
-        catalog = Catalog(self.identity.digest(), time.time)
+        catalog = Catalog(self._dir.modes, time.time)
         for record in view.records:
             catalog.add(record, last_use.get(record.id, 0.0), view.block_sizes)
-        self._catalog = catalog
+        self._catalog, self._owners = catalog, {r.id: r.owner for r in view.records}
         return len(catalog)
 
     def close(self) -> None:
@@ -102,7 +106,8 @@ class ReadOnlyStore:
         if not isinstance(entry, Entry):
             raise TypeError(f"restore takes an Entry from find/find_exact, got {type(entry).__name__}")
         p = check_prefix_len(entry, prefix_len)
-        read = EntryRead(self._dir, self.identity, entry, self.verify, self._io)
+        mode = self._dir.modes.get(self._owners.get(entry.id, ""), self.identity)
+        read = EntryRead(self._dir, mode, entry, self.verify, self._io)
         try:
             header, caches, attachments = read.run(None if p == entry.length else p)
         except Exception as exc:  # noqa: BLE001 - a read-only restore is a miss, never an error

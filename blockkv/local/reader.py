@@ -33,12 +33,11 @@ class DirectoryView:
     """What one fingerprint directory holds, as the files say."""
 
     identity: Identity  # from IDENTITY: whose entries are served from here
-    entries: list[Entry]  # this identity's servable entries, in no particular order
+    entries: list[Entry]  # this identity's servable entries, of either mode, in no particular order
     foreign: Counter[Identity]  # entries of other identities sharing the directory: kept, never served
     corrupt_headers: list[str]  # relative paths; a store would delete these on open
     dangling: list[str]  # entry ids missing a block; a store would delete these on open
-    disk_bytes: int  # headers plus each referenced block once, of every identity
-    blocks: int  # distinct blocks referenced
+    blocks: int  # distinct blocks referenced, of every identity
     index_used: bool  # a trusted index stood in for the headers it lists
     records: list[EntryRecord]  # the servable entries' records, for a catalog (``ReadOnlyStore``)
     block_sizes: dict[str, int]  # every block the entries reference, by its file's size
@@ -59,26 +58,24 @@ def read_directory(path: Path) -> DirectoryView:
     except LockTimeout:  # a stopped writer holds the index: the files alone still answer
         indexed = None
     rows, last_use = indexed if indexed is not None else ({}, {})
-    own = identity.digest()
+    own = directory.modes  # an entry stored with isolate_namespaces (--per-key-cache) is ours too
     entries: list[Entry] = []
     records: list[EntryRecord] = []
     foreign: Counter[Identity] = Counter()
     corrupt: list[str] = []
     dangling: list[str] = []
-    header_bytes = 0
     sizes: dict[str, int] = {}  # every block referenced, by its file's size
     for entry_id, p in sorted(listing.headers.items()):
         header_path = Path(p)
         record = rows.get(entry_id)
         try:
             st = header_path.stat()  # its mtime is the entry's last use (a restore's not yet in the index too)
-            if record is None or record.owner != own:  # a foreign row does not name its owner
+            if record is None or record.owner not in own:  # a foreign row does not name its owner
                 header = directory.read_header(header_path)
                 record = directory.record(entry_id, header_path, header, st.st_size)
-                if record.owner != own:
+                if record.owner not in own:
                     if not any(n not in listing.blocks for n in record.blocks):
                         foreign[header.identity] += 1
-                    header_bytes += record.header_bytes
                     sizes.update((n, _block_size(directory, n)) for n in record.blocks if n in listing.blocks)
                     continue
             last_use[entry_id] = max(last_use.get(entry_id, 0.0), st.st_mtime)
@@ -90,14 +87,13 @@ def read_directory(path: Path) -> DirectoryView:
         if any(n not in listing.blocks for n in record.blocks):
             dangling.append(entry_id)
             continue
-        header_bytes += record.header_bytes
         sizes.update((n, _block_size(directory, n)) for n in record.blocks if n not in sizes)
         records.append(record)
         entries.append(Entry.of(record, record.header_bytes + sum(sizes[n] for n in record.blocks),
                                 last_use.get(entry_id, 0.0)))
     return DirectoryView(
         identity=identity, entries=entries, foreign=foreign, corrupt_headers=corrupt, dangling=dangling,
-        disk_bytes=header_bytes + sum(sizes.values()), blocks=len(sizes), index_used=indexed is not None,
+        blocks=len(sizes), index_used=indexed is not None,
         records=records, block_sizes=sizes,
     )
 

@@ -4,8 +4,8 @@ each taken under the directory lock.
 ``Retention`` applies the seed's rules once an entry is visible (an
 identical entry replaced, trimmable prefixes superseded, older checkpoints
 of a key dropped once the new one is durable), the byte cap (LRU eviction
-over the handle's own identity's entries: another identity's are never ours
-to delete) and each namespace's share of it (``namespace_share``: LRU
+over the handle's own identity's entries, of either mode: another identity's
+are never ours to delete) and each namespace's share of it (``namespace_share``: LRU
 eviction within the namespace that outgrew it, so one tenant's stores evict
 that tenant's entries, not everyone's), gc, check/repair, and what a failed restore proves (only fresh
 proof of corruption drops an entry, ``verdicts.py``). It also holds the lock
@@ -216,7 +216,7 @@ class Retention:
         own, finding = self._catalog.entries(), None
         if block:
             others = keys_naming(block, self._dir.identity, [e for e in own if e.id != entry.id],
-                                 self._catalog.foreign())
+                                 self._catalog.unserved())
             finding = judge_now(self._dir.pool, block, block_naming_key(self._dir.identity, entry.ns), others)
         if finding in (Finding.GOOD, Finding.UNREADABLE):
             self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc}), but block {block} "
@@ -259,8 +259,8 @@ class Retention:
             later.update(found)
 
     def footprint(self) -> int:
-        """What the cap counts: the handle's own identity's headers and blocks
-        (``Catalog.footprint``). Another identity in the directory is a
+        """What the cap counts: the handle's own identity's headers and blocks,
+        of either mode (``Catalog.footprint``). Another identity in the directory is a
         configuration mistake, warned about once; its entries are its own.
         The catalog is brought current first: which entries are ours decides
         what the total is."""

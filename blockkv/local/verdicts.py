@@ -75,7 +75,8 @@ def judge_now(pool: LocalPool, name: str, key: bytes | None, others: Iterable[by
 
 def keys_naming(name: str, identity: Identity, own: Iterable[Entry], foreign: Iterable[Entry]) -> list[bytes | None]:
     """The keys the entries referencing block ``name`` name it with: ours by
-    our identity's mode; another identity's mode is not known here, so both."""
+    our identity's mode; an unserved entry's (our other mode's, or another
+    identity's) is not known here, so both."""
     keys = [block_naming_key(identity, e.ns) for e in own if name in e.blocks]
     for e in foreign:
         if name in e.blocks:

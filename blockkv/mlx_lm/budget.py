@@ -58,12 +58,12 @@ def parse_budget(text: str) -> int | DiskShare:
         raise argparse.ArgumentTypeError(f"not a share of the disk: {text!r} ({e})") from None
 
 
-def describe(budget: int | DiskShare, root: Path) -> str:
-    """What a budget means for ``root`` now, for the log line at start."""
+def describe(budget: int | DiskShare, root: Path, held: int) -> str:
+    """What a budget means for ``root`` holding ``held`` bytes now, for the log line at start."""
     if isinstance(budget, int):
         return f"{format_size(budget)} per model"
     try:
-        now = format_size(budget.cap(root, 0))
+        now = format_size(budget.cap(root, held))
     except OSError as e:
         now = f"unknown now: {e.strerror or e}"
-    return f"{budget} per model ({now} with nothing stored yet, at least {format_size(budget.floor)})"
+    return f"{budget} per model ({now} now, at least {format_size(budget.floor)})"

@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from blockkv.human import format_size, parse_count, parse_option
-from blockkv.local.directory import default_root
+from blockkv.local.directory import default_root, stored_bytes
 from blockkv.mlx_lm.budget import FLOOR_BYTES, describe, parse_budget
 from blockkv.mlx_lm.identity import KVQuant
 from blockkv.mlx_lm.prompt_cache import DEFAULT_CACHE_BYTES, check_remote
@@ -320,8 +320,9 @@ class _Node:
         default = ""
         if self.args.cache_bytes is None:
             default = " (the default: --cache-bytes SIZE or --cache-bytes 10% to change it)"
-        log.info("blockkv: disk tier in %s, capped at %s%s", self.args.cache_dir,
-                 describe(self.cache_bytes, self.args.cache_dir), default)
+        held = stored_bytes(self.args.cache_dir)  # every model's directory there, as docs/cli.md's "on disk"
+        log.info("blockkv: disk tier in %s holding %s, capped at %s%s", self.args.cache_dir, format_size(held),
+                 describe(self.cache_bytes, self.args.cache_dir, held), default)
 
     def make_cache(self, max_size: int = 10, max_bytes: int = 1 << 63) -> ResidentPromptCache:
         cli = self.model_provider.cli_args

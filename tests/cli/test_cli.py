@@ -93,7 +93,7 @@ def tree(path: Path) -> dict[str, str]:
     }
 
 
-def disk_bytes(fp_dir: Path) -> int:
+def entry_bytes(fp_dir: Path) -> int:
     """Headers plus blocks, counted from the files themselves."""
     return sum(
         p.stat().st_size
@@ -101,6 +101,11 @@ def disk_bytes(fp_dir: Path) -> int:
         for p in (fp_dir / sub).rglob("*")
         if p.is_file() and not p.name.endswith(".tmp")
     )
+
+
+def disk_bytes(fp_dir: Path) -> int:
+    """What every command calls "on disk" (docs/cli.md): the apparent size of every file in the directory."""
+    return sum(p.lstat().st_size for p in fp_dir.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +239,9 @@ def test_stats_reports_each_model_as_the_files_say(built: Root, reads: Reads) ->
         assert fp["oldest_use"] <= fp["newest_use"]
     llama = by_model[built.llama.model_id]
     # Entries over one shared prefix: file-per-entry would take more than the pool.
-    assert llama["logical_bytes"] > llama["disk_bytes"]
-    assert llama["dedup_ratio"] == pytest.approx(llama["logical_bytes"] / llama["disk_bytes"])
+    assert llama["entry_bytes"] == entry_bytes(built.fp_dir(built.llama))
+    assert llama["logical_bytes"] > llama["entry_bytes"]
+    assert llama["dedup_ratio"] == pytest.approx(llama["logical_bytes"] / llama["entry_bytes"])
 
     table = reads.results["stats"]
     assert table.returncode == 0, table.stderr
@@ -470,7 +476,8 @@ def test_read_commands_and_dry_runs_leave_a_damaged_root_byte_for_byte(root: Roo
 def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root) -> None:
     llama_dir, mamba_dir = root.fp_dir(root.llama), root.fp_dir(root.mamba)
     mamba_before = tree(mamba_dir)
-    target = disk_bytes(llama_dir) // 2
+    held = entry_bytes(llama_dir)  # the entries' headers and blocks; the index and bookkeeping stay whatever goes
+    target = disk_bytes(llama_dir) - held // 2
     evict: list[str | Path] = ["evict", root.path, "-f", root.llama.fingerprint]
     evict += ["--to", str(target)]
     before = tree(root.path)
@@ -483,7 +490,7 @@ def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root)
 
     (done,) = run_json(*evict)["fingerprints"]
     assert [e["id"] for e in done["entries"]] == planned
-    assert done["disk_bytes_after"] <= target and done["blocks_released"] > 0
+    assert done["disk_bytes_after"] == disk_bytes(llama_dir) and done["blocks_released"] > 0  # blocks wait for gc
     with BlockStore.open_dir(llama_dir) as store:
         assert {e.id for e in store.entries()}.isdisjoint(planned)
     # the blocks only they used wait out the grace: a plain check names them, their bytes and a gc that works
@@ -496,6 +503,7 @@ def test_evict_gc_and_rebuild_index_touch_only_the_named_fingerprint(root: Root)
     (gc,) = run_json("gc", root.path, "-f", root.llama.fingerprint, "--grace", "0")["fingerprints"]
     assert gc["blocks_deleted"] == done["blocks_released"]  # those only the evicted entries used
     assert gc["disk_bytes"] == disk_bytes(llama_dir)
+    assert entry_bytes(llama_dir) <= held // 2  # what the entries held fits in what the target left them
 
     shutil.rmtree(llama_dir / "index")
     (rebuilt,) = run_json("rebuild-index", root.path, "-f", root.llama.fingerprint)["fingerprints"]
@@ -548,7 +556,8 @@ def test_ls_and_stats_with_a_lost_index_and_a_corrupt_header_change_nothing(root
         i: (e.length, e.nbytes, len(e.blocks)) for i, e in truth.items()
     }
     (llama,) = [fp for fp in parsed(stats_json)["fingerprints"] if fp["model_id"] == root.llama.model_id]
-    assert llama["disk_bytes"] == disk and llama["entries"] == len(truth)
+    assert llama["entry_bytes"] == disk and llama["entries"] == len(truth)
+    assert llama["disk_bytes"] == disk_bytes(llama_dir)  # the corrupt header's bytes too: it is on disk
     assert llama["corrupt_headers"] == [str(header.relative_to(llama_dir))]
     report = parsed(check, expect=1)
     (llama_check,) = [fp["report"] for fp in report["fingerprints"] if fp["model_id"] == root.llama.model_id]
@@ -682,16 +691,25 @@ def test_check_names_the_owner_of_foreign_entries(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     tokens = random_tokens(40, seed=3)
     cache, _ = prefill(tiny_model("llama"), tokens)
-    for tokenizer in ("tok-first-aaaa", "tok-second-bbbb"):
-        with BlockStore(root, model_id="m", config_fingerprint="shared", tokenizer_hash=tokenizer,
+    for model, tokenizer in (("m", "tok-first-aaaa"), ("m", "tok-second-bbbb"), ("renamed", "tok-first-aaaa")):
+        with BlockStore(root, model_id=model, config_fingerprint="shared", tokenizer_hash=tokenizer,
                         max_bytes=1 << 30, block_tokens=16) as store:
             assert store.store(tokens, cache)
-    text, as_json, stats = run_all(["check", root], ["check", root, "--json"], ["stats", root, "--json"])
+    text, as_json, stats, stats_text = run_all(["check", root], ["check", root, "--json"], ["stats", root, "--json"],
+                                               ["stats", root])
     assert text.returncode == 0, text.stdout  # foreign entries are no fault
-    assert "1 foreign entries" in text.stdout and "tok-second-b" in text.stdout
-    owner = {"model_id": "m", "config_fingerprint": "shared", "tokenizer_hash": "tok-second-bbbb", "entries": 1}
-    assert parsed(as_json)["fingerprints"][0]["foreign_owners"] == [owner]
+    assert "1 entries of another model id (renamed, tokenizer tok-first-aa)" in stats_text.stdout
+    assert "1 entries of another tokenizer or chat template (m, tokenizer tok-second-b)" in stats_text.stdout
+    by_tokenizer, by_model = (line for line in text.stdout.splitlines() if "foreign entries" in line)
+    assert "1 foreign entries" in by_tokenizer and "tok-second-b" in by_tokenizer
+    assert "different tokenizers" in by_tokenizer
+    assert "'renamed'" in by_model and "different model ids" in by_model  # not "different tokenizers": they are one
+    assert "different tokenizers" not in by_model
+    owners = [{"model_id": "m", "config_fingerprint": "shared", "tokenizer_hash": "tok-second-bbbb", "entries": 1},
+              {"model_id": "renamed", "config_fingerprint": "shared", "tokenizer_hash": "tok-first-aaaa", "entries": 1}]
+    assert parsed(as_json)["fingerprints"][0]["foreign_owners"] == owners
     (fp,) = parsed(stats)["fingerprints"]
     assert fp["entries"] == 1 and fp["foreign_entries"] == [
-        {"model_id": "m", "tokenizer_hash": "tok-second-bbbb", "entries": 1}
+        {"model_id": "renamed", "tokenizer_hash": "tok-first-aaaa", "entries": 1},
+        {"model_id": "m", "tokenizer_hash": "tok-second-bbbb", "entries": 1},
     ]

@@ -16,6 +16,7 @@ from test_bucket import endpoint, make_bucket, raw_store, server, server_clock  
 from test_cli import parsed, run_all
 
 from blockkv.bucket.bucket import Bucket
+from blockkv.format.blocks import namespace_key
 from blockkv.format.layout import ns_dirname
 from blockkv.testing.moto_clock import ServerClock
 
@@ -40,14 +41,15 @@ def key_of(kind: str, name: str) -> str:
 
 
 def fill(bucket: Bucket) -> dict[str, Any]:
-    """Three entries sharing a 32-token system prompt (two namespaces), the first
-    restored since by another node, and the blocks of a store abandoned before
-    its header."""
+    """Three entries sharing a 32-token system prompt (two namespaces, the
+    tenant's uploaded by a ``--per-key-cache`` node: its blocks named with its
+    namespace's key), the first restored since by another node, and the blocks
+    of a store abandoned before its header."""
     bucket.ensure_identity(node.IDENTITY)
     entries = {}
     for seed, ns in [(1, ""), (2, "tenant-a"), (3, "")]:
-        name, header, layout, caches = node.entry(64, seed=seed, shared=32, ns=ns)
-        node.upload(bucket, name, header, layout)
+        name, header, layout, caches = node.entry(64, seed=seed, shared=32, ns=ns, keyed=bool(ns))
+        node.upload(bucket, name, header, layout, namespace_key(ns) if ns else None)
         entries[name] = dict(ns=ns, tokens=64, layout=layout, caches=caches, header=len(header))
         time.sleep(1.1)  # Last-Modified has one-second resolution: a definite order
     first = next(iter(entries))

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from blockkv import BlockStore, list_fingerprints
+from blockkv.local.catalog import footprint
 from blockkv.local.reader import read_directory
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 
@@ -31,14 +32,14 @@ def test_the_view_matches_the_store_with_and_without_an_index(tmp_path: Path) ->
     trusted = read_directory(fp.path)
     assert trusted.index_used and _facts(trusted.entries) == _facts(expected)
     assert {e.id: e.last_use for e in trusted.entries} == {e.id: e.last_use for e in expected}
-    assert (trusted.disk_bytes, trusted.blocks, trusted.logical_bytes) == (
+    assert (footprint(trusted.entries, trusted.block_sizes), trusted.blocks, trusted.logical_bytes) == (
         disk, blocks, sum(e.nbytes for e in expected))
 
     shutil.rmtree(fp.path / "index")
     lost = read_directory(fp.path)
     assert not lost.index_used and not (fp.path / "index").exists()
     assert _facts(lost.entries) == _facts(expected)
-    assert (lost.disk_bytes, lost.blocks) == (disk, blocks)
+    assert (footprint(lost.entries, lost.block_sizes), lost.blocks) == (disk, blocks)
     # without an index, a header's write time is its last use, as for a store rebuilding one
     assert {e.id: e.last_use for e in lost.entries} == {
         e.id: next((fp.path / "entries").rglob(f"{e.id}.bkv")).stat().st_mtime for e in lost.entries

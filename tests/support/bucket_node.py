@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache
 from blockkv.bucket.bucket import Bucket
 from blockkv.bucket.objects import BucketError
 from blockkv.bucket.session import StoreSession, StoreTooSlow
-from blockkv.format.blocks import CODEC_ID, Block, EntryLayout, split_entry
+from blockkv.format.blocks import CODEC_ID, Block, EntryLayout, block_naming_key, modes, namespace_key, split_entry
 from blockkv.format.descriptor import blocks_for_prefix, parse_descriptor
 from blockkv.format.frame import decode_block, encode_block
 from blockkv.format.header import Header, Identity, encode_header
@@ -56,12 +56,15 @@ def make_caches(n_tokens: int, seed: int, shared: int = 0) -> list[KVCache]:
     return caches
 
 
-def entry(n_tokens: int, seed: int, shared: int = 0, ns: str = "") -> tuple[str, bytes, EntryLayout, list]:
-    """(header name, header bytes, block layout, caches) of one entry."""
+def entry(n_tokens: int, seed: int, shared: int = 0, ns: str = "",
+          keyed: bool = False) -> tuple[str, bytes, EntryLayout, list]:
+    """(header name, header bytes, block layout, caches) of one entry; ``keyed``: as an
+    ``isolate_namespaces`` store (``blockkv serve --per-key-cache``) names its blocks."""
     caches = make_caches(n_tokens, seed, shared)
-    layout = split_entry(caches, BLOCK_TOKENS)
+    layout = split_entry(caches, BLOCK_TOKENS, key=namespace_key(ns) if keyed else None)
     tokens = np.arange(n_tokens, dtype=np.uint32) + (0 if shared >= n_tokens else seed)
-    header = encode_header(Header(IDENTITY, ns, tokens, layout.descriptor))
+    identity = modes(IDENTITY)[1] if keyed else IDENTITY
+    header = encode_header(Header(identity, ns, tokens, layout.descriptor))
     return f"{ns_dirname(ns)}/{uuid.uuid4().hex}.bkv", header, layout, caches
 
 
@@ -75,9 +78,9 @@ def put_blocks(session: StoreSession, layout: EntryLayout, compression: str | No
         session.put_block(b.ref, frame_of(b, compression), new=True)
 
 
-def upload(bucket: Bucket, name: str, header: bytes, layout: EntryLayout) -> StoreSession:
-    """A store's bucket half, in the write order: blocks, then the header."""
-    session = bucket.begin_store()
+def upload(bucket: Bucket, name: str, header: bytes, layout: EntryLayout, key: bytes | None = None) -> StoreSession:
+    """A store's bucket half, in the write order: blocks (named with ``key``), then the header."""
+    session = bucket.begin_store(key)
     put_blocks(session, layout)
     session.commit(name, header)
     return session
@@ -88,8 +91,9 @@ def restore(bucket: Bucket, name: str, vouched: bool = False) -> list:
     header = bucket.fetch_header(name).header
     parsed = parse_descriptor(header.descriptor)
     sizes = {r.name: r.raw_bytes for r in blocks_for_prefix(parsed, None)}
-    frames = bucket.fetch_blocks(sizes, None, vouched=vouched)
-    caches, _ = rebuild(parsed, {n: decode_block(n, f) for n, f in frames.items()})
+    key = block_naming_key(header.identity, header.ns)
+    frames = bucket.fetch_blocks(sizes, key, vouched=vouched)
+    caches, _ = rebuild(parsed, {n: decode_block(n, f, key=key) for n, f in frames.items()})
     return caches
 
 
