@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from blockkv.errors import CorruptError, LockTimeout
+from blockkv.errors import CorruptError
 from blockkv.fs import TMP_SUFFIX, FileLayer
 from blockkv.local.index_records import gc_paused, pack_record, unpack_record, unpack_records
 from blockkv.local.lmdb_env import TXN_TIMEOUT, boot_id, env_key, open_env, release_env
