@@ -51,6 +51,7 @@ store ~0.1 s. So:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import re
@@ -101,6 +102,43 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def _root_command(sub: Any, name: str, run: Callable[[argparse.Namespace], int], help: str, *, mutating: bool,
+                  remote: bool = True) -> Parser:
+    """A command over a cache root (or, ``remote``, a bucket instead) and its fingerprints."""
+    p: Parser = sub.add_parser(name, help=help, description=help)
+    p.set_defaults(run=run, parser=p, mutating=mutating, remote=None)
+    if remote:
+        p.add_argument("root", nargs="?", help="cache root (the directory holding .blockkv; "
+                       "default: serve's, ~/.cache/blockkv); or --remote instead")
+        p.add_argument("--remote", metavar="s3://BUCKET/PREFIX",
+                       help="the bucket a fleet of nodes shares instead of a local root (endpoint and "
+                       "credentials: the AWS_* environment variables or --remote-option)")
+        p.add_argument("--remote-option", action="append", type=parse_option, metavar="KEY=VALUE",
+                       help="what the nodes pass as remote_options (repeatable): endpoint_url, "
+                       "access_key_id, secret_access_key, session_token, region (over the AWS_* "
+                       "variables) and the bucket settings grace, sweep_window, timeout, max_retries...")
+    else:
+        p.add_argument("root", nargs="?", help="cache root (the directory holding .blockkv; "
+                       "default: serve's, ~/.cache/blockkv)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "-f", "--fingerprint", action="append", metavar="FP",
+        help="config fingerprint, fingerprint directory, or a unique prefix (repeatable)"
+        + ("" if mutating else "; default: all"),
+    )
+    which.add_argument("--all", action="store_true", help="every fingerprint in the root")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    return p
+
+
+def _plain_command(sub: Any, name: str, run: Callable[[argparse.Namespace], int], help: str) -> Parser:
+    """A command that parses its own positionals (``rm``, ``export``, ``import``, ``warm``)."""
+    p: Parser = sub.add_parser(name, help=help, description=help)
+    p.set_defaults(run=run, parser=p, mutating=True, remote=None)
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    return p
+
+
 def build_parser() -> Parser:
     parser = Parser(
         prog="blockkv",
@@ -109,36 +147,7 @@ def build_parser() -> Parser:
     )
     parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(
-        name: str, run: Callable[[argparse.Namespace], int], help: str, *, mutating: bool,
-        remote: bool = True,
-    ) -> Parser:
-        p: Parser = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(run=run, parser=p, mutating=mutating, remote=None)
-        if remote:
-            p.add_argument("root", nargs="?", help="cache root (the directory holding .blockkv; "
-                           "default: serve's, ~/.cache/blockkv); or --remote instead")
-            p.add_argument("--remote", metavar="s3://BUCKET/PREFIX",
-                           help="the bucket a fleet of nodes shares instead of a local root (endpoint and "
-                           "credentials: the AWS_* environment variables or --remote-option)")
-            p.add_argument("--remote-option", action="append", type=parse_option, metavar="KEY=VALUE",
-                           help="what the nodes pass as remote_options (repeatable): endpoint_url, "
-                           "access_key_id, secret_access_key, session_token, region (over the AWS_* "
-                           "variables) and the bucket settings grace, sweep_window, timeout, max_retries...")
-        else:
-            p.add_argument("root", nargs="?", help="cache root (the directory holding .blockkv; "
-                           "default: serve's, ~/.cache/blockkv)")
-        which = p.add_mutually_exclusive_group()
-        which.add_argument(
-            "-f", "--fingerprint", action="append", metavar="FP",
-            help="config fingerprint, fingerprint directory, or a unique prefix (repeatable)"
-            + ("" if mutating else "; default: all"),
-        )
-        which.add_argument("--all", action="store_true", help="every fingerprint in the root")
-        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-        return p
-
+    command = functools.partial(_root_command, sub)
     stats = command("stats", _run("reads", "cmd_stats"),
                     "per model and namespace: entries, bytes, dedup, blocks, use", mutating=False)
     stats.add_argument("--cap", type=parse_size, metavar="BYTES",
@@ -172,13 +181,7 @@ def build_parser() -> Parser:
                        "4096, 500M, 10G (binary units)")
     evict.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
 
-    def plain(name: str, run: Callable[[argparse.Namespace], int], help: str) -> Parser:
-        """A command that parses its own positionals (``rm``, ``export``, ``import``, ``warm``)."""
-        p: Parser = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(run=run, parser=p, mutating=True, remote=None)
-        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-        return p
-
+    plain = functools.partial(_plain_command, sub)
     add_rm_command(plain)
     add_prompt_file_commands(sub, plain)
     for name, help in PASSTHROUGH.items():

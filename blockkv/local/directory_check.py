@@ -44,7 +44,8 @@ def block_keys(directory: Directory) -> Keys:
             header = directory.read_header(Path(p))
         except Exception:  # noqa: BLE001 - reported by inspect_directory, which reads every header again
             continue
-        _add_keys(keys, block_naming_key(header.identity, header.ns), (r.name for r in blocks_for_prefix(header.descriptor, None)))
+        names = (r.name for r in blocks_for_prefix(header.descriptor, None))
+        _add_keys(keys, block_naming_key(header.identity, header.ns), names)
     return keys
 
 
@@ -134,48 +135,8 @@ def inspect_directory(directory: Directory, rows: dict[str, BlockRow] | None,
     report = CheckReport(index_missing=rows is None, in_flight=sorted(live.names),
                          stale_tmp=[directory.rel(p) for p in writers.stale_temp_files(listing.tmp, live, cutoff)])
     files = listing.blocks
-    read: dict[str, _Read] = {}
-    keys: Keys = {}  # block -> the keys its referencing headers name it with
-    for entry_id, p in listing.headers.items():
-        path = Path(p)
-        try:
-            header = directory.read_header(path)
-            record = directory.record(entry_id, path, header, path.stat().st_size)
-        except FileNotFoundError:
-            continue  # removed while we looked
-        except CorruptError:
-            report.corrupt_headers.append(directory.rel(path))
-            continue
-        except NewerFormatError:
-            report.newer_headers.append(directory.rel(path))
-            continue
-        except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
-            report.unreadable.append(directory.rel(path))
-            continue
-        key = block_naming_key(header.identity, header.ns)
-        read[entry_id] = _Read(record.path, record, key, record.owner in directory.modes)  # of either mode
-        _add_keys(keys, key, record.blocks)
-    known, unread = verified or ({}, [])
-    rest = {n: known[n] for n in files if n in known}
-    fresh = [n for n in sorted(files) if n not in unread and (n not in rest or _corrupt(rest[n], keys, n))]
-    report.unreadable += [directory.rel(directory.pool.path(n)) for n in unread if n in files]
-    for done, name in enumerate(fresh, 1):
-        try:
-            verdict = _verdict(directory, name, keys)
-        except OversizedError:  # not read, not convicted: an orphan still, if nothing references it
-            rest.pop(name, None)
-            report.oversized_blocks.append(name)
-        except Exception:  # noqa: BLE001 - not proof of corruption: neither corrupt nor an orphan
-            rest.pop(name, None)
-            report.unreadable.append(directory.rel(directory.pool.path(name)))
-        else:
-            if verdict is None:
-                files.discard(name)
-                rest.pop(name, None)
-            else:
-                rest[name] = verdict
-        if progress is not None and verified is None:
-            progress(done, len(fresh))
+    read, keys = _read_headers(directory, listing.headers, report)
+    rest = _judge_blocks(directory, files, keys, verified, report, progress)
     corrupt = {n for n, v in rest.items() if _corrupt(v, keys, n) and n in files}
     truth: Counter[str] = Counter()
     referencing: dict[str, tuple[str, ...]] = {}
@@ -207,6 +168,62 @@ def inspect_directory(directory: Directory, rows: dict[str, BlockRow] | None,
             if (rows[n].refs if n in rows else 0) != truth[n]
         )
     return report
+
+
+def _read_headers(directory: Directory, headers: dict[str, str],
+                  report: CheckReport) -> tuple[dict[str, _Read], Keys]:
+    """Every header that parses, and the keys each block is named with by the
+    headers referencing it; the rest reported (corrupt, newer, unreadable)."""
+    read: dict[str, _Read] = {}
+    keys: Keys = {}  # block -> the keys its referencing headers name it with
+    for entry_id, p in headers.items():
+        path = Path(p)
+        try:
+            header = directory.read_header(path)
+            record = directory.record(entry_id, path, header, path.stat().st_size)
+        except FileNotFoundError:
+            continue  # removed while we looked
+        except CorruptError:
+            report.corrupt_headers.append(directory.rel(path))
+            continue
+        except NewerFormatError:
+            report.newer_headers.append(directory.rel(path))
+            continue
+        except Exception:  # noqa: BLE001 - EMFILE, EIO, MemoryError: not proof of corruption
+            report.unreadable.append(directory.rel(path))
+            continue
+        key = block_naming_key(header.identity, header.ns)
+        read[entry_id] = _Read(record.path, record, key, record.owner in directory.modes)  # of either mode
+        _add_keys(keys, key, record.blocks)
+    return read, keys
+
+
+def _judge_blocks(directory: Directory, files: set[str], keys: Keys, verified: Verified | None,
+                  report: CheckReport, progress: Progress | None) -> dict[str, Verdict]:
+    """Each block file's verdict, hashed here unless ``verified`` already judged
+    it good; a block gone meanwhile leaves ``files``, one not read is reported."""
+    known, unread = verified or ({}, [])
+    rest = {n: known[n] for n in files if n in known}
+    fresh = [n for n in sorted(files) if n not in unread and (n not in rest or _corrupt(rest[n], keys, n))]
+    report.unreadable += [directory.rel(directory.pool.path(n)) for n in unread if n in files]
+    for done, name in enumerate(fresh, 1):
+        try:
+            verdict = _verdict(directory, name, keys)
+        except OversizedError:  # not read, not convicted: an orphan still, if nothing references it
+            rest.pop(name, None)
+            report.oversized_blocks.append(name)
+        except Exception:  # noqa: BLE001 - not proof of corruption: neither corrupt nor an orphan
+            rest.pop(name, None)
+            report.unreadable.append(directory.rel(directory.pool.path(name)))
+        else:
+            if verdict is None:
+                files.discard(name)
+                rest.pop(name, None)
+            else:
+                rest[name] = verdict
+        if progress is not None and verified is None:
+            progress(done, len(fresh))
+    return rest
 
 
 def check_directory(directory: Directory, *, lock_timeout: float | None = None,
