@@ -4,8 +4,9 @@ prompt-cache files in and out of a store (``cache_files``).
 
 The adapter's other modules say what a model's cache is to the store: its
 identity from the model's files (``identity``), the layout a restored cache
-must fit (``cache_fit``), a prompt's cache as mlx-lm builds it (``warm``), the
-disk budget (``budget``); and the ``demo``.
+must fit (``cache_fit``), what of mlx-lm's entry a store may keep (``storable``:
+a draft model's cache one token behind, image ids), a prompt's cache as mlx-lm
+builds it (``warm``), the disk budget (``budget``); and the ``demo``.
 
 The public names load on first use, so a command that needs only ``identity``
 (``blockkv warm``'s argument check, ``stats``) never imports mlx-lm.
