@@ -61,6 +61,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# tools/, for its benchmarks/ package (this file is run as a script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks.harness import drop_page_cache  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 START_BOUND_S = 300.0  # a broken server fails the run instead of hanging it
 REQUEST_BOUND_S = 3600.0
@@ -195,23 +200,6 @@ class Server:
         writes and closes (Ctrl-C is ignored when the run is a background job)."""
         if self.process.stop(START_BOUND_S) == -signal.SIGKILL:
             raise RuntimeError(f"server did not stop on SIGTERM:\n{self.process.log.read_text()[-4000:]}")
-
-
-def drop_page_cache(root: Path) -> int:
-    """Evict every file under ``root`` from the page cache; returns how many.
-    Pages still dirty are not dropped, so each file is fsync'd first (the
-    server's own writes are durable already: that is a no-op for them)."""
-    n = 0
-    for path in root.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                n += 1
-            finally:
-                os.close(fd)
-    return n
 
 
 class Restarts:

@@ -5,6 +5,7 @@ paths of the repository and of the entry point, which child processes run."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -81,3 +82,20 @@ def median_time(
 
 def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
+
+
+def drop_page_cache(root: Path) -> int:
+    """Evict every file under ``root`` from the page cache; returns how many.
+    Pages still dirty are not dropped, so each file is fsync'd first (the
+    server's own writes are durable already: that is a no-op for them)."""
+    n = 0
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
