@@ -36,7 +36,7 @@ from typing import Any, cast
 from mlx_lm.models.cache import LRUPromptCache
 
 from blockkv import BlockStore
-from blockkv.format.codec import codec_for, encode_cache, record_offsets
+from blockkv.format.codec import codec_for, encode_cache, minimum_reusable_offset, record_offsets, trimmable
 from blockkv.fs import FileLayer
 from blockkv.mlx_lm.budget import DiskShare
 from blockkv.mlx_lm.cache_fit import ModelLayout
@@ -52,6 +52,13 @@ DEFAULT_CACHE_BYTES = 16 << 30
 # measured a 1,835-token prompt: 0.13 s restored, 7.3 s prefilled, 56x), so a
 # restore pays when it saves one token of prefill per 16 it reads, with margin.
 RESTORE_READ_PER_SAVED = 16
+# A prompt segment's cache (mlx-lm's batched server inserts the prompt but its
+# last token, cache_type "user", and a first turn's system prompt, "system")
+# waits for its request's final cache instead of being written at once: that
+# cache continues it and, trimmable, supersedes it on disk (the store's rule),
+# so writing it is work thrown away (issue #45: half the spills). At most this
+# many wait at once; the oldest beyond it is written.
+HELD_SEGMENTS = 8
 
 
 # A model key whose store could not be opened is tried again at its next use,
@@ -143,6 +150,7 @@ class PersistentPromptCache(LRUPromptCache):
         self._models = models
         self._layouts: dict[Any, ModelLayout | None] = {}
         self._pending: set[Future[bool]] = set()
+        self._held: dict[tuple[str, tuple[int, ...]], tuple[Any, list[Any]]] = {}  # (ns, key) -> (model, cache)
         self._ram_only_kinds: set[tuple[type, ...]] = set()
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -162,6 +170,7 @@ class PersistentPromptCache(LRUPromptCache):
                 "promoted_to_ram",
                 "spills",
                 "spills_skipped",
+                "spills_superseded",
                 "spills_not_uploaded",
                 "spill_failures",
                 "ram_only_inserts",
@@ -384,18 +393,26 @@ class PersistentPromptCache(LRUPromptCache):
         """Insert into the RAM tier, then spill to disk write-behind.
 
         ``store_async`` snapshots the arrays before returning, so the caller's
-        later in-place cache updates cannot change what is written. A cache
-        list with a class blockkv cannot encode stays in the RAM tier only."""
+        later in-place cache updates cannot change what is written. A prompt
+        segment's cache (``cache_type`` other than "assistant") is held until
+        its request's final cache, which supersedes it (``HELD_SEGMENTS``). A
+        cache list with a class blockkv cannot encode stays in the RAM tier only."""
         ram_key, ns = self._namespace(model)
         super().insert_cache(ram_key, tokens, prompt_cache, cache_type=cache_type)
         if not tokens:
             return
+        self._spill_safely(model, list(tokens), prompt_cache, ns, cache_type)
+
+    def _spill_safely(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str,
+                      cache_type: str = "assistant") -> None:
+        """``_spill``, with what fails kept from the caller: a class with no codec
+        makes its cache lists RAM-only (one warning), anything else is a spill failure."""
         kinds = tuple(type(c) for c in prompt_cache)
         if kinds in self._ram_only_kinds:
             self._count(ram_only_inserts=1)
             return
         try:
-            self._spill(model, list(tokens), prompt_cache, ns)
+            self._spill(model, key, prompt_cache, ns, cache_type)
         except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
             unknown = _classes_without_codec(prompt_cache)
             if unknown:
@@ -411,10 +428,14 @@ class PersistentPromptCache(LRUPromptCache):
                 self._count(spill_failures=1)
                 self._warn_once(f"spill:{type(e).__name__}", "blockkv: spilling a prompt cache failed: %s", e)
 
-    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str) -> None:
+    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str, cache_type: str) -> None:
         store = self.store_for(model)
         if store is None:
             return
+        if cache_type != "assistant":  # a prompt segment: held for the final cache that continues it
+            self._hold(model, key, prompt_cache, ns)
+            return
+        self._settle_held(model, key, prompt_cache, ns)
         if text_prefix_len(key) < len(key):
             self._warn_once("image", "blockkv: image prompts are stored on disk up to their first image only: an "
                             "image's KV stays in the RAM tier (docs/mlx-lm.md)", level=logging.INFO)
@@ -430,6 +451,45 @@ class PersistentPromptCache(LRUPromptCache):
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(partial(self._spilled, store, key, ns))
+
+    def _hold(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str) -> None:
+        """Keep a prompt segment's cache back (``HELD_SEGMENTS``); mlx-lm never
+        changes a cache once inserted (it hands out deep copies), so holding
+        the reference holds what was inserted."""
+        with self._lock:
+            self._held[(ns, tuple(key))] = (model, prompt_cache)
+            overflow = list(self._held.items())[: max(0, len(self._held) - HELD_SEGMENTS)]
+            for k, _ in overflow:
+                del self._held[k]
+        for (held_ns, held_key), (held_model, held_cache) in overflow:
+            self._spill_safely(held_model, list(held_key), held_cache, held_ns)
+
+    def _settle_held(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str) -> None:
+        """The held segments this final cache continues: superseded (dropped) if
+        it is trimmable down to them, as the store would remove them once it
+        lands; written otherwise."""
+        tokens = tuple(key)
+        with self._lock:
+            continued = [(k, v) for k, v in self._held.items()
+                         if k[0] == ns and v[0] == model and tokens[: len(k[1])] == k[1]]
+            for k, _ in continued:
+                del self._held[k]
+        if not continued:
+            return
+        supersedes = trimmable(prompt_cache)
+        floor = minimum_reusable_offset(prompt_cache) if supersedes else 0
+        for (held_ns, held_key), (held_model, held_cache) in continued:
+            if supersedes and floor <= len(held_key):
+                self._count(spills_superseded=1)
+            else:
+                self._spill_safely(held_model, list(held_key), held_cache, held_ns)
+
+    def _write_held(self) -> None:
+        """Every held segment written (no final cache came, or a flush asks for everything)."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for (ns, key), (model, cache) in held.items():
+            self._spill_safely(model, list(key), cache, ns)
 
     def _spilled(self, store: BlockStore, key: list[int], ns: str, future: Future[bool]) -> None:
         with self._lock:
@@ -454,7 +514,9 @@ class PersistentPromptCache(LRUPromptCache):
 
     # -- lifetime -----------------------------------------------------------
     def flush(self) -> None:
-        """Wait until every spill started so far is on disk (or has failed)."""
+        """Write every held prompt segment, then wait until every spill started
+        so far is on disk (or has failed)."""
+        self._write_held()
         with self._lock:
             pending = list(self._pending)
         wait(pending)

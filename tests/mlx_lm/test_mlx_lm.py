@@ -4,6 +4,7 @@ and greedy output is identical to a cold run."""
 
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import random
@@ -143,6 +144,37 @@ def test_system_segment_entries_serve_new_conversations(tiny: Model, cache_dir: 
     cold = tiny.agent.ask_tokens(prompt, None)
     assert warm.from_disk == len(system)
     assert warm.generated == cold.generated
+
+
+def test_a_prompt_segment_waits_for_the_final_cache_that_supersedes_it(tiny: Model, cache_dir: Path) -> None:
+    """mlx-lm's batched server inserts the prompt but its last token
+    (cache_type="user"), then the prompt and its answer: a trimmable final
+    cache supersedes the segment, which is then never written; an untrimmable
+    one (mamba) does not, and both are. Either way the disk serves the segment's
+    prefix, and a flush writes a segment no final cache followed."""
+    prompt = tiny.encode(60, seed=31)
+    caches, logits = _prefill(tiny, prompt[:-1])
+    with ShortPromptCache(cache_dir=cache_dir) as cache:
+        cache.insert_cache(tiny.key, prompt[:-1], copy.deepcopy(caches), cache_type="user")
+        assert cache.tier_stats["spills"] == 0  # held
+        answer = [prompt[-1], *(int(t) for t in mx.argmax(logits[0, -3:], axis=-1).tolist())]
+        tiny.model(mx.array(answer)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        final = prompt + answer[1:]
+        cache.insert_cache(tiny.key, final, caches, cache_type="assistant")
+        cache.flush()
+        store = cache.store_for(tiny.key)
+        assert store is not None
+        superseded = cache.tier_stats["spills_superseded"]
+        assert cache.tier_stats["spills"] + superseded == 2
+        assert len(store) == 2 - superseded  # what the store's rule would have removed was never written
+        assert superseded == all(c.is_trimmable() for c in caches)
+        match = store.find(prompt[:-1] + [prompt[-1] + 1])
+        assert match is not None and match.prefix_len == len(prompt) - 1
+        other = tiny.encode(40, seed=32)
+        cache.insert_cache(tiny.key, other, _prefill(tiny, other)[0], cache_type="system")
+        cache.flush()
+        assert cache.tier_stats["spills"] + superseded == 3 and store.find_exact(other) is not None
 
 
 def _prefill(m: Model, tokens: list[int]) -> tuple[list[Any], mx.array]:
