@@ -11,7 +11,9 @@ on plain mlx-lm; (b) with its servers made ``blockkv serve``'s over a fresh
 ``--cache-dir``; (c) the same again on that cache directory (a restart).
 Prints each test's outcome in the three runs, the ``insert_cache`` calls the
 suite made per model key, the caches' spill counts, and the entries ``blockkv
-ls`` finds on disk after each blockkv run. Exit 1 if a test passing on plain
+ls`` finds on disk after each blockkv run. ``--draft-served-alone``: the suite's draft-model
+server serves each request alone, as mlx-lm's own provider does with a draft model (the suite's
+provider leaves it batchable, so mlx-lm's batched path serves its draft-model tests without the draft). Exit 1 if a test passing on plain
 mlx-lm fails on blockkv, or an insert of a served model did not reach the disk.
 """
 
@@ -71,10 +73,11 @@ def prepare(work: Path, suite: str) -> Path:
     return tests
 
 
-def run_suite(tests: Path, out: Path, cache_dir: Path, flags: str | None) -> tuple[dict[str, str], dict]:
+def run_suite(tests: Path, out: Path, cache_dir: Path, flags: str | None, draft_alone: bool
+              ) -> tuple[dict[str, str], dict]:
     """Run the suite in a process of its own (on blockkv serve with ``flags`` unless None):
     each test's outcome, and the conftest's counts."""
-    env = dict(os.environ)
+    env = dict(os.environ, BLOCKKV_SUITE_DRAFT_ALONE="1" if draft_alone else "")
     report = out.with_suffix(".counts.json")
     report.unlink(missing_ok=True)
     if flags is not None:
@@ -104,14 +107,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/blockkv-mlx-lm-suite"))
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument("--draft-served-alone", action="store_true",
+                        help="the suite's draft-model server serves each request alone, as mlx-lm's own provider "
+                        "does with a draft model (the suite's leaves it batchable, so its batched path never "
+                        "uses the draft)")
     args = parser.parse_args()
     work = args.work.resolve()
     tests = prepare(work, fetch_suite(work / "sdist"))
-    cache_dir = work / "cache"
+    cache_dir = work / ("cache-draft-alone" if args.draft_served_alone else "cache")
     shutil.rmtree(cache_dir, ignore_errors=True)
     results: dict[str, dict] = {}
     for run, flags in RUNS.items():
-        outcomes, counts = run_suite(tests, work / run.replace(" ", "-"), cache_dir, flags)
+        out = work / f"{'draft-alone-' if args.draft_served_alone else ''}{run.replace(' ', '-')}"
+        outcomes, counts = run_suite(tests, out, cache_dir, flags, args.draft_served_alone)
         results[run] = {"outcomes": outcomes, "counts": counts,
                         "disk_entries": None if flags is None else disk_entries(cache_dir)}
     if args.json:

@@ -1,7 +1,8 @@
 """conftest.py of mlx-lm's ``tests/test_server.py`` run by ``tools/mlx_lm_server_suite.py``.
 
 Copied beside the suite. Without ``$BLOCKKV_SUITE_CACHE_DIR`` it does nothing
-(the suite runs against plain ``mlx_lm.server``). With it, the suite's
+(the suite runs against plain ``mlx_lm.server``), but for
+``$BLOCKKV_SUITE_DRAFT_ALONE`` (``_draft_served_alone``). With it, the suite's
 servers become ``blockkv serve``'s: the suite builds its servers in-process
 from names of its own module (``DummyModelProvider``, ``LRUPromptCache``,
 ``APIHandler``, ``http.server.HTTPServer``), so those names are replaced by
@@ -22,12 +23,14 @@ from typing import Any
 
 CACHE_DIR = os.environ.get("BLOCKKV_SUITE_CACHE_DIR")
 REPORT = os.environ.get("BLOCKKV_SUITE_REPORT")
+DRAFT_ALONE = bool(os.environ.get("BLOCKKV_SUITE_DRAFT_ALONE"))
 
 _caches: list[Any] = []
 _inserts: Counter[str] = Counter()  # model key -> insert_cache calls with tokens
 _inserts_by_test: Counter[str] = Counter()
-_keys: list[tuple[Any, Any, list[int]]] = []  # (cache, model key, tokens) of every insert with tokens
+_keys: list[tuple[Any, Any, list[int], Any]] = []  # (cache, model key, tokens, cache list) of each insert with tokens
 _current_test = {"id": "(collection)"}
+_cut_by: Counter[int] = Counter()  # entries on disk by how many tokens of mlx-lm's key their caches lacked
 
 
 class _ServeView:
@@ -54,12 +57,12 @@ def _bare_view() -> types.SimpleNamespace:
 def _counting(cache: Any) -> Any:
     insert = cache.insert_cache
 
-    def insert_cache(model: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+    def insert_cache(model: Any, tokens: Any, prompt_cache: Any, *args: Any, **kwargs: Any) -> Any:
         if len(tokens):
             _inserts[repr(model)] += 1
             _inserts_by_test[_current_test["id"]] += 1
-            _keys.append((cache, model, [int(t) for t in tokens]))
-        return insert(model, tokens, *args, **kwargs)
+            _keys.append((cache, model, [int(t) for t in tokens], prompt_cache))
+        return insert(model, tokens, prompt_cache, *args, **kwargs)
 
     cache.insert_cache = insert_cache
     return cache
@@ -90,11 +93,24 @@ def _serve_through_blockkv(module: Any) -> None:
     module.http = types.SimpleNamespace(server=types.SimpleNamespace(HTTPServer=node.server_class()))
 
 
+def _draft_served_alone(module: Any) -> None:
+    """mlx-lm's ``ModelProvider`` serves a model with a draft alone (``is_batchable``
+    False); the suite's provider leaves it batchable, where the draft is never used."""
+
+    class Provider(module.DummyModelProvider):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.is_batchable = self.draft_model is None
+
+    module.DummyModelProvider = Provider
+
+
 def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
-    if not CACHE_DIR:
-        return
     for module in {item.module for item in items if getattr(item, "module", None) is not None}:
-        _serve_through_blockkv(module)
+        if DRAFT_ALONE:
+            _draft_served_alone(module)
+        if CACHE_DIR:
+            _serve_through_blockkv(module)
 
 
 def pytest_runtest_setup(item: Any) -> None:
@@ -106,7 +122,8 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         return
     for cache in _caches:
         cache.flush()
-    short = [_shortfall(cache, model, tokens) for cache, model, tokens in _keys]
+    layers: dict[tuple[int, str], int] = {}
+    short = [_shortfall(cache, model, tokens, caches, layers) for cache, model, tokens, caches in _keys]
     totals: Counter[str] = Counter()
     for cache in _caches:
         cache.close()  # waits for every write-behind spill
@@ -114,18 +131,35 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     with open(REPORT, "w") as f:
         json.dump({"inserts": dict(_inserts), "inserts_by_test": dict(_inserts_by_test),
                    "tier_stats": dict(totals), "caches": len(_caches),
-                   "not_on_disk": [s for s in short if s is not None]}, f, indent=1)
+                   "not_on_disk": [s for s in short if s is not None],
+                   "inserts_by_caches": dict(Counter(str(len(c)) for _, _, _, c in _keys)),
+                   "entries_by_caches": dict(Counter(str(n) for n in layers.values())),
+                   "on_disk_short_of_the_key_by": {str(k): v for k, v in sorted(_cut_by.items())}}, f, indent=1)
 
 
-def _shortfall(cache: Any, model: Any, tokens: list[int]) -> dict | None:
-    """None if an entry on disk starts with ``tokens`` (the insert's own, or a longer one
-    superseding it); else how much of them the disk holds at most."""
+def _shortfall(cache: Any, model: Any, tokens: list[int], prompt_cache: Any,
+              layers: dict[tuple[int, str], int]) -> dict | None:
+    """None if an entry on disk of as many caches as the insert (a draft model's
+    entry holds the model's and the draft's) starts with the tokens every one of
+    its caches holds (a draft's lags mlx-lm's key; the entry may be the insert's
+    own, or a longer one superseding it); else how much of them it holds at
+    most. ``layers`` remembers each entry's cache count (read by restoring it)."""
+    caches = len(prompt_cache)
+    held_by_all = min([len(tokens), *(c.offset for c in prompt_cache if isinstance(getattr(c, "offset", None), int))])
     store = cache.store_for(model)
     if store is None:
         return {"model": repr(model), "tokens": len(tokens), "on_disk": 0, "why": "no store for this model key"}
     held = 0
     for entry in store.entries():
+        if (id(store), entry.id) not in layers:
+            restored = store.restore(entry)
+            layers[(id(store), entry.id)] = len(restored.caches) if restored is not None else -1
+        if layers[(id(store), entry.id)] != caches:
+            continue
         stored = entry.token_array.tolist()
         common = next((i for i, (a, b) in enumerate(zip(stored, tokens)) if a != b), min(len(stored), len(tokens)))
         held = max(held, common)
-    return None if held == len(tokens) else {"model": repr(model), "tokens": len(tokens), "on_disk": held}
+    _cut_by[len(tokens) - held_by_all] += held >= held_by_all
+    if held >= held_by_all:
+        return None
+    return {"model": repr(model), "tokens": len(tokens), "held_by_all": held_by_all, "caches": caches, "on_disk": held}
