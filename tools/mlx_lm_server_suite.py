@@ -11,9 +11,10 @@ on plain mlx-lm; (b) with its servers made ``blockkv serve``'s over a fresh
 ``--cache-dir``; (c) the same again on that cache directory (a restart).
 Prints each test's outcome in the three runs, the ``insert_cache`` calls the
 suite made per model key, the caches' spill counts, and the entries ``blockkv
-ls`` finds on disk after each blockkv run. ``--draft-served-alone``: the suite's draft-model
-server serves each request alone, as mlx-lm's own provider does with a draft model (the suite's
-provider leaves it batchable, so mlx-lm's batched path serves its draft-model tests without the draft). Exit 1 if a test passing on plain
+ls`` finds on disk after each blockkv run. ``--draft-served-alone``: the suite's
+draft-model server serves each request alone, as mlx-lm's own provider does with
+a draft model (the suite's provider leaves it batchable, so mlx-lm's batched
+path serves its draft-model tests without the draft). Exit 1 if a test passing on plain
 mlx-lm fails on blockkv, or an insert of a served model did not reach the disk.
 """
 
@@ -103,6 +104,42 @@ def disk_entries(cache_dir: Path) -> int:
     return len(data["entries"] if isinstance(data, dict) else data)
 
 
+def run_all(work: Path, draft_served_alone: bool = False, runs: tuple[str, ...] = tuple(RUNS)) -> dict[str, dict]:
+    """``runs`` of ``RUNS`` (plain first), in order, in ``work``: each test's outcome,
+    the conftest's counts, the entries on disk."""
+    work = work.resolve()
+    tests = prepare(work, fetch_suite(work / "sdist"))
+    cache_dir = work / ("cache-draft-alone" if draft_served_alone else "cache")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    results: dict[str, dict] = {}
+    for run in runs:
+        flags = RUNS[run]
+        out = work / f"{'draft-alone-' if draft_served_alone else ''}{run.replace(' ', '-')}"
+        outcomes, counts = run_suite(tests, out, cache_dir, flags, draft_served_alone)
+        results[run] = {"outcomes": outcomes, "counts": counts,
+                        "disk_entries": None if flags is None else disk_entries(cache_dir)}
+    return results
+
+
+def regressions(results: dict[str, dict]) -> list[str]:
+    """``run: test`` for each test passing on plain mlx-lm that did not pass on a blockkv run."""
+    plain = results["plain"]["outcomes"]
+    return [f"{run}: {name}" for run in list(results)[1:] for name, outcome in sorted(plain.items())
+            if outcome == "passed" and results[run]["outcomes"].get(name) != "passed"]
+
+
+def lost_inserts(results: dict[str, dict]) -> dict[str, list]:
+    """Per blockkv run, the inserts of the served model that did not reach the disk, and the
+    failed or RAM-only spills (mlx-lm's unit tests' mock caches, keyed by no model, aside)."""
+    lost = {}
+    for run in list(results)[1:]:
+        counts = results[run]["counts"]
+        stats = counts.get("tier_stats", {})
+        lost[run] = [m for m in counts.get("not_on_disk", []) if "no store" not in m.get("why", "")]
+        lost[run] += [f"{stats.get(k)} {k}" for k in ("spill_failures", "ram_only_inserts") if stats.get(k) != 0]
+    return lost
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/blockkv-mlx-lm-suite"))
@@ -112,16 +149,7 @@ def main() -> int:
                         "does with a draft model (the suite's leaves it batchable, so its batched path never "
                         "uses the draft)")
     args = parser.parse_args()
-    work = args.work.resolve()
-    tests = prepare(work, fetch_suite(work / "sdist"))
-    cache_dir = work / ("cache-draft-alone" if args.draft_served_alone else "cache")
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    results: dict[str, dict] = {}
-    for run, flags in RUNS.items():
-        out = work / f"{'draft-alone-' if args.draft_served_alone else ''}{run.replace(' ', '-')}"
-        outcomes, counts = run_suite(tests, out, cache_dir, flags, args.draft_served_alone)
-        results[run] = {"outcomes": outcomes, "counts": counts,
-                        "disk_entries": None if flags is None else disk_entries(cache_dir)}
+    results = run_all(args.work, args.draft_served_alone)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return report(results)
@@ -129,28 +157,24 @@ def main() -> int:
 
 def report(results: dict[str, dict]) -> int:
     """Print the table and the counts; 1 if blockkv lost a test or an entry."""
-    plain, runs = results["plain"]["outcomes"], list(RUNS)
+    plain, runs = results["plain"]["outcomes"], list(results)
     print(f"\n| test | {' | '.join(runs)} |\n|{'---|' * (len(runs) + 1)}")
-    regressions = 0
     for name in sorted(plain):
-        row = [results[run]["outcomes"].get(name, "missing") for run in runs]
-        regressions += plain[name] == "passed" and any(o != "passed" for o in row[1:])
-        print(f"| {name} | {' | '.join(row)} |")
-    lost = 0
+        print(f"| {name} | {' | '.join(results[run]['outcomes'].get(name, 'missing') for run in runs)} |")
     for run in runs[1:]:
         counts = results[run]["counts"]
         stats = counts.get("tier_stats", {})
-        missing = counts.get("not_on_disk", [])
-        served = [m for m in missing if "no store" not in m.get("why", "")]
-        print(f"\n{run}: inserts per model key {counts.get('inserts')}; spills {stats.get('spills')}, "
-              f"already on disk {stats.get('spills_skipped')}, failed {stats.get('spill_failures')}, "
-              f"RAM-only {stats.get('ram_only_inserts')}; disk hits {stats.get('disk_hits')} "
-              f"({stats.get('tokens_from_disk')} tokens); entries on disk after the run: "
-              f"{results[run]['disk_entries']}; inserts no entry on disk covers: {len(served)} of a served model "
-              f"{served}, {len(missing) - len(served)} of a model key naming no model (mlx-lm's unit tests' mocks)")
-        lost += len(served) + stats.get("spill_failures", 0) + stats.get("ram_only_inserts", 0)
-    print(f"\n{regressions} tests passing on plain mlx-lm fail on blockkv; {lost} inserts not on disk")
-    return 1 if regressions or lost else 0
+        print(f"\n{run}: inserts per model key {counts.get('inserts')}, by caches per entry "
+              f"{counts.get('inserts_by_caches')}; spills {stats.get('spills')}, already on disk "
+              f"{stats.get('spills_skipped')}, failed {stats.get('spill_failures')}, RAM-only "
+              f"{stats.get('ram_only_inserts')}; disk hits {stats.get('disk_hits')} ({stats.get('tokens_from_disk')} "
+              f"tokens), misfits {stats.get('misfits')}; entries on disk after the run: "
+              f"{results[run]['disk_entries']}; on disk, by tokens short of mlx-lm's key: "
+              f"{counts.get('on_disk_short_of_the_key_by')}")
+    lost, lost_tests = lost_inserts(results), regressions(results)
+    print(f"\ntests passing on plain mlx-lm that fail on blockkv: {lost_tests or 'none'}")
+    print(f"inserts of the served model not on disk: {lost}")
+    return 1 if lost_tests or any(lost.values()) else 0
 
 
 if __name__ == "__main__":
