@@ -1,10 +1,11 @@
-"""``GET /health`` and ``GET /v1/models`` on ``blockkv serve``: mlx-lm's
-answers, with what a user of the disk tier needs to know.
+"""``GET /blockkv/health`` and ``GET /v1/models`` on ``blockkv serve``: what a
+user of the disk tier needs to know, beside mlx-lm's answers.
 
-- ``/health`` keeps mlx-lm's status code and ``status``, and adds
-  ``disk_tier``: ``{"state": "on" | "off" | "not open yet", "why": ...}`` for
-  the default model, so a node running RAM-only (a cache directory it cannot
-  open, a model still downloading) says so, and why.
+- ``/health`` is mlx-lm's own, body and code (its clients, and mlx-lm's own
+  test suite, compare the body whole). ``/blockkv/health`` answers the same
+  code and ``status``, and ``disk_tier``: ``{"state": "on" | "off" | "not open
+  yet", "why": ...}`` for the default model, so a node running RAM-only (a
+  cache directory it cannot open, a model still downloading) says so, and why.
 - ``/v1/models``: mlx-lm 0.32.2 sends its 200 headers, then lists the Hugging
   Face cache, which raises when there is no such directory: the client gets an
   empty body. Without that directory the answer is mlx-lm's own list with no
@@ -18,16 +19,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+PATH = "/blockkv/health"
+
 
 def health_handler(base: type, disk_tier: Callable[[], tuple[str, str | None]]) -> type:
     """mlx-lm's request handler class ``base`` with the two answers above."""
 
     class HealthHandler(base):  # type: ignore[misc, valid-type]
-        def handle_health_check(self) -> None:
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != PATH:
+                return super().do_GET()
             healthy = self.response_generator.is_healthy
             state, why = disk_tier()
             body = {"status": "ok" if healthy else "unavailable", "disk_tier": {"state": state, "why": why}}
             self._answer_json(200 if healthy else 503, body)
+            return None
 
         def handle_models_request(self) -> None:
             from huggingface_hub import constants

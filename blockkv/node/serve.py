@@ -8,7 +8,8 @@ replaces the names the server looks up when it starts (every one of them is
 in ``hooks.py``) so the prompt cache it builds is a
 ``PersistentPromptCache`` configured with the server's own KV-quantisation and
 chat-template flags; its HTTP server also answers ``GET /metrics``
-(``metrics.py``), ``POST /blockkv/flush`` (``flush.py``) and, for ``blockkv
+(``metrics.py``), ``POST /blockkv/flush`` (``flush.py``), ``GET
+/blockkv/health`` (the disk tier's state: ``health.py``) and, for ``blockkv
 route``, what the server holds (``GET /blockkv/events``, ``GET
 /blockkv/residency``: ``residency_endpoint.py``); with API keys every path but
 ``/health`` needs one (``auth.py``), and ``--per-key-cache`` gives each key a
@@ -390,7 +391,7 @@ class _Node:
             cache.open_published()
 
     def disk_tier(self) -> tuple[str, str | None]:
-        """The default model's disk tier, for ``/health``."""
+        """The default model's disk tier, for ``/blockkv/health``."""
         caches = list(self.caches)
         return caches[0].disk_tier(caches[0].model_key) if caches else ("not open yet", None)
 

@@ -139,7 +139,8 @@ def _get(server: Server, path: str) -> tuple[int, Any]:
 def test_a_first_run_from_a_repo_id_stores_from_its_first_request(
     models: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--model owner/name`` on a first run: the server answers /health while
+    """``--model owner/name`` on a first run: the server answers /health (mlx-lm's
+    body; /blockkv/health adds the disk tier's state) while
     mlx-lm downloads the model (config first, weights 3 s later), its disk tier
     opens once the model is loaded, so the first request's entry reaches the
     disk, under the identity a later run (the snapshot all there) finds again.
@@ -156,10 +157,11 @@ def test_a_first_run_from_a_repo_id_stores_from_its_first_request(
     server = Server(command(DOWNLOAD_S), "owner/tiny", tmp_path / "cache", tmp_path / "a.log")
     try:
         assert _get(server, "/v1/models") == (200, {"object": "list", "data": []})
-        status, health = _get(server, "/health")
+        assert _get(server, "/health") == (200, {"status": "ok"})  # mlx-lm's answer, whole
+        status, health = _get(server, "/blockkv/health")
         assert status == 200 and health["disk_tier"] == {"state": "not open yet", "why": None}
         a = _ask(server, conversation)
-        assert _get(server, "/health")[1]["disk_tier"] == {"state": "on", "why": None}
+        assert _get(server, "/blockkv/health")[1] == {"status": "ok", "disk_tier": {"state": "on", "why": None}}
     finally:
         log = server.stop()
     assert _spills(log)[0] >= 1 and "cannot open cache" not in log  # each segment boundary is an entry

@@ -118,12 +118,13 @@ def test_a_node_answers_each_of_its_keys_and_nothing_else(keyed: Keyed) -> None:
                 _chat(url, wrong, stream)
             assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
     bearer = {"Authorization": f"Bearer {keyed.in_env}"}
-    for path in ("/metrics", "/blockkv/residency", "/blockkv/events?since=0", "/v1/models"):
+    for path in ("/metrics", "/blockkv/residency", "/blockkv/events?since=0", "/blockkv/health", "/v1/models"):
         assert _refused(*_get(url + path)), path
         assert _refused(*_get(url + path, {"Authorization": f"Basic {keyed.in_env}"})), path
         assert _get(url + path, bearer)[0] == 200, path
     assert _refused(*_get(url + "/v1/chat/completions", {"Content-Type": "application/json"}, b"{}"))
     assert _get(url + "/health") == (200, _get(url + "/health", bearer)[1])  # the probe needs no key
+    assert json.loads(_get(url + "/health")[1]) == {"status": "ok"}  # mlx-lm's answer, whole
 
 
 def test_the_router_checks_its_clients_keys_and_sends_the_nodes_its_own(keyed: Keyed) -> None:
