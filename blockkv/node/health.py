@@ -2,10 +2,12 @@
 user of the disk tier needs to know, beside mlx-lm's answers.
 
 - ``/health`` is mlx-lm's own, body and code (its clients, and mlx-lm's own
-  test suite, compare the body whole). ``/blockkv/health`` answers the same
-  code and ``status``, and ``disk_tier``: ``{"state": "on" | "off" | "not open
-  yet", "why": ...}`` for the default model, so a node running RAM-only (a
-  cache directory it cannot open, a model still downloading) says so, and why.
+  test suite, compare the body whole), as long as the disk tier is on or not
+  opened yet; while it is off (a cache directory it cannot open) the body
+  also says so: ``"disk_tier": {"state": "off", "why": ...}``, with mlx-lm's
+  code (the node still serves, from RAM). ``/blockkv/health`` answers the
+  same code and ``status``, and ``disk_tier`` always: ``{"state": "on" |
+  "off" | "not open yet", "why": ...}`` for the default model.
 - ``/v1/models``: mlx-lm 0.32.2 sends its 200 headers, then lists the Hugging
   Face cache, which raises when there is no such directory: the client gets an
   empty body. Without that directory the answer is mlx-lm's own list with no
@@ -27,10 +29,13 @@ def health_handler(base: type, disk_tier: Callable[[], tuple[str, str | None]]) 
 
     class HealthHandler(base):  # type: ignore[misc, valid-type]
         def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != PATH:
+            path = self.path.split("?", 1)[0]
+            if path not in (PATH, "/health"):
                 return super().do_GET()
-            healthy = self.response_generator.is_healthy
             state, why = disk_tier()
+            if path == "/health" and state != "off":
+                return super().do_GET()  # mlx-lm's answer, byte for byte
+            healthy = self.response_generator.is_healthy
             body = {"status": "ok" if healthy else "unavailable", "disk_tier": {"state": state, "why": why}}
             self._answer_json(200 if healthy else 503, body)
             return None
