@@ -180,14 +180,15 @@ class PerKeyPromptCache(ResidentPromptCache):
             return 0
         return match.prefix_len if match is not None else 0
 
-    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str) -> None:
+    def _spill(self, model: Any, key: list[int], prompt_cache: list[Any], ns: str,
+               cache_type: str = "assistant") -> None:
         """Not a key's copy of an entry the shared namespace holds (a system
         segment that is the operator's prompt): that one copy serves every key."""
         store = self.store_for(model)
         if ns and store is not None and store.find_exact(key, SHARED_NAMESPACE) is not None:
             self._count(spills_skipped=1)
             return
-        super()._spill(model, key, prompt_cache, ns)
+        super()._spill(model, key, prompt_cache, ns, cache_type)
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:
