@@ -55,11 +55,8 @@ def same_process(variants: Mapping[str, Callable[[], Any]], caches: list[KVCache
     return {f"{k}_s": statistics.median(v) for k, v in runs.items()}
 
 
-def reads_alone(store: BlockStore, entry: Entry) -> Callable[[], None]:
-    """The floor of any restore of ``entry`` that reads its blocks into mlx
-    arrays: the scatter reads alone (on the store's own reading threads, as a restore's), every rep
-    into the same destination arrays, allocated once; no header, no check, no
-    cache objects. What it returns times one pass."""
+def entry_targets(store: BlockStore, entry: Entry) -> list[Target]:
+    """``entry``'s targets over destination arrays allocated once, as a restore makes them."""
     parsed = ParsedEntry.parse(store._dir.header_bytes(entry.ns, entry.id))
     targets: list[Target] = []
 
@@ -69,6 +66,15 @@ def reads_alone(store: BlockStore, entry: Entry) -> Callable[[], None]:
             yield target
 
     parsed.rebuild(None, keep, lambda name: store._dir.pool.stat(name).size)
+    return targets
+
+
+def reads_alone(store: BlockStore, entry: Entry) -> Callable[[], None]:
+    """The floor of any restore of ``entry`` that reads its blocks into mlx
+    arrays: the scatter reads alone (on the store's own reading threads, as a restore's), every rep
+    into the same destination arrays, allocated once; no header, no check, no
+    cache objects. What it returns times one pass."""
+    targets = entry_targets(store, entry)
     pool, io = store._dir.pool, store._executor("read")
     heads = {t.ref.name: memoryview(bytearray(len(t.frame_prefix))) for t in targets}
 

@@ -1,0 +1,167 @@
+"""Where a verified restore's CPU goes, part by part, next to mlx-lm's load of
+the same cache (issue #45): each part run alone on this one thread and timed
+in thread CPU time (least of the reps: the figure that holds up when other
+work shares the cores, as wall time does not), and how much of it holds the
+GIL, which decides what two reading threads can overlap.
+
+- rebuild, no reads: header parse, destination arrays, one ``Target`` per
+  block, the caches made; every block declared filled without a read.
+- scatter reads: each block's ``read_exact`` into its destination pieces (the
+  kernel's copy; ``preadv`` drops the GIL).
+- reads + check, fused: the restore's own ``_fill`` path (reads, then
+  xxh3-128 of each 512 KiB run of pieces while it is in cache).
+- check alone: the same xxh3-128 over every piece, from memory.
+- whole restores (verified, unverified) and mlx-lm's load: process CPU, on
+  the store's own reading threads, alternated.
+- a verified restore's timeline: wall time before its first block read
+  (header, allocation, targets), while the reads run, after the last.
+
+    python tools/restore_profile.py                    # 4,096 and 8,704 tokens, 9 reps
+    python tools/restore_profile.py --tokens 8704 --reps 21
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, for benchmarks/
+
+from benchmarks.config import FULL
+from benchmarks.harness import open_store
+from benchmarks.restore_speed import entry_targets
+from benchmarks.sources import KVSource, eval_caches
+from cpu_budget import alternate
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from blockkv import BlockStore, Entry
+from blockkv.format.rebuild import ParsedEntry
+from blockkv.fs import FileLayer
+from blockkv.local.restore import _feeder
+
+
+def thread_cpu(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Least thread CPU seconds of ``fn`` over ``reps`` runs after one warm run,
+    and the share of its CPU spent in user space over all the reps: the part
+    that holds the GIL here (the kernel's copies inside ``preadv`` drop it)."""
+    fn()
+    best, user, total = float("inf"), 0.0, 0.0
+    for _ in range(reps):
+        r0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
+        fn()
+        t, r1 = time.thread_time() - t0, resource.getrusage(resource.RUSAGE_THREAD)
+        best, user, total = min(best, t), user + r1.ru_utime - r0.ru_utime, total + t
+    return best, user / total
+
+
+class TimedReads(FileLayer):
+    """The store's file layer, noting when each block read starts and ends."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+
+    def read_exact(self, path: Path, buffers: Sequence[memoryview], on_read: Any = None) -> bool:
+        start = time.perf_counter()
+        try:
+            return super().read_exact(path, buffers, on_read)
+        finally:
+            self.spans.append((start, time.perf_counter()))
+
+
+def timeline(store: BlockStore, entry: Entry, timed: TimedReads, reps: int) -> list[str]:
+    """Wall time of a verified restore before its first block read, while its
+    reads run, and after the last: the serial start is what a small entry waits for."""
+    got: list[tuple[float, float, float]] = []
+    for _ in range(reps):
+        timed.spans.clear()
+        start = time.perf_counter()
+        eval_caches(store.restore(entry).caches)
+        end = time.perf_counter()
+        first, last = min(a for a, _ in timed.spans), max(b for _, b in timed.spans)
+        got.append((first - start, last - first, end - last))
+    names = ("start to first block read", "first read to last", "last read to return")
+    return [f"| verified restore: {name}, wall | | | {statistics.median(g[i] for g in got) * 1e3:.1f} ms "
+            f"(least {min(g[i] for g in got) * 1e3:.1f}) |" for i, name in enumerate(names)]
+
+
+def parts(store: BlockStore, entry: Entry) -> dict[str, Callable[[], object]]:
+    """Each part of a verified restore, as a function run on this thread."""
+    pool, key = store._dir.pool, None
+    targets = entry_targets(store, entry)
+    heads = {t.ref.name: memoryview(bytearray(len(t.frame_prefix))) for t in targets}
+    data = store._dir.header_bytes(entry.ns, entry.id)
+
+    def rebuild_only() -> None:
+        ParsedEntry.parse(data).rebuild(None, lambda made: list(made), lambda name: pool.stat(name).size)
+
+    def reads() -> None:
+        for t in targets:
+            assert pool.read_exact(t.ref.name, [heads[t.ref.name], *t.pieces])
+
+    def fused() -> None:
+        for t in targets:
+            check, head = t.check(key=key), heads[t.ref.name]
+            assert pool.read_exact(t.ref.name, [head, *t.pieces], _feeder(check, head))
+            check.finish()
+
+    def check_alone() -> None:
+        for t in targets:
+            check = t.check(key=key)
+            for piece in t.pieces:
+                check.update(piece)
+            check.finish()
+
+    return {"rebuild, no reads": rebuild_only, "scatter reads": reads,
+            "reads + check, fused": fused, "check alone": check_alone}
+
+
+def profile(tokens: int, reps: int, work: Path) -> list[str]:
+    src = KVSource.random(FULL.shape, tokens, seed=1)
+    path = work / f"mlx-{tokens}.safetensors"
+    save_prompt_cache(str(path), src.caches())
+    rows = []
+    timed = TimedReads()
+    with (open_store(work / f"root-{tokens}", FULL.block_tokens, fs=timed) as store,
+          open_store(work / f"root-{tokens}", FULL.block_tokens, verify=False) as unverified):
+        assert store.store(src.tokens, src.caches()), "store refused"
+        entry = store.find_exact(src.tokens).entry
+        targets = entry_targets(store, entry)
+        pieces = sum(len(t.pieces) for t in targets)
+        rows.append(f"| {tokens} tokens: {len(targets)} blocks, {pieces} pieces, "
+                    f"{sum(p.nbytes for t in targets for p in t.pieces) / 2**20:.0f} MiB | | | |")
+        del targets
+        for name, fn in parts(store, entry).items():
+            cpu, user = thread_cpu(fn, reps)
+            rows.append(f"| {name}, one thread | {cpu * 1e3:.1f} ms | {user:.0%} | |")
+        del fn  # it holds the parts' destination arrays: beside them every mlx-lm load faults in fresh pages
+        load = lambda: eval_caches(load_prompt_cache(str(path)))
+        for name, other in (("verified restore", store), ("unverified restore", unverified)):
+            got = alternate({"mlx-lm load": load, name: lambda s=other: eval_caches(s.restore(entry).caches)}, reps)
+            rows += [f"| {k}, process CPU{' (alternating with the next row)' if k == 'mlx-lm load' else ''} "
+                     f"| {least * 1e3:.1f} ms | | {wall * 1e3:.1f} ms |" for k, (wall, _, least) in got.items()]
+        rows += timeline(store, entry, timed, reps)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8704])
+    args = parser.parse_args()
+    rows = ["| part | CPU (least) | user share | wall (median) |", "|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="blockkv-profile-") as work:
+        for tokens in args.tokens:
+            rows += profile(tokens, args.reps, Path(work))
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
