@@ -35,7 +35,7 @@ a freshly started server (one untimed "hello" first, the model's first use).
 The same workload is also run with a RAM budget that holds every session
 (``fits``): there both servers should be equal, and the table shows it.
 
-    python tools/headtohead_bench.py --quick --out DIR   # ~40 s: demo model, 3 sessions x 3 short turns, one run each
+    python tools/headtohead_bench.py --quick --out DIR   # ~1 min: demo model, 3 sessions x 3 short turns, one run each
     python tools/headtohead_bench.py                      # demo model: docs/headtohead-bench.{md,json,png}
     python tools/headtohead_bench.py --models smollm2-135m --sessions 3 --turns 3 --system-tokens 120 --tool-tokens 40
 """
