@@ -80,6 +80,7 @@ class Shape:
     max_tokens: int = 8
     runs: int = 4  # per point, alternated: mlx_lm, blockkv, blockkv, mlx_lm
     budget_sessions: float = 2.0  # the RAM tier holds about this many sessions' last turns
+    points: tuple[str, ...] = ("budget", "fits")
 
 
 QUICK = Shape(models=["demo"], sessions=3, turns=3, system_tokens=300, tool_tokens=100, runs=2)
@@ -227,6 +228,8 @@ def run_model(kind: str, shape: Shape, work: Path) -> dict[str, Any]:
             "prompt_cache_size": 4 * shape.sessions * shape.turns, "last_turn_tokens": tight["last_turn_tokens"]}
     out: dict[str, Any] = {"model": kind, "config": config, "kv_bytes_per_token": kv_bytes_per_token(config)}
     for point, ram in (("budget", tight), ("fits", fits)):
+        if point not in shape.points:
+            continue
         print(f"[{kind}] {point}: --prompt-cache-bytes {ram['prompt_cache_bytes']} "
               f"--prompt-cache-size {ram['prompt_cache_size']}", flush=True)
         out[point] = run_point(model, ram, work, plan, shape)
@@ -246,7 +249,7 @@ def render(report: dict[str, Any], command: str) -> str:
              "| model | RAM point | server | later-turn TTFT median | p90 | wall | prefilled tokens | own-turn hits "
              "| blockkv / mlx_lm TTFT | wall | answers identical |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["models"]:
-        for point in ("budget", "fits"):
+        for point in report["shape"]["points"]:
             p = r[point]
             ram = (f"{p['ram']['prompt_cache_bytes'] / 2**20:.1f} MiB, {p['ram']['prompt_cache_size']} entries")
             for name in SERVERS:
@@ -266,9 +269,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = report["models"]
-    fig, axes = plt.subplots(1, 2 * len(models), figsize=(6 * len(models) * 2, 4), squeeze=False)
+    points = report["shape"]["points"]
+    fig, axes = plt.subplots(1, len(points) * len(models), figsize=(6 * len(models) * len(points), 4), squeeze=False)
     for i, r in enumerate(models):
-        for ax, point in zip(axes[0][2 * i: 2 * i + 2], ("budget", "fits")):
+        for ax, point in zip(axes[0][len(points) * i: len(points) * (i + 1)], points):
             for name, color in zip(SERVERS, ("tab:red", "tab:blue")):
                 run = next(x for x in r[point]["runs"] if x["server"] == name)
                 ttft = [q["ttft_s"] * 1e3 for q in run["requests"]]
@@ -291,6 +295,7 @@ def parse_shape(argv: list[str] | None) -> tuple[argparse.Namespace, Shape]:
     parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: demo)")
     for flag in ("sessions", "turns", "system-tokens", "tool-tokens", "runs"):
         parser.add_argument(f"--{flag}", type=int)
+    parser.add_argument("--points", help="comma-separated, of budget, fits (default: both)")
     parser.add_argument("--workdir", type=Path, help="where the caches and models go (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
@@ -300,6 +305,10 @@ def parse_shape(argv: list[str] | None) -> tuple[argparse.Namespace, Shape]:
         shape.models = args.models.split(",")
         if set(shape.models) - set(MODELS):
             parser.error(f"unknown models {sorted(set(shape.models) - set(MODELS))}")
+    if args.points:
+        shape.points = tuple(args.points.split(","))
+        if not shape.points or set(shape.points) - {"budget", "fits"}:
+            parser.error("--points takes budget, fits or both")
     for key in ("sessions", "turns", "system_tokens", "tool_tokens", "runs"):
         if getattr(args, key):
             setattr(shape, key, getattr(args, key))
