@@ -1,4 +1,4 @@
-"""tools/headtohead_bench.py --quick runs both servers, alternated, at both RAM
+"""tools/headtohead_bench.py --quick (~25 s on a quiet machine) runs both servers, alternated, at both RAM
 points on the tiny model; its report has every figure and every answer of
 blockkv serve matches mlx_lm.server's (greedy). No timing is asserted."""
 
