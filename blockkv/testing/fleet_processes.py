@@ -26,16 +26,18 @@ def free_port() -> int:
 
 class Process:
     """``python -m blockkv ARGS --host HOST --port <port, else a free one>``, output in ``log``;
-    reached on 127.0.0.1 (``host`` is where it listens: 127.0.0.1 unless a test needs another)."""
+    reached on 127.0.0.1 (``host`` is where it listens: 127.0.0.1 unless a test needs another).
+    ``program`` is what follows ``python -m``: another server for a head-to-head, as
+    ``("mlx_lm", "server")``."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None, port: int | None = None,
-                 host: str = "127.0.0.1") -> None:
-        self.args, self.env, self.host = args, env, host
+                 host: str = "127.0.0.1", program: tuple[str, ...] = ("blockkv",)) -> None:
+        self.args, self.env, self.host, self.program = args, env, host, program
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "blockkv", *args, "--host", host,
+            self.proc = subprocess.Popen([sys.executable, "-m", *program, *args, "--host", host,
                                           "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(env or {})})
 
@@ -60,7 +62,7 @@ class Process:
 
     def restarted(self, log: Path) -> Process:
         """The same command on the same port (this process has exited), output in ``log``."""
-        return Process(self.args, log, self.env, self.port, self.host)
+        return Process(self.args, log, self.env, self.port, self.host, self.program)
 
     def stop(self, bound: float = 60.0) -> int | None:
         """SIGTERM, as a service manager stops it (a node flushes its spills; unlike
