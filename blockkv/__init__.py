@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from blockkv.format.codec import minimum_reusable_offset, register_codec, trimmable
     from blockkv.local.directory import list_fingerprints
     from blockkv.local.read_only import ReadOnlyStore
-    from blockkv.records import CheckReport, Entry, EntryRecord, GenerationCheckpoint, LocalChanges, Loaded, Match
+    from blockkv.records import CheckReport, Entry, EntryRecord, GenerationCheckpoint, Loaded, LocalChanges, Match
     from blockkv.store import BlockStore
 
 _LAZY = {

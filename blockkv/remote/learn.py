@@ -26,8 +26,8 @@ from blockkv.format.header import Identity
 from blockkv.format.layout import entry_id_of, entry_record, header_name
 from blockkv.local.directory import Directory
 from blockkv.records import CHECKPOINT_NS
-from blockkv.remote.local_state import HeaderCache
 from blockkv.remote.listing import Listing
+from blockkv.remote.local_state import HeaderCache
 from blockkv.remote.remote_catalog import RemoteCatalog
 
 BATCH = 64  # headers handled at a time

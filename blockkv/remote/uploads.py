@@ -23,8 +23,8 @@ from blockkv.format.layout import header_name
 from blockkv.local.directory import Directory
 from blockkv.records import Entry
 from blockkv.remote.breaker import Breaker
-from blockkv.remote.local_state import Backlog, HeaderCache
 from blockkv.remote.listing import Listing
+from blockkv.remote.local_state import Backlog, HeaderCache
 from blockkv.remote.remote_catalog import RemoteCatalog
 
 _UPLOAD_THREADS = 8
