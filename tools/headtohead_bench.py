@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -57,7 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, for restart_bench
 
-from restart_bench import MODELS, START_BOUND_S, Texts, build_model
+from restart_bench import MODELS, START_BOUND_S, Texts, build_model, new_report
 
 from blockkv.testing.fleet_processes import Process
 
@@ -321,10 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="blockkv-h2h-", dir=args.workdir))
     command = "python tools/headtohead_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                              "platform": platform.platform(), "cores": os.cpu_count(),
-                              "loadavg_before": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
-                              "shape": asdict(shape), "models": []}
+    report = new_report(shape)
     t0 = time.perf_counter()
     try:
         for kind in shape.models:

@@ -355,6 +355,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def new_report(shape: Any) -> dict[str, Any]:
+    """A benchmark report's head: when, on what machine, at what load, of what shape (headtohead_bench's too)."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform.platform(),
+            "cores": os.cpu_count(), "loadavg_before": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "shape": asdict(shape), "models": []}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (~1-2 min): demo model, 3 short turns, a 1.5k-token document; needs --out")
@@ -388,10 +395,7 @@ def main() -> int:
         for flag, value in (("--quick", args.quick), ("--models", args.models), ("--turns", args.turns),
                             ("--long-tokens", args.long_tokens), ("--system-tokens", args.system_tokens),
                             ("--tool-tokens", args.tool_tokens)) if value)
-    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                              "platform": platform.platform(), "cores": os.cpu_count(),
-                              "loadavg_before": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
-                              "shape": asdict(shape), "models": []}
+    report = new_report(shape)
     t0 = time.perf_counter()
     try:
         for kind in shape.models:
