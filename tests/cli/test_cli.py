@@ -12,9 +12,10 @@ import shutil
 import signal
 import stat
 import subprocess
-import time
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -586,16 +587,29 @@ with BlockStore(sys.argv[1], model_id=sys.argv[2], config_fingerprint=sys.argv[3
 """
 
 
+@contextmanager
+def stopped_writer(script: str, root: Root, ready: str) -> Iterator[None]:
+    """``script`` run on ``root``'s llama store, stopped once it prints ``ready``
+    (SIGSTOP: a suspended laptop, a debugger), continued afterwards; it must then
+    finish cleanly."""
+    writer = subprocess.Popen([sys.executable, "-c", script, str(root.path), root.llama.model_id,
+                               root.llama.fingerprint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == ready + "\n"
+        _, status = os.waitpid(writer.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        yield
+    finally:
+        writer.send_signal(signal.SIGCONT)
+        writer.communicate(timeout=120)
+    assert writer.returncode == 0
+
+
 def test_read_commands_never_wait_without_bound_on_a_stopped_writer(root: Root, tmp_path: Path) -> None:
     """A writer stopped (SIGSTOP: a suspended laptop, a debugger) in the middle
     of a store holds the directory lock. ls, stats and export read without it;
     check waits --wait seconds for it, then says the root is busy (exit 75)."""
-    writer = subprocess.Popen([sys.executable, "-c", _STOPPED_WRITER, str(root.path), root.llama.model_id,
-                               root.llama.fingerprint], stdout=subprocess.PIPE, text=True)
-    try:
-        assert writer.stdout is not None and writer.stdout.readline() == "holding\n"
-        _, status = os.waitpid(writer.pid, os.WUNTRACED)
-        assert os.WIFSTOPPED(status)
+    with stopped_writer(_STOPPED_WRITER, root, "holding"):
         ls = run_json("ls", root.path, "-f", root.llama.fingerprint)
         entry = ls["fingerprints"][0]["entries"][0]["id"] if "fingerprints" in ls else ls["entries"][0]["id"]
         check, stats, export = run_all(
@@ -604,10 +618,6 @@ def test_read_commands_never_wait_without_bound_on_a_stopped_writer(root: Root, 
         assert check.returncode == 75, check.stderr
         assert check.stderr.startswith("blockkv check: busy: a writer holds") and "Traceback" not in check.stderr
         assert stats.returncode == 0 and export.returncode == 0, (stats.stderr, export.stderr)
-    finally:
-        writer.send_signal(signal.SIGCONT)
-        writer.communicate(timeout=120)
-    assert writer.returncode == 0
 
 
 _STOPPED_IN_TXN = """
@@ -630,12 +640,7 @@ def test_check_behind_a_writer_stopped_in_an_index_transaction_says_busy(root: R
     lock as well as the directory's: ``check`` (plain or ``--repair``) says
     busy (exit 75) within its ``--wait``, never "index missing"; ``--wait inf``
     is a usage error, not a traceback."""
-    writer = subprocess.Popen([sys.executable, "-c", _STOPPED_IN_TXN, str(root.path), root.llama.model_id,
-                               root.llama.fingerprint], stdout=subprocess.PIPE, text=True)
-    try:
-        assert writer.stdout is not None and writer.stdout.readline() == "in-txn\n"
-        _, status = os.waitpid(writer.pid, os.WUNTRACED)
-        assert os.WIFSTOPPED(status)
+    with stopped_writer(_STOPPED_IN_TXN, root, "in-txn"):
         t0 = time.monotonic()
         plain, repair, forever = run_all(
             ["check", root.path, "-f", root.llama.fingerprint, "--wait", "1", "--json"],
@@ -648,10 +653,6 @@ def test_check_behind_a_writer_stopped_in_an_index_transaction_says_busy(root: R
             assert "index_missing" not in busy.stdout and "Traceback" not in busy.stderr
         assert took < 30, took  # each wait bounded by --wait (the index lock waited 10 s, then "missing", before)
         assert forever.returncode == 2 and "finite" in forever.stderr and "Traceback" not in forever.stderr
-    finally:
-        writer.send_signal(signal.SIGCONT)
-        writer.communicate(timeout=120)
-    assert writer.returncode == 0
 
 
 def test_a_closed_pipe_ends_ls_quietly(built: Root) -> None:

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import obstore
@@ -226,48 +227,19 @@ def test_a_swapped_manifest_record_is_never_learned_and_deletes_nothing(
     assert {name_a, name_b} <= listed
 
 
-def test_with_a_fleet_key_a_manifest_record_that_fails_its_seal_costs_a_get_not_the_entry(
-        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
-    """A keyless bucket writer swaps the MANIFEST's record for header A: A's
-    name and ETag, B's sealed bytes. The record fails its seal as A: a fresh
-    keyed node fetches A on its own and serves it (#32 case 12)."""
-    convs = [node.conversation(12), node.conversation(13)]
+def _manifest_record_for_a_replaced(
+        tmp_path: Path, endpoint: str, bucket_name: str, seeds: tuple[int, int],  # noqa: F811
+        forge: Callable[[BlockStore, str, bytes, bytes], bytes]) -> tuple[list, str]:
+    """Conversations A and B stored by one keyed node, 40 more entries sealed
+    with B's bytes, a second node packing them into the MANIFEST; then the
+    MANIFEST's record for header A replaced, in place, by ``forge(node, name_a,
+    bytes_a, bytes_b)`` (same length). Returns the conversations and A's name."""
+    convs = [node.conversation(seeds[0]), node.conversation(seeds[1])]
     with keyed(tmp_path / "a", endpoint, bucket_name) as a:
         assert all(a.store(*c) for c in convs)
         name_a, name_b = (header_name("", a.find_exact(t).entry.id) for t, _ in convs)
         bytes_a, bytes_b = a.remote.headers.get(name_a), a.remote.headers.get(name_b)
-        assert len(bytes_a) == len(bytes_b)  # the premise: a swap that keeps every length
-        for _ in range(40):  # more entries, each sealed by a key holder under its own name
-            name = header_name("", uuid.uuid4().hex)
-            a.remote.headers.put_if_absent(name, [a.remote.key.seal_header(name, bytes_b)])
-    with keyed(tmp_path / "b", endpoint, bucket_name):  # fetches them one by one, then packs them
-        pass
-    raw = raw_store(endpoint, bucket_name)
-    key = f"fleet/{FP_DIR}/MANIFEST"
-    manifest = bytes(obstore.get(raw, key).bytes())
-    start = manifest.index(bytes_a, manifest.index(name_a.encode()))
-    obstore.put(raw, key, manifest[:start] + bytes_b + manifest[start + len(bytes_b):])
-    with keyed(tmp_path / "c", endpoint, bucket_name) as c:
-        assert len(c._remote.catalog) == 42
-        for tokens, caches in convs:
-            assert restores_bit_exact(c, tokens, caches)
-        assert c.find_exact(convs[0][0]).entry.id == name_a.rpartition("/")[2].removesuffix(".bkv")
-
-
-
-def test_a_manifest_record_sealed_for_its_name_with_another_entrys_bytes_costs_a_get(
-        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
-    """#43: the MANIFEST's record for header A holds header B's bytes, sealed
-    with the fleet key under A's name, with A's ETag. The seal holds, but the
-    bytes are not the object listed as A (its ETag is the MD5 of other bytes):
-    a fresh node fetches A on its own. Before, it learned A as B; once it had
-    stored B's conversation again, a second fresh node could not restore A."""
-    convs = [node.conversation(14), node.conversation(15)]
-    with keyed(tmp_path / "a", endpoint, bucket_name) as a:
-        assert all(a.store(*c) for c in convs)
-        name_a, name_b = (header_name("", a.find_exact(t).entry.id) for t, _ in convs)
-        bytes_a, bytes_b = a.remote.headers.get(name_a), a.remote.headers.get(name_b)
-        forged = a.remote.key.seal_header(name_a, bytes_b)  # B's entry, validly sealed as A
+        forged = forge(a, name_a, bytes_a, bytes_b)
         assert len(forged) == len(bytes_a)  # the premise: a swap that keeps every length
         for _ in range(40):  # more entries, each sealed by a key holder under its own name
             name = header_name("", uuid.uuid4().hex)
@@ -279,6 +251,33 @@ def test_a_manifest_record_sealed_for_its_name_with_another_entrys_bytes_costs_a
     manifest = bytes(obstore.get(raw, key).bytes())
     start = manifest.index(bytes_a, manifest.index(name_a.encode()))
     obstore.put(raw, key, manifest[:start] + forged + manifest[start + len(forged):])
+    return convs, name_a
+
+
+def test_with_a_fleet_key_a_manifest_record_that_fails_its_seal_costs_a_get_not_the_entry(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    """A keyless bucket writer swaps the MANIFEST's record for header A: A's
+    name and ETag, B's sealed bytes. The record fails its seal as A: a fresh
+    keyed node fetches A on its own and serves it (#32 case 12)."""
+    convs, name_a = _manifest_record_for_a_replaced(tmp_path, endpoint, bucket_name, (12, 13),
+                                                    lambda a, name_a, bytes_a, bytes_b: bytes_b)
+    with keyed(tmp_path / "c", endpoint, bucket_name) as c:
+        assert len(c._remote.catalog) == 42
+        for tokens, caches in convs:
+            assert restores_bit_exact(c, tokens, caches)
+        assert c.find_exact(convs[0][0]).entry.id == name_a.rpartition("/")[2].removesuffix(".bkv")
+
+
+def test_a_manifest_record_sealed_for_its_name_with_another_entrys_bytes_costs_a_get(
+        tmp_path: Path, endpoint: str, bucket_name: str) -> None:  # noqa: F811
+    """#43: the MANIFEST's record for header A holds header B's bytes, sealed
+    with the fleet key under A's name, with A's ETag. The seal holds, but the
+    bytes are not the object listed as A (its ETag is the MD5 of other bytes):
+    a fresh node fetches A on its own. Before, it learned A as B; once it had
+    stored B's conversation again, a second fresh node could not restore A."""
+    convs, name_a = _manifest_record_for_a_replaced(
+        tmp_path, endpoint, bucket_name, (14, 15),
+        lambda a, name_a, bytes_a, bytes_b: a.remote.key.seal_header(name_a, bytes_b))  # B, validly sealed as A
     with keyed(tmp_path / "c", endpoint, bucket_name) as c:
         assert c.find_exact(convs[0][0]).entry.id == name_a.rpartition("/")[2].removesuffix(".bkv")
         assert c.store(*convs[1])  # B's conversation stored again
