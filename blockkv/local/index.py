@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
+import numpy as np
 
 from blockkv.errors import CorruptError
 from blockkv.fs import TMP_SUFFIX, FileLayer
@@ -53,6 +54,7 @@ from blockkv.records import EntryRecord, LocalChanges
 FORMAT = b"blockkv-index-2"
 SETTLED = "index.settled"  # beside index/: every committed write is durable and none followed
 _BLOCK = struct.Struct("<IQd")
+_BLOCK_ROW = np.dtype([("refs", "<u4"), ("size", "<u8"), ("zero_since", "<f8")])  # _BLOCK, packed
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct("<d")
 _LOG_KEEP = 50_000
@@ -179,6 +181,30 @@ class Index:
             return self._env.read(
                 lambda txn: {k.decode(): BlockRow(*_BLOCK.unpack(v)) for k, v in txn.cursor(db=self._blocks)}
             )
+
+    def unreferenced(self, now: float, grace: float) -> tuple[int, bool]:
+        """The bytes of the blocks no entry references, and whether any of them
+        is outside its grace (older than ``grace``, or dated in the future):
+        what every store's cap check asks. One pass over the rows as a numpy
+        array, not an object each: at 10k entries (26k block rows) an object
+        each cost 33 ms of CPU a store, this 4 ms (issue #45). Still a pass
+        over every block row per store."""
+
+        def read(txn: lmdb.Transaction) -> bytes:
+            return b"".join(txn.cursor(db=self._blocks).iternext(keys=False, values=True))
+
+        raw = self._env.read(read)
+        if len(raw) % _BLOCK.size:  # a row of another size: read row by row, which says which
+            rows = list(self.blocks().values())
+            refs = np.array([r.refs for r in rows], np.uint32)
+            size = np.array([r.size for r in rows], np.uint64)
+            since = np.array([r.zero_since for r in rows], np.float64)
+        else:
+            table = np.frombuffer(raw, _BLOCK_ROW)
+            refs, size, since = table["refs"], table["size"], table["zero_since"]
+        zero = refs == 0
+        since = since[zero]
+        return int(size[zero].sum()), bool(np.any(~((now - grace < since) & (since <= now))))
 
     def block_sizes(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """Stored sizes of the named blocks that have rows, or (``names`` None)

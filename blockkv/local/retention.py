@@ -297,12 +297,9 @@ class Retention:
         go with the next store, without anyone running ``gc``."""
         cap = self._settings.max_bytes
         check_size("target_bytes", cap)  # a caller's ``limit`` may return anything
-        index = self._keeper.index
-        rows = index.blocks()
-        now, grace = self._clock(), self._settings.gc_grace
-        waiting = sum(r.size for r in rows.values() if r.refs == 0)
+        waiting, expired = self._keeper.index.unreferenced(self._clock(), self._settings.gc_grace)
         if self.footprint() + waiting <= cap:
-            if any(r.refs == 0 and not now - grace < r.zero_since <= now for r in rows.values()):
+            if expired:
                 self._sweep_quietly()
             return
         if waiting:
