@@ -184,8 +184,7 @@ def rebuild(
 
     The blocks ``blocks_for_prefix`` names become ``Target`` s over the memory of
     the mlx arrays that the caches will hold. ``fill(targets)`` fills them all
-    (in any order, on any threads, which may take them from ``targets`` one
-    at a time; a store reads the files straight into them)
+    (in any order, on any threads; a store reads the files straight into them)
     and yields each target once it is filled.
     Without it, ``payloads`` maps names to verified payloads, or is a function
     fetching one, asked one block at a time (a returned buffer may be reused

@@ -39,7 +39,7 @@ class DiskTier:
         bytes read, and nothing to adopt; None (a miss) on any failure."""
         for attempt in range(2):
             read = EntryRead(self._dir, self._identity, entry, self._verify, self._executor("read"),
-                             self._executor.workers("read"), self._executor("alloc"))
+                             self._executor("alloc"))
             try:
                 header, caches, attachments = read.run(cut)
                 break

@@ -49,13 +49,9 @@ class Executors:
         with self._mutex:
             pool = self._pools.get(job)
             if pool is None:
-                pool = self._pools[job] = ThreadPoolExecutor(max_workers=self.workers(job),
-                                                             thread_name_prefix=f"blockkv-{job}")
+                workers = _WORKERS.get(job, 1)
+                pool = self._pools[job] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"blockkv-{job}")
             return pool
-
-    def workers(self, job: str) -> int:
-        """How many threads ``job``'s pool has."""
-        return _WORKERS.get(job, 1)
 
     def shutdown(self) -> None:
         """Pending jobs finish first."""

@@ -107,7 +107,7 @@ class ReadOnlyStore:
             raise TypeError(f"restore takes an Entry from find/find_exact, got {type(entry).__name__}")
         p = check_prefix_len(entry, prefix_len)
         mode = self._dir.modes.get(self._owners.get(entry.id, ""), self.identity)
-        read = EntryRead(self._dir, mode, entry, self.verify, self._io, core_threads())
+        read = EntryRead(self._dir, mode, entry, self.verify, self._io)
         try:
             header, caches, attachments = read.run(None if p == entry.length else p)
         except Exception as exc:  # noqa: BLE001 - a read-only restore is a miss, never an error

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,9 +36,8 @@ class EntryRead:
     """One restore of ``entry``: ``run`` rebuilds its caches; ``io`` reads and checks blocks."""
 
     def __init__(self, directory: Directory, identity: Identity, entry: Entry, verify: bool | str,
-                 io: ThreadPoolExecutor, readers: int, alloc: ThreadPoolExecutor | None = None) -> None:
-        """``io`` reads and checks the blocks, on ``readers`` of its threads
-        (its size); ``alloc`` (one long-lived thread)
+                 io: ThreadPoolExecutor, alloc: ThreadPoolExecutor | None = None) -> None:
+        """``io`` reads and checks the blocks; ``alloc`` (one long-lived thread)
         allocates the destination arrays. glibc keeps a thread's freed chunks in
         that thread's arena for its next allocations, while the main arena hands
         large freed buffers back to the kernel: allocated on one thread, a
@@ -53,7 +51,6 @@ class EntryRead:
         self._verify = verify
         self._io = io
         self._alloc = alloc
-        self._readers = readers
         self._key: bytes | None = None  # the header's (``ParsedEntry.key``), once it is read
         self._reading = ""  # "header" while the header is read: its file gone is proof too
         self._failed: list[tuple[BaseException, str]] = []  # (error, block): a corrupt or missing block
@@ -107,26 +104,10 @@ class EntryRead:
         return target
 
     def _fill_all(self, targets: Iterator[Target]) -> Iterator[Target]:
-        # one job per reading thread, each making its next target just before reading it:
-        # the first read starts after one target is made, not all of them, and a target's
-        # slicing runs while the other threads copy without the GIL
-        shared = _Shared(targets)
-        jobs = [self._io.submit(self._fill_from, shared) for _ in range(self._readers)]
-        try:
-            for job in jobs:
-                yield from job.result()
-        finally:
-            shared.close()  # a failure: the other threads take no further block
-
-    def _fill_from(self, shared: _Shared) -> list[Target]:
-        filled: list[Target] = []
-        try:
-            while (target := shared.take()) is not None:
-                filled.append(self._fill(target))
-        except BaseException:
-            shared.close()
-            raise
-        return filled
+        # every target made before the first read: made beside the reading threads, the
+        # slicing fought them for the GIL (272 MiB warm, alternating: 70-87 ms -> 58-74 ms);
+        # several reading threads (executors.py): one block's read overlaps another's check
+        return self._io.map(self._fill, list(targets))
 
     def _stored_bytes(self, name: str) -> int:
         """Bytes on disk of a block the restore needs, for ``ParsedEntry.rebuild``
@@ -142,22 +123,6 @@ class EntryRead:
             raise missing
         self.bytes_read += st.st_size
         return st.st_size
-
-
-class _Shared:
-    """Targets that several reading threads take from, one at a time, until
-    it runs out or is closed."""
-
-    def __init__(self, targets: Iterator[Target]) -> None:
-        self._targets, self._lock, self._closed = targets, threading.Lock(), False
-
-    def take(self) -> Target | None:
-        with self._lock:
-            return None if self._closed else next(self._targets, None)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
 
 
 def evaluate(caches: list[Any], attachments: dict[str, Any]) -> None:
