@@ -15,9 +15,15 @@ GIL, which decides what two reading threads can overlap.
   the store's own reading threads, alternated.
 - a verified restore's timeline: wall time before its first block read
   (header, allocation, targets), while the reads run, after the last.
+- ``--fills``: only that timeline, with wall and CPU, for today's fill (every
+  target made before the first read, one future per block) alternating with
+  the one tried and reverted in 996ada9 (one job per reading thread, each
+  making its next target just before reading it): which one a quiet machine
+  favours (docs/benchmarks.md, "Verified restore").
 
     python tools/restore_profile.py                    # 4,096 and 8,704 tokens, 9 reps
     python tools/restore_profile.py --tokens 8704 --reps 21
+    python tools/restore_profile.py --tokens 8704 --reps 21 --fills
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +45,13 @@ from benchmarks.config import FULL
 from benchmarks.harness import open_store
 from benchmarks.restore_speed import entry_targets
 from benchmarks.sources import KVSource, eval_caches
-from cpu_budget import alternate
+from cpu_budget import alternate, cpu_s
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from blockkv import BlockStore, Entry
-from blockkv.format.rebuild import ParsedEntry
+from blockkv.format.rebuild import ParsedEntry, Target
 from blockkv.fs import FileLayer
-from blockkv.local.restore import _feeder
+from blockkv.local.restore import EntryRead, _feeder
 
 
 def thread_cpu(fn: Callable[[], object], reps: int) -> tuple[float, float]:
@@ -91,6 +98,72 @@ def timeline(store: BlockStore, entry: Entry, timed: TimedReads, reps: int) -> l
             f"(least {min(g[i] for g in got) * 1e3:.1f}) |" for i, name in enumerate(names)]
 
 
+class _Shared:
+    """Targets several threads take from, one at a time, until it runs out or is closed."""
+
+    def __init__(self, targets: Iterator[Target]) -> None:
+        self._targets, self._lock, self._closed = targets, threading.Lock(), False
+
+    def take(self) -> Target | None:
+        with self._lock:
+            return None if self._closed else next(self._targets, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
+def per_thread_fill(read: EntryRead, targets: Iterator[Target]) -> Iterator[Target]:
+    """The fill of 996ada9 (reverted): one job per reading thread, each making
+    its next target just before reading it, so the first read waits for one target, not all."""
+    shared = _Shared(targets)
+
+    def job() -> list[Target]:
+        filled = []
+        try:
+            while (target := shared.take()) is not None:
+                filled.append(read._fill(target))
+        except BaseException:
+            shared.close()
+            raise
+        return filled
+
+    jobs = [read._io.submit(job) for _ in range(read._io._max_workers)]
+    try:
+        for j in jobs:
+            yield from j.result()
+    finally:
+        shared.close()
+
+
+def fills(store: BlockStore, entry: Entry, timed: TimedReads, reps: int) -> list[str]:
+    """Today's fill and ``per_thread_fill``, alternating after two warm rounds:
+    median wall, least CPU, and the timeline's start and span, median (least)."""
+    todays = EntryRead._fill_all
+    got: dict[str, list[tuple[float, float, float, float]]] = {"today's fill": [], "per-thread fill (996ada9)": []}
+    try:
+        for rep in range(reps + 2):
+            for name, fill in zip(got, (todays, per_thread_fill)):
+                EntryRead._fill_all = fill  # type: ignore[method-assign,assignment]
+                timed.spans.clear()
+                c0, start = cpu_s(), time.perf_counter()
+                eval_caches(store.restore(entry).caches)
+                end, cpu = time.perf_counter(), cpu_s() - c0
+                first, last = min(a for a, _ in timed.spans), max(b for _, b in timed.spans)
+                if rep >= 2:
+                    got[name].append((end - start, cpu, first - start, last - first))
+    finally:
+        EntryRead._fill_all = todays  # type: ignore[method-assign]
+    rows = []
+    for name, runs in got.items():
+        med = [statistics.median(r[i] for r in runs) * 1e3 for i in range(4)]
+        least = [min(r[i] for r in runs) * 1e3 for i in range(4)]
+        rows.append(f"| {name} | {least[1]:.1f} ms | | {med[0]:.1f} ms (start {med[2]:.1f}, least {least[2]:.1f}; "
+                    f"reads {med[3]:.1f}, least {least[3]:.1f}) |")
+    today, per_thread = (statistics.median(r[0] for r in runs) for runs in got.values())
+    return rows + [f"| wall, today's / per-thread (> 1: per-thread faster) | {today / per_thread:.2f} | | |"]
+
+
 def parts(store: BlockStore, entry: Entry) -> dict[str, Callable[[], object]]:
     """Each part of a verified restore, as a function run on this thread."""
     pool, key = store._dir.pool, None
@@ -122,7 +195,7 @@ def parts(store: BlockStore, entry: Entry) -> dict[str, Callable[[], object]]:
             "reads + check, fused": fused, "check alone": check_alone}
 
 
-def profile(tokens: int, reps: int, work: Path) -> list[str]:
+def profile(tokens: int, reps: int, work: Path, only_fills: bool = False) -> list[str]:
     src = KVSource.random(FULL.shape, tokens, seed=1)
     path = work / f"mlx-{tokens}.safetensors"
     save_prompt_cache(str(path), src.caches())
@@ -132,6 +205,8 @@ def profile(tokens: int, reps: int, work: Path) -> list[str]:
           open_store(work / f"root-{tokens}", FULL.block_tokens, verify=False) as unverified):
         assert store.store(src.tokens, src.caches()), "store refused"
         entry = store.find_exact(src.tokens).entry
+        if only_fills:
+            return [f"| {tokens} tokens | | | |", *fills(store, entry, timed, reps)]
         targets = entry_targets(store, entry)
         pieces = sum(len(t.pieces) for t in targets)
         rows.append(f"| {tokens} tokens: {len(targets)} blocks, {pieces} pieces, "
@@ -154,11 +229,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8704])
+    parser.add_argument("--fills", action="store_true", help="only today's fill against the per-thread one, alternating")
     args = parser.parse_args()
     rows = ["| part | CPU (least) | user share | wall (median) |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="blockkv-profile-") as work:
         for tokens in args.tokens:
-            rows += profile(tokens, args.reps, Path(work))
+            rows += profile(tokens, args.reps, Path(work), args.fills)
     print("\n".join(rows))
     return 0
 

@@ -136,7 +136,7 @@ class TensorRecord:
     @property
     def nbytes(self) -> int:
         """Size of the raw bits, computed from the shape (works without data)."""
-        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype][1].itemsize
+        return math.prod(self.shape) * DTYPES[self.dtype][1].itemsize  # exact: int64 wrapped a hostile shape to 0
 
     @property
     def token_stop(self) -> int:

