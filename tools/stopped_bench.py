@@ -1,8 +1,10 @@
 """What a process stopped inside an index transaction costs a chat request's
 TTFT on ``blockkv serve`` (#43): baseline requests and requests made while
 another process on the same cache root is stopped (SIGSTOP) inside a write
-transaction, or a read transaction, alternated round by round (ABBA, so load
-drifts hit both arms alike); every request is a new prompt, a miss that
+transaction, or a read transaction (and, "read+spill", a read transaction
+once a spill of this server waits on it: the server's own writer then keeps
+its lookups out for moments), alternated round by round (ABBA, so load
+drifts hit every arm alike); every request is a new prompt, a miss that
 prefills.
 
     python tools/stopped_bench.py --rounds 10
@@ -33,6 +35,7 @@ from blockkv.testing.stopped import MODES, continued, ended, scrape, serve_store
 from blockkv.testing.streams import no_eos_bias, stream_chat
 
 BOUND = 300.0  # a safety bound on any wait (not a timing claim)
+ARMS = (*MODES, "read+spill")
 
 
 class Bench:
@@ -55,10 +58,16 @@ class Bench:
                              [{"role": "user", "content": sample_text(self.words, seed=self.seed)}], 4, self.bias)
         return answer.ttft
 
-    def stopped_ttft(self, mode: str) -> float:
-        """One new prompt's TTFT while a holder is stopped inside a ``mode`` transaction."""
+    def stopped_ttft(self, arm: str) -> float:
+        """One new prompt's TTFT while a holder is stopped inside a transaction
+        (``arm``: its mode; "+spill": asked once a spill of this server waits on it)."""
+        mode, _, spill = arm.partition("+")
         holder = stopped_in_txn(self.cache, mode, self.options)
         try:
+            if spill:
+                self.ttft()
+                while not scrape(self.process.url, BOUND)["blockkv_pending_spills"]:
+                    time.sleep(0.02)
             ttft = self.ttft()
             if continued(holder, BOUND) != "stored":
                 raise RuntimeError("the holder's store after SIGCONT did not land")
@@ -73,19 +82,19 @@ def summary(values: list[float]) -> dict[str, float]:
             "max_s": ordered[-1], "n": len(ordered)}
 
 
-def run(bench: Bench, modes: list[str], rounds: int) -> dict[str, Any]:
-    """``rounds`` rounds; each measures the baseline and every mode, in ABBA order."""
-    arms: dict[str, list[float]] = {"baseline": [], **{m: [] for m in modes}}
+def run(bench: Bench, stopped: list[str], rounds: int) -> dict[str, Any]:
+    """``rounds`` rounds; each measures the baseline and every arm, in ABBA order."""
+    arms: dict[str, list[float]] = {"baseline": [], **{a: [] for a in stopped}}
     before = scrape(bench.process.url, BOUND)
     for r in range(rounds):
-        order = ["baseline", *modes]
+        order = ["baseline", *stopped]
         for arm in order if r % 2 == 0 else order[::-1]:
             bench.settle()
             arms[arm].append(bench.ttft() if arm == "baseline" else bench.stopped_ttft(arm))
     after = scrape(bench.process.url, BOUND)
     result: dict[str, Any] = {arm: summary(v) for arm, v in arms.items()}
-    for mode in modes:
-        result[mode]["median_rise_s"] = result[mode]["median_s"] - result["baseline"]["median_s"]
+    for arm in stopped:
+        result[arm]["median_rise_s"] = result[arm]["median_s"] - result["baseline"]["median_s"]
     result["counters"] = {k: after[f"blockkv_index_busy_{k}_total"] - before[f"blockkv_index_busy_{k}_total"]
                           for k in ("refreshes", "waits")}
     result["counters"]["spill_failures"] = after["blockkv_spill_failures_total"] - before["blockkv_spill_failures_total"]
@@ -95,7 +104,9 @@ def run(bench: Bench, modes: list[str], rounds: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    parser.add_argument("--arm", action="append", choices=ARMS,
+                        help="what is stopped when the timed chat is asked (repeatable; default: all): "
+                             "+spill: a spill of this server waits on it then")
     parser.add_argument("--model", type=Path, help="an mlx-lm model directory (default: a tiny random llama)")
     parser.add_argument("--words", type=int, default=400, help="words of each prompt (default: %(default)s)")
     parser.add_argument("--out", type=Path, help="also write the report here, as JSON")
@@ -107,7 +118,7 @@ def main() -> int:
         try:
             bench.ttft()  # untimed: the model's first use
             load_before = os.getloadavg()
-            result = run(bench, list(MODES) if args.mode == "both" else [args.mode], args.rounds)
+            result = run(bench, args.arm or list(ARMS), args.rounds)
         finally:
             bench.process.stop()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "platform": platform.platform(),
