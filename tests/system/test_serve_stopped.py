@@ -43,6 +43,7 @@ from blockkv.testing.streams import Streamed, no_eos_bias, stream_chat
 BOUND = 120.0  # a safety bound on any wait: far beyond a healthy run, short of a hung CI job
 QUICK = 5.0  # a request, a scrape: well under the 10 s a stopped holder made each wait before
 MAX_TOKENS = 4
+ENTRIES = 60  # in the scanned root: each scan is a few transactions of the index; 3,000 is tools/scan_starvation.py's
 
 
 class Node:
@@ -169,7 +170,7 @@ def test_a_serve_started_beside_scanning_processes_stores_from_its_first_request
     options = serve_store_options(model)
     small = tiny_model("llama")
     with BlockStore(cache, **options) as store:  # shared prefixes keep the root small and its stores quick
-        for seed in range(240):
+        for seed in range(ENTRIES):
             tokens = random_tokens(16, seed=0) + random_tokens(8, seed=1000 + seed)
             assert store.store(tokens, prefill(small, tokens)[0])
         directory = store.directory
