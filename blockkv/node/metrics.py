@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 PATH = "/metrics"
 _TIERS = ("ram", "disk", "bucket")
-SCRAPE_WAIT = 0.1  # the longest a scrape waits for a store's index (a stopped process may hold it for good)
+SCRAPE_WAIT = 0.5  # the longest a scrape waits for a store's index: past a busy spill, not a stopped process
 # (name, help, store counter) summed over every model's store
 _STORE_COUNTERS = (
     ("blockkv_bytes_read", "Bytes read from the local disk by restores (headers and blocks)", "bytes_read"),
