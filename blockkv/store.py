@@ -465,9 +465,14 @@ class BlockStore:
         return self._retention.check(repair, progress)
 
     def counters(self) -> dict[str, float]:
-        """``stats`` plus the entries eviction removed and the bytes uploaded to
-        the bucket, since the handle opened (what ``blockkv serve``'s /metrics shows)."""
-        return {**self.stats, "evictions": self._retention.evicted, "bytes_uploaded": self._remote.uploaded_bytes}
+        """``stats`` plus the entries eviction removed, the bytes uploaded to the
+        bucket, and the catalog refreshes that found the index's transaction
+        lock busy (another process inside a transaction: what the handle knew
+        was served) and of those the ones that first waited for it (a short
+        wait, once per busy spell), since the handle opened (what ``blockkv
+        serve``'s /metrics shows)."""
+        return {**self.stats, "evictions": self._retention.evicted, "bytes_uploaded": self._remote.uploaded_bytes,
+                "busy_refreshes": self._keeper.busy_refreshes, "busy_waits": self._keeper.busy_waits}
 
     def tier_of(self, entry: Entry) -> str:
         """Where a restore of ``entry`` reads it from: "disk", or "bucket" while only the bucket holds it."""

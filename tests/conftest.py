@@ -6,8 +6,9 @@ The tests mirror the package (``tests/local/`` for ``blockkv/local/``, ...);
 the helpers tests import or run as processes (``bucket_node``,
 ``remote_node``, ``version_node``, ``tool_scripts``). Those, and the test
 modules whose fixtures and helpers others import (``test_bucket``'s S3
-server, ``test_cli``'s runs, ``test_remote``'s, ``test_serve``'s server),
-are importable by name from any folder.
+server, ``test_cli``'s runs, ``test_remote``'s, ``test_serve``'s server,
+``test_stopped_holders``' scanners and checks), are importable by name from
+any folder.
 
 Profiles (pick with ``HYPOTHESIS_PROFILE=<name>`` or ``pytest --hypothesis-profile=<name>``):
 

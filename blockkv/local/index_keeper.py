@@ -65,6 +65,8 @@ class IndexKeeper:
         self._last_locked = 0.0  # monotonic time the lock was last released
         self._closed = False
         self._busy = False  # the last refresh found the transaction lock busy: the next one does not wait
+        self.busy_refreshes = 0  # queries that found the transaction lock busy and served what the catalog knew
+        self.busy_waits = 0  # of those, the ones allowed to wait (REFRESH_WAIT at most) before giving up
         try:
             with waiting_at_most(OPEN_WAIT):
                 self.index = Index(directory.index_dir, map_size=map_size, fs=directory.fs)
@@ -185,17 +187,21 @@ class IndexKeeper:
         transactions do: it must see what it wrote). False,
         with one warning, when the index was replaced on disk or failed: it
         must be reopened under the lock first."""
+        waited = False
         try:
             if self._needs_recovery or self.index.replaced():
                 raise lmdb.Error("the index was replaced on disk")
             if self._lock.held_here():  # a mutation's own refresh: it waits as its transactions do
                 self._catalog.apply_changes(self.index)
             else:
-                with waiting_at_most(0.0 if self._busy else REFRESH_WAIT):
+                waited = not self._busy
+                with waiting_at_most(REFRESH_WAIT if waited else 0.0):
                     self._catalog.apply_changes(self.index)
             self._busy = False
             return True
         except LockTimeout as exc:  # a stopped process inside a transaction: serve what we know
+            self.busy_refreshes += 1
+            self.busy_waits += waited
             self._busy = True
             self._warn("index-busy", f"LMDB index busy ({exc}); serving the last known state")
             return True

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,6 +38,7 @@ from mlx_lm.models.cache import LRUPromptCache
 from blockkv import BlockStore
 from blockkv.format.codec import codec_for, encode_cache, minimum_reusable_offset, record_offsets, trimmable
 from blockkv.fs import FileLayer
+from blockkv.local.locks import waiting_at_most
 from blockkv.mlx_lm.budget import DiskShare
 from blockkv.mlx_lm.cache_fit import ModelLayout
 from blockkv.mlx_lm.identity import KVQuant, StoreIdentity, identity_from_key
@@ -64,6 +65,10 @@ HELD_SEGMENTS = 8
 # A model key whose store could not be opened is tried again at its next use,
 # at most this often: a first run opens before mlx-lm has downloaded the model.
 RETRY_OPEN_S = 1.0
+# A retried open runs on a request's path: it waits this long at most for any lock (the
+# first open, before serving, waits as long as a store's open does). A process stopped
+# inside the index then costs a request this, not the open's wait, each time it is tried.
+RETRY_OPEN_WAIT = 0.1
 
 
 @dataclass
@@ -202,7 +207,8 @@ class PersistentPromptCache(LRUPromptCache):
         if failed is not None and time.monotonic() - failed.at < RETRY_OPEN_S:
             return None
         try:
-            store = self._open_store(self._identity(model), self._remote)
+            with waiting_at_most(RETRY_OPEN_WAIT) if failed is not None else nullcontext():
+                store = self._open_store(self._identity(model), self._remote)
         except Exception as e:  # noqa: BLE001 - any failure here only costs the disk tier, until it opens
             tries = failed.tries + 1 if failed is not None else 1
             self._open_failures[model] = _OpenFailure(time.monotonic(), str(e), tries)

@@ -27,10 +27,14 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from blockkv.errors import LockTimeout
+from blockkv.local.locks import waiting_at_most
+
 log = logging.getLogger(__name__)
 
 PATH = "/metrics"
 _TIERS = ("ram", "disk", "bucket")
+SCRAPE_WAIT = 0.5  # the longest a scrape waits for a store's index: past a busy spill, not a stopped process
 # (name, help, store counter) summed over every model's store
 _STORE_COUNTERS = (
     ("blockkv_bytes_read", "Bytes read from the local disk by restores (headers and blocks)", "bytes_read"),
@@ -41,6 +45,11 @@ _STORE_COUNTERS = (
     ("blockkv_evictions", "Entries removed to stay within the byte cap", "evictions"),
     ("blockkv_verify_failures", "Restores that found a block or header failing its hash", "verify_failures"),
     ("blockkv_bucket_errors", "Bucket operations that failed (outages, slow or refused uploads)", "bucket_errors"),
+    ("blockkv_index_busy_refreshes", ("Lookups that found the index busy (another process inside a "
+                                      "transaction) and were served from what the store already knew"),
+     "busy_refreshes"),
+    ("blockkv_index_busy_waits", ("Of those, the lookups that first waited for the index (25 ms at most, once "
+                                  "per busy spell)"), "busy_waits"),
 )
 
 
@@ -104,10 +113,14 @@ class _KeyCollector:
 
 
 class _Collector:
-    """Counters and gauges read from the caches and their stores at scrape time."""
+    """Counters and gauges read from the caches and their stores at scrape time.
+    A store's bytes are read from its index, waiting ``SCRAPE_WAIT`` at most:
+    while another process holds it (stopped inside a transaction) the scrape
+    shows the last figure read."""
 
     def __init__(self, caches: Callable[[], list[Any]]) -> None:
         self._caches = caches
+        self._last_bytes: dict[Any, int] = {}  # store -> its disk bytes when last read
 
     def collect(self) -> Iterator[Metric]:
         caches = self._caches()
@@ -138,16 +151,26 @@ class _Collector:
         cap = GaugeMetricFamily("blockkv_disk_cap_bytes", "The byte cap of one model's store",
                                 labels=["model", "fingerprint"])
         for store in stores:
-            try:
-                used = store.total_bytes
-            except Exception as exc:  # noqa: BLE001 - a scrape must not fail on one store
-                log.debug("blockkv: /metrics could not read %s: %s", store.directory, exc)
+            used = self._disk_bytes(store)
+            if used is None:
                 continue
             labels = [store.identity.model_id, store.directory.name]
             disk.add_metric(labels, used)
             cap.add_metric(labels, store.max_bytes)
         yield disk
         yield cap
+
+    def _disk_bytes(self, store: Any) -> int | None:
+        """``store.total_bytes`` now if its index is free, else the last figure read (None: none yet)."""
+        try:
+            with waiting_at_most(SCRAPE_WAIT):
+                self._last_bytes[store] = store.total_bytes
+        except LockTimeout:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a scrape must not fail on one store
+            log.debug("blockkv: /metrics could not read %s: %s", store.directory, exc)
+            return None
+        return self._last_bytes.get(store)
 
 
 def with_metrics_path(handler_class: type, metrics: ServeMetrics,

@@ -35,6 +35,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from blockkv import BlockStore
+from blockkv.errors import LockTimeout
+from blockkv.local.locks import waiting_at_most
 from blockkv.mlx_lm.prompt_cache import PersistentPromptCache
 from blockkv.node.journal import Journal
 from blockkv.wire.auth import is_key_namespace
@@ -161,8 +163,14 @@ class DiskWatcher:
             self._stopped.wait(self._interval)
 
     def poll(self) -> None:
+        """One read of the change log, never waiting for the index: while
+        another process holds it (stopped inside a transaction), the next
+        poll reads from the same position."""
         try:
-            changes = self._store.changes(self._position)
+            with waiting_at_most(0.0):
+                changes = self._store.changes(self._position)
+        except LockTimeout:
+            return
         except Exception as e:  # noqa: BLE001 - a closed or failing store: start over when it answers
             if not self._warned:
                 log.warning("blockkv: cannot follow the disk tier's changes (%r); retrying", e)

@@ -30,6 +30,11 @@ class Streamed:
     prompt_tokens: int
     completion_tokens: int
 
+    @property
+    def ttft(self) -> float:
+        """Seconds from sending to the first content chunk."""
+        return self.first - self.sent
+
 
 def no_eos_bias(model_dir: Path) -> dict[str, int]:
     """A ``logit_bias`` that keeps a random-weight model from stopping early, so

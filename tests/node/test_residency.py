@@ -187,3 +187,34 @@ def test_the_ram_tier_is_journalled_as_mlx_lm_inserts_evicts_and_trims(tmp_path:
         assert journal.snapshot()["remote"] is False
     finally:
         cache.close()
+
+
+def test_the_disk_watcher_does_not_wait_behind_a_stopped_writer(tmp_path: Path, llama: Any,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A process stopped inside a write transaction of the index: a poll reads
+    nothing and returns at once (it waited the transaction lock's 10 s, then
+    started over, before); once the process is continued the next poll
+    follows the log from where it was."""
+    from blockkv.testing.stopped import HOLDER_SEEDS, continued, ended, holder_caches, stopped_in_txn
+
+    journal = Journal(KEY)
+    with _store(tmp_path) as store:
+        watcher = DiskWatcher(journal, store)
+        watcher.poll()
+        holder = stopped_in_txn(tmp_path, "write", dict(model_id=IDENTITY.model_id,
+                                                        config_fingerprint=IDENTITY.config_fingerprint,
+                                                        tokenizer_hash=IDENTITY.tokenizer_hash, max_bytes=1 << 30))
+        try:
+            started = time.monotonic()
+            watcher.poll()
+            assert time.monotonic() - started < 5.0  # well under the 10 s wait it took before
+            assert continued(holder, WAIT_BOUND_S) == "stored"
+        finally:
+            ended(holder)
+        tokens = random_tokens(3 * BLOCK_SIZE + 5, seed=11)
+        assert store.store(tokens, prefill(llama, tokens)[0])
+        watcher.poll()
+        held = [tokens] + [holder_caches(seed)[0] for seed in HOLDER_SEEDS]  # the holder's entries too
+        assert journal.held("DISK") == {d for t in held for d in prefix_digests(t, KEY)}
+        assert journal.read(0)["resync"] is False
+    assert "cannot follow" not in caplog.text

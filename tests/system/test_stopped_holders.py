@@ -32,6 +32,7 @@ import pytest
 from blockkv import BlockStore
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 from blockkv.testing.stateful import live_bits
+from blockkv.testing.stopped import HOLDER_SEEDS, continued, ended, holder_caches, stopped_in_txn
 
 WAIT = 120  # seconds any child may take: far beyond a healthy run, short of a hung CI job
 QUICK = 1.0  # a query behind a stopped process: well under the 10 s the lock made it wait before
@@ -40,34 +41,9 @@ IDENT = dict(model_id="m", config_fingerprint="fp-stopped", tokenizer_hash="t", 
              block_tokens=16, lock_timeout=LOCK_TIMEOUT)
 
 _COMMON = textwrap.dedent(f"""
-    import os, signal, sys, time
+    import sys, time
     from blockkv import BlockStore
-    from blockkv.testing.models import prefill, random_tokens, tiny_model
     IDENT = {IDENT!r}
-
-    def store(s, seed):
-        tokens = random_tokens(40, seed=seed)
-        return s.store(tokens, prefill(tiny_model("llama"), tokens)[0])
-""")
-
-# Stores an entry, then stops itself inside an index transaction ("write":
-# holding the directory lock, as a store's index write does; "read": a
-# query's read). Continued, it finishes the transaction and stores another.
-_HOLDER = _COMMON + textwrap.dedent("""
-    s = BlockStore(sys.argv[1], **IDENT)
-    assert store(s, 1)
-
-    def stop(txn):
-        print("in-txn", flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-    if sys.argv[2] == "write":
-        with s._keeper.locked(2.0, 0.0):
-            s._keeper.index._env.write(stop)
-    else:
-        s._keeper.index._env.read(stop)
-    print("stored" if store(s, 2) else "not stored", flush=True)
-    s.close()
 """)
 
 # A new open while the holder is stopped: how long it took, and whether it opened.
@@ -82,9 +58,7 @@ _NEWCOMER = _COMMON + textwrap.dedent("""
 """)
 
 
-def caches_of(seed: int) -> tuple[list[int], list[Any]]:
-    tokens = random_tokens(40, seed=seed)
-    return tokens, prefill(tiny_model("llama"), tokens)[0]
+caches_of = holder_caches
 
 
 def restored_exactly(store: BlockStore, seed: int) -> bool:
@@ -109,15 +83,6 @@ def line(proc: subprocess.Popen[str]) -> str:
     return proc.stdout.readline().strip()
 
 
-def stopped_in_txn(root: Path, mode: str) -> subprocess.Popen[str]:
-    """The holder, once it has stopped itself inside a ``mode`` transaction."""
-    holder = spawn(_HOLDER, root, mode)
-    assert line(holder) == "in-txn"
-    _, status = os.waitpid(holder.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status)
-    return holder
-
-
 @pytest.mark.parametrize("mode", ["write", "read"])
 def test_a_process_stopped_inside_a_transaction_delays_no_query(tmp_path: Path, mode: str) -> None:
     acked = [10]
@@ -125,7 +90,7 @@ def test_a_process_stopped_inside_a_transaction_delays_no_query(tmp_path: Path, 
     with BlockStore(tmp_path, **IDENT) as store:
         assert store.store(*caches_of(10))
         try:
-            holder = stopped_in_txn(tmp_path, mode)
+            holder = stopped_in_txn(tmp_path, mode, IDENT)
             for _ in range(3):  # the first query may try the lock briefly; the later ones do not wait
                 assert timed(lambda: restored_exactly(store, 10)) < (True, QUICK)
             if mode == "read":  # readers share the lock: this handle even sees the holder's entry
@@ -145,16 +110,12 @@ def test_a_process_stopped_inside_a_transaction_delays_no_query(tmp_path: Path, 
             assert float(seconds) < 5.0, newcomer.stderr[-2000:]  # bounded: it waited 10 s, then raised, before
             if mode == "read":
                 assert verdict == "opened"  # opening only reads: a stopped reader keeps nobody out
-            holder.send_signal(signal.SIGCONT)
-            out, _ = holder.communicate(timeout=WAIT)
-            assert out.strip() == "stored"
-            acked += [1, 2]
+            assert continued(holder, WAIT) == "stored"
+            acked += list(HOLDER_SEEDS)
             assert store.store(*caches_of(12))  # stores resume once it is continued
             acked.append(12)
         finally:
-            if holder is not None:
-                holder.kill()
-                holder.wait()
+            ended(holder)
     with BlockStore(tmp_path, **IDENT) as fresh:
         assert [seed for seed in acked if not restored_exactly(fresh, seed)] == []
 
@@ -162,7 +123,7 @@ def test_a_process_stopped_inside_a_transaction_delays_no_query(tmp_path: Path, 
 # -- a stream of scanning readers cannot starve a writer ------------------------------------------------
 
 SCANNERS = 8
-_SCANNER = textwrap.dedent("""
+SCANNER = textwrap.dedent("""
     import sys
     from pathlib import Path
     from blockkv.local.reader import read_directory
@@ -188,7 +149,7 @@ def test_a_stream_of_scanning_readers_starves_no_writer(tmp_path: Path) -> None:
             tokens = random_tokens(16, seed=0) + random_tokens(8, seed=1000 + seed)
             assert store.store(tokens, prefill(model, tokens)[0])
         stop = tmp_path / "stop"
-        scanners = [spawn(_SCANNER, store.directory, stop) for _ in range(SCANNERS)]
+        scanners = [spawn(SCANNER, store.directory, stop) for _ in range(SCANNERS)]
         try:
             assert [line(p) for p in scanners] == ["scanning"] * SCANNERS
             landed = [store.store(*caches_of(5000 + i)) for i in range(stores)]
