@@ -116,6 +116,13 @@ class Entry:
             record.attachments, length=len(record.tokens), nblocks=len(record.blocks),
         )
 
+    def holding(self, tokens: np.ndarray, blocks: tuple[str, ...]) -> Entry:
+        """A copy that holds ``tokens`` and ``blocks`` (a paged entry's, read
+        now): readable once the entry is removed or its store closed."""
+        return Entry(self.id, self.ns, tokens, self.nbytes, self.header_bytes, blocks, self.last_use,
+                     self.trimmable, self.minimum_reusable_offset, self.checkpoint, self.attachments,
+                     length=self.length, nblocks=len(blocks))
+
     @property
     def token_array(self) -> np.ndarray:
         t = self._tokens
