@@ -56,7 +56,8 @@ class GenerationCheckpoint:
 
 class Paged(Protocol):
     """Where an entry's tokens and block names are read when asked, so that a
-    catalog of many long entries holds neither (local/catalog.py: the index)."""
+    catalog of many long entries holds neither (local/catalog.py: the header
+    files and the index; local/header_pages.py: a handed-out entry's header)."""
 
     def tokens(self, entry_id: str) -> np.ndarray: ...
     def blocks(self, entry_id: str) -> tuple[str, ...]: ...
@@ -69,8 +70,21 @@ class Entry:
     each time they are asked for; ``KeyError`` once the entry is no longer
     stored). ``length`` is always held."""
 
-    __slots__ = ("id", "ns", "_tokens", "nbytes", "header_bytes", "_blocks", "last_use", "trimmable",
-                 "minimum_reusable_offset", "checkpoint", "attachments", "length", "_nblocks")
+    __slots__ = (
+        "_blocks",
+        "_nblocks",
+        "_tokens",
+        "attachments",
+        "checkpoint",
+        "header_bytes",
+        "id",
+        "last_use",
+        "length",
+        "minimum_reusable_offset",
+        "nbytes",
+        "ns",
+        "trimmable",
+    )
     id: str
     ns: str
     _tokens: np.ndarray | Paged
@@ -93,13 +107,15 @@ class Entry:
             if not isinstance(token_array, np.ndarray):
                 raise TypeError("an entry whose tokens are paged needs its length")
             length = len(token_array)
-        if nblocks is None and not isinstance(blocks, tuple):
-            raise TypeError("an entry whose block names are paged needs their count")
+        if nblocks is None:
+            if not isinstance(blocks, tuple):
+                raise TypeError("an entry whose block names are paged needs their count")
+            nblocks = len(blocks)
         for name, value in (("id", id), ("ns", ns), ("_tokens", token_array), ("nbytes", nbytes),
                             ("header_bytes", header_bytes), ("_blocks", blocks), ("last_use", last_use),
                             ("trimmable", trimmable), ("minimum_reusable_offset", minimum_reusable_offset),
                             ("checkpoint", checkpoint), ("attachments", attachments), ("length", length),
-                            ("_nblocks", nblocks if nblocks is not None else len(blocks))):
+                            ("_nblocks", nblocks)):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -116,12 +132,13 @@ class Entry:
             record.attachments, length=len(record.tokens), nblocks=len(record.blocks),
         )
 
-    def holding(self, tokens: np.ndarray, blocks: tuple[str, ...]) -> Entry:
+    def holding(self, tokens: np.ndarray | Paged, blocks: tuple[str, ...] | Paged) -> Entry:
         """A copy that holds ``tokens`` and ``blocks`` (a paged entry's, read
-        now): readable once the entry is removed or its store closed."""
+        now, or what it is read from): readable once the entry is removed or
+        its store closed."""
         return Entry(self.id, self.ns, tokens, self.nbytes, self.header_bytes, blocks, self.last_use,
                      self.trimmable, self.minimum_reusable_offset, self.checkpoint, self.attachments,
-                     length=self.length, nblocks=len(blocks))
+                     length=self.length, nblocks=len(blocks) if isinstance(blocks, tuple) else self._nblocks)
 
     @property
     def token_array(self) -> np.ndarray:

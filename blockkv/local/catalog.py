@@ -286,7 +286,7 @@ class Catalog:
         if self._pages is None or self._pages.index is None:
             return entries
         blocks = self._pages.index.blocks_of(e.id for e in entries)
-        return [e.holding(e._tokens, blocks.get(e.id, ())) for e in entries]  # type: ignore[arg-type]
+        return [e.holding(e._tokens, blocks.get(e.id, ())) for e in entries]
 
     def detached(self, entries: Iterable[Entry]) -> list[Entry]:
         """Copies of ``entries`` that hold their tokens and block names, read in

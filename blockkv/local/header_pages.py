@@ -17,9 +17,10 @@ MAC: a writer of the directory could aim a collision, but such a writer can
 plant a whole header with caches for any tokens anyway (design.md, "The
 in-memory catalog").
 
-The last-read entries' tokens are kept in a small LRU, at most
-``CACHE_BYTES`` whatever the catalog's size: the labels near a trie's root
-(a shared system prompt) are read by nearly every lookup.
+The last-read headers are kept in a small LRU, at most ``CACHE_BYTES``
+whatever the catalog's size: the labels near a trie's root (a shared system
+prompt) are read by nearly every lookup, and a lookup's match was read by its
+walk just before it is handed out.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from blockkv.format.header import decode_header, framed_tokens
 from blockkv.local.directory import Directory
 from blockkv.records import Entry
 
-CACHE_BYTES = 4 << 20  # tokens kept of recently read headers, whatever the catalog's size
+CACHE_BYTES = 4 << 20  # recently read header files kept, whatever the catalog's size
 
 
 def tokens_digest(tokens: np.ndarray) -> int:
@@ -52,7 +53,7 @@ class HeaderPages:
     def __init__(self, directory: Directory, cache_bytes: int = CACHE_BYTES) -> None:
         self._dir = directory
         self._digests: dict[str, int] = {}  # the catalog's (``follow``)
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[str, bytes] = OrderedDict()  # checked header files, least recently read first
         self._cached = 0  # bytes in _cache
         self._cache_bytes = cache_bytes
         self._mutex = threading.Lock()
@@ -64,45 +65,39 @@ class HeaderPages:
             self._digests, self._cache, self._cached = digests, OrderedDict(), 0
 
     def forget(self, entry_id: str) -> None:
-        """Let go of a removed entry's tokens now (not only once the LRU would)."""
+        """Let go of a removed entry's header now (not only once the LRU would)."""
         with self._mutex:
-            cached = self._cache.pop(entry_id, None)
-            if cached is not None:
-                self._cached -= cached.nbytes
+            data = self._cache.pop(entry_id, None)
+            if data is not None:
+                self._cached -= len(data)
 
     def tokens(self, entry: Entry) -> np.ndarray | None:
         """``entry``'s tokens (read-only), or None if its header is gone or not
         the one indexed."""
-        with self._mutex:
-            cached = self._cache.get(entry.id)
-            if cached is not None:
-                self._cache.move_to_end(entry.id)
-                return cached
-        data = self._read(entry)
-        tokens = framed_tokens(data) if data is not None else None
-        if tokens is None or not self._indexed(entry, tokens):
-            return None
-        tokens = tokens.copy()  # not a view: the header's other bytes are not kept
-        tokens.flags.writeable = False
-        self._keep(entry.id, tokens)
-        return tokens
+        data = self._checked(entry)
+        return framed_tokens(data) if data is not None else None
 
     def holding(self, entry: Entry) -> Entry | None:
-        """A copy of ``entry`` holding its tokens and block names, read from its
-        verified header (its whole digest checked, its descriptor parsed): what
-        a lookup hands out. None if the header is gone or not the one indexed."""
+        """A copy of ``entry`` holding its header's bytes: its tokens (checked)
+        and, parsed when asked, its block names (``HeldHeader``). What a lookup
+        hands out; None if the header is gone or not the one indexed."""
+        data = self._checked(entry)
+        tokens = framed_tokens(data) if data is not None else None
+        return entry.holding(tokens, HeldHeader(self._dir, data)) if data is not None and tokens is not None else None
+
+    def _checked(self, entry: Entry) -> bytes | None:
+        """The header file's bytes, if they are the ones indexed (kept in the LRU)."""
+        with self._mutex:
+            data = self._cache.get(entry.id)
+            if data is not None:
+                self._cache.move_to_end(entry.id)
+                return data
         data = self._read(entry)
-        if data is None:
+        tokens = framed_tokens(data) if data is not None else None
+        if data is None or tokens is None or not self._indexed(entry, tokens):
             return None
-        try:
-            header = decode_header(data)
-            if not self._indexed(entry, header.tokens) or header.ns != entry.ns:
-                return None
-            path = self._dir.header_path(entry.ns, entry.id)
-            record = self._dir.record(entry.id, path, header, len(data))
-        except Exception:  # noqa: BLE001 - a header a lookup cannot read is one it does not hand out
-            return None
-        return entry.holding(record.tokens, record.blocks)
+        self._keep(entry.id, data)
+        return data
 
     def _read(self, entry: Entry) -> bytes | None:
         """The header file's bytes, if it is the size the index recorded."""
@@ -117,14 +112,41 @@ class HeaderPages:
             digest = self._digests.get(entry.id)
         return digest is not None and len(tokens) == entry.length and digest == tokens_digest(tokens)
 
-    def _keep(self, entry_id: str, tokens: np.ndarray) -> None:
-        if tokens.nbytes > self._cache_bytes:
+    def _keep(self, entry_id: str, data: bytes) -> None:
+        if len(data) > self._cache_bytes:
             return
         with self._mutex:
             if entry_id in self._cache or entry_id not in self._digests:  # forgotten meanwhile: not kept
                 return
-            self._cache[entry_id] = tokens
-            self._cached += tokens.nbytes
+            self._cache[entry_id] = data
+            self._cached += len(data)
             while self._cached > self._cache_bytes:
                 _, old = self._cache.popitem(last=False)
-                self._cached -= old.nbytes
+                self._cached -= len(old)
+
+
+class HeldHeader:
+    """The header bytes a handed-out entry holds (``records.Paged``): its
+    tokens, checked when read, and its block names, parsed the first time they
+    are asked for (its whole digest checked then): a lookup does not parse a
+    descriptor nobody reads. ``KeyError`` if they do not parse."""
+
+    def __init__(self, directory: Directory, data: bytes) -> None:
+        self._dir, self._data = directory, data
+        self._blocks: tuple[str, ...] | None = None
+
+    def tokens(self, entry_id: str) -> np.ndarray:
+        tokens = framed_tokens(self._data)
+        if tokens is None:
+            raise KeyError(f"entry {entry_id}: its header is not one")
+        return tokens
+
+    def blocks(self, entry_id: str) -> tuple[str, ...]:
+        if self._blocks is None:
+            try:
+                header = decode_header(self._data)
+                path = self._dir.header_path(header.ns, entry_id)
+                self._blocks = self._dir.record(entry_id, path, header, len(self._data)).blocks
+            except Exception as exc:  # noqa: BLE001 - what a damaged header says is no block name
+                raise KeyError(f"entry {entry_id}: its header names no blocks that can be read ({exc})") from None
+        return self._blocks

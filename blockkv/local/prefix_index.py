@@ -65,7 +65,7 @@ class _Node:
     """An edge and the node it leads to. The label is ``src``'s tokens
     ``[start:stop]`` (depths: every item below has the same tokens there)."""
 
-    __slots__ = ("src", "start", "stop", "key", "parent", "children", "ending", "below")
+    __slots__ = ("below", "children", "ending", "key", "parent", "src", "start", "stop")
 
     def __init__(self, src: str, start: int, stop: int, key: int, parent: _Node | None,
                  below: array | None = None) -> None:
@@ -100,9 +100,10 @@ class PrefixIndex(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         return iter(list(self._items.values()))
 
-    def _label(self, node: _Node, tokens_of: TokensOf) -> np.ndarray:
-        """The node's edge label; if its item's tokens are gone (removed by another
-        process, not yet followed), another item's below it; empty if none is there."""
+    def _source(self, node: _Node, tokens_of: TokensOf) -> np.ndarray | None:
+        """The tokens of an item below ``node``: its ``src``'s, or if they are gone
+        (removed by another process, not yet followed) another's below it; None
+        if none is there. Every label from the root to ``node`` is a range of them."""
         tokens = tokens_of(node.src)
         if tokens is None:
             for seq in node.below:
@@ -110,9 +111,12 @@ class PrefixIndex(Generic[T]):
                 if tokens is not None:
                     node.src = self._items[seq].id
                     break
-            else:
-                return np.empty(0, np.uint32)
-        return tokens[node.start : node.stop]
+        return tokens
+
+    def _label(self, node: _Node, tokens_of: TokensOf) -> np.ndarray:
+        """The node's edge label (``_source``); empty if no item's tokens are there."""
+        tokens = self._source(node, tokens_of)
+        return tokens[node.start : node.stop] if tokens is not None else np.empty(0, np.uint32)
 
     def add(self, item: T, tokens: np.ndarray, tokens_of: TokensOf | None = None) -> None:
         """Insert ``item``; later inserts rank after earlier ones on ties."""
@@ -170,18 +174,35 @@ class PrefixIndex(Generic[T]):
 
     def _descend(self, tokens: np.ndarray, read: TokensOf) -> tuple[list[tuple[int, _Node]], tuple[int, _Node] | None]:
         """The nodes ``tokens`` fully match, with their depths (root first), and,
-        when the match ends inside an edge, that edge's node with the match depth."""
+        when the match ends inside an edge, that edge's node with the match depth.
+
+        The edges the tokens' keys lead down are found first, then checked at
+        once against one item below the deepest of them (every label on the way
+        is a range of its tokens): one read of an item's tokens a lookup, not
+        one per edge, when they are paged. An edge with no item's tokens there
+        matches nothing."""
         path = [(0, self._root)]
-        node, depth = self._root, 0
-        while depth < len(tokens):
-            child = node.children.get(int(tokens[depth]))
+        chain: list[_Node] = []
+        node = self._root
+        while node.stop < len(tokens):  # a node's depth is its label's stop
+            child = node.children.get(int(tokens[node.stop]))
             if child is None:
                 break
-            m = common_prefix_length(self._label(child, read), tokens, depth)
-            if m < child.stop - child.start:
-                return path, ((depth + m, child) if m else None)
-            node, depth = child, depth + m
-            path.append((depth, node))
+            chain.append(child)
+            node = child
+        source: np.ndarray | None = None
+        while chain:
+            source = self._source(chain[-1], read)
+            if source is not None:
+                break
+            chain.pop()
+        if source is None:
+            return path, None
+        m = common_prefix_length(source[: chain[-1].stop], tokens)
+        for child in chain:
+            if m < child.stop:
+                return path, ((m, child) if m > child.start else None)
+            path.append((child.stop, child))
         return path, None
 
     def _walk(self, prompt: np.ndarray, read: TokensOf) -> tuple[list[tuple[int, _Node, _Node | None]], int]:
@@ -191,7 +212,7 @@ class PrefixIndex(Generic[T]):
         ``depth`` leading tokens with the prompt. Also returns the match depth.
         """
         path, partial = self._descend(prompt, read)
-        below: list[_Node | None] = [n for _, n in path[1:]] + [partial[1] if partial else None]
+        below: list[_Node | None] = [*(n for _, n in path[1:]), partial[1] if partial else None]
         levels = [(depth, node, child) for (depth, node), child in zip(path, below)]
         if partial is not None:
             levels.append((partial[0], partial[1], None))

@@ -121,10 +121,10 @@ def test_entries_handed_out_hold_their_tokens_and_blocks_after_removal_and_close
 
 
 def test_labels_are_read_through_a_bounded_cache(tmp_path: Path) -> None:
-    """The last-read headers' tokens are kept, never more than the cache's bytes."""
+    """The last-read headers are kept, never more than the cache's bytes."""
     stored_pair(tmp_path)
     with BlockStore(tmp_path, **IDENT) as s:
         pages = s._catalog._pages.headers
-        pages._cache_bytes = 4 * len(A)  # room for one entry's tokens
+        pages._cache_bytes = max(e.header_bytes for e in s._catalog.entries())  # room for one header
         assert s.find(A + [1]) is not None and s.find(B + [1]) is not None
         assert 0 < pages._cached <= pages._cache_bytes and len(pages._cache) == 1
