@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,32 +54,101 @@ class GenerationCheckpoint:
                    dict(d.get("meta") or {}))
 
 
-@dataclass(frozen=True, eq=False)
-class Entry:
-    """One stored prompt cache, as the index knows it (no tensors)."""
+class Paged(Protocol):
+    """Where an entry's tokens and block names are read when asked, so that a
+    catalog of many long entries holds neither (local/catalog.py: the header
+    files and the index; local/header_pages.py: a handed-out entry's header)."""
 
+    def tokens(self, entry_id: str) -> np.ndarray: ...
+    def blocks(self, entry_id: str) -> tuple[str, ...]: ...
+
+
+class Entry:
+    """One stored prompt cache, as the index knows it (no tensors). Immutable.
+
+    ``token_array`` and ``blocks`` are either held or paged (``Paged``: read
+    each time they are asked for; ``KeyError`` once the entry is no longer
+    stored). ``length`` is always held."""
+
+    __slots__ = (
+        "_blocks",
+        "_nblocks",
+        "_tokens",
+        "attachments",
+        "checkpoint",
+        "header_bytes",
+        "id",
+        "last_use",
+        "length",
+        "minimum_reusable_offset",
+        "nbytes",
+        "ns",
+        "trimmable",
+    )
     id: str
     ns: str
-    token_array: np.ndarray = field(repr=False)
+    _tokens: np.ndarray | Paged
     nbytes: int  # header + every block it references
     header_bytes: int
-    blocks: tuple[str, ...]
+    _blocks: tuple[str, ...] | Paged
     last_use: float
     trimmable: bool
     minimum_reusable_offset: int
     checkpoint: GenerationCheckpoint | None
     attachments: tuple[str, ...]
+    length: int  # tokens
+    _nblocks: int  # distinct blocks, for the repr
+
+    def __init__(self, id: str, ns: str, token_array: np.ndarray | Paged, nbytes: int, header_bytes: int,
+                 blocks: tuple[str, ...] | Paged, last_use: float, trimmable: bool, minimum_reusable_offset: int,
+                 checkpoint: GenerationCheckpoint | None, attachments: tuple[str, ...], *,
+                 length: int | None = None, nblocks: int | None = None) -> None:
+        if length is None:
+            if not isinstance(token_array, np.ndarray):
+                raise TypeError("an entry whose tokens are paged needs its length")
+            length = len(token_array)
+        if nblocks is None:
+            if not isinstance(blocks, tuple):
+                raise TypeError("an entry whose block names are paged needs their count")
+            nblocks = len(blocks)
+        for name, value in (("id", id), ("ns", ns), ("_tokens", token_array), ("nbytes", nbytes),
+                            ("header_bytes", header_bytes), ("_blocks", blocks), ("last_use", last_use),
+                            ("trimmable", trimmable), ("minimum_reusable_offset", minimum_reusable_offset),
+                            ("checkpoint", checkpoint), ("attachments", attachments), ("length", length),
+                            ("_nblocks", nblocks)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Entry is immutable: cannot set {name}")
 
     @classmethod
-    def of(cls, record: EntryRecord, nbytes: int, last_use: float) -> Entry:
-        """The entry an index record describes (``nbytes``: its header plus its blocks)."""
+    def of(cls, record: EntryRecord, nbytes: int, last_use: float, paged: Paged | None = None) -> Entry:
+        """The entry an index record describes (``nbytes``: its header plus its
+        blocks; ``paged``: where its tokens and block names are read instead of held)."""
         return cls(
-            id=record.id, ns=record.ns, token_array=record.tokens, nbytes=nbytes,
-            header_bytes=record.header_bytes, blocks=record.blocks, last_use=last_use,
-            trimmable=record.trimmable, minimum_reusable_offset=record.minimum_reusable_offset,
-            checkpoint=GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None,
-            attachments=record.attachments,
+            record.id, record.ns, paged or record.tokens, nbytes, record.header_bytes, paged or record.blocks,
+            last_use, record.trimmable, record.minimum_reusable_offset,
+            GenerationCheckpoint.from_json(record.checkpoint) if record.checkpoint else None,
+            record.attachments, length=len(record.tokens), nblocks=len(record.blocks),
         )
+
+    def holding(self, tokens: np.ndarray | Paged, blocks: tuple[str, ...] | Paged) -> Entry:
+        """A copy that holds ``tokens`` and ``blocks`` (a paged entry's, read
+        now, or what it is read from): readable once the entry is removed or
+        its store closed."""
+        return Entry(self.id, self.ns, tokens, self.nbytes, self.header_bytes, blocks, self.last_use,
+                     self.trimmable, self.minimum_reusable_offset, self.checkpoint, self.attachments,
+                     length=self.length, nblocks=len(blocks) if isinstance(blocks, tuple) else self._nblocks)
+
+    @property
+    def token_array(self) -> np.ndarray:
+        t = self._tokens
+        return t if isinstance(t, np.ndarray) else t.tokens(self.id)
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        b = self._blocks
+        return b if isinstance(b, tuple) else b.blocks(self.id)
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -88,13 +157,9 @@ class Entry:
     def __repr__(self) -> str:
         """Counts, not contents: an entry of 100,000 tokens has hundreds of blocks."""
         return (f"Entry(id={self.id!r}, ns={self.ns!r}, tokens={self.length}, nbytes={self.nbytes}, "
-                f"blocks={len(self.blocks)}, last_use={self.last_use!r}, trimmable={self.trimmable}, "
+                f"blocks={self._nblocks}, last_use={self.last_use!r}, trimmable={self.trimmable}, "
                 f"minimum_reusable_offset={self.minimum_reusable_offset}, checkpoint={self.checkpoint!r}, "
                 f"attachments={self.attachments!r})")
-
-    @property
-    def length(self) -> int:
-        return len(self.token_array)
 
 
 @dataclass(frozen=True)

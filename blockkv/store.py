@@ -31,7 +31,7 @@ from blockkv.local.disk_tier import Read
 from blockkv.local.executors import Executors
 from blockkv.local.handle import HandleSettings, LocalHandle, Options
 from blockkv.local.index import Index
-from blockkv.local.index_keeper import OPEN_WAIT
+from blockkv.local.index_keeper import OPEN_WAIT, REFRESH_WAIT
 from blockkv.local.locks import waiting_at_most
 from blockkv.records import CHECKPOINT_NS, CheckReport, Entry, GenerationCheckpoint, Loaded, LocalChanges, Match
 from blockkv.tiers import BackingTier, NoTier, Tier
@@ -269,20 +269,27 @@ class BlockStore:
     @_open_only
     def logical_bytes(self) -> int:
         """What one self-contained file per entry would take (no sharing)."""
-        return sum(e.nbytes for e in self.entries())
+        return sum(e.nbytes for e in self._current(None))
 
-    @_open_only
-    def entries(self, ns: str | None = None) -> list[Entry]:
-        """Every entry, or (``ns`` given) only that namespace's: a tenant sees its own."""
+    def _current(self, ns: str | None) -> list[Entry]:
+        """The catalog's entries brought current (paged: for the handle's own use)."""
         if ns is not None:
             check_ns(ns)
         self._retention.refresh()
         return self._catalog.entries(ns)
 
     @_open_only
+    def entries(self, ns: str | None = None) -> list[Entry]:
+        """Every entry, or (``ns`` given) only that namespace's: a tenant sees
+        its own. Each holds its tokens and block names (read now: a pass over
+        every entry's tokens)."""
+        with waiting_at_most(REFRESH_WAIT):  # a stopped writer: read from the headers instead
+            return self._catalog.detached(self._current(ns))
+
+    @_open_only
     def count(self, ns: str | None = None) -> int:
         """``len(store)``, or (``ns`` given) the entries of that namespace."""
-        return len(self) if ns is None else len(self.entries(ns))
+        return len(self) if ns is None else len(self._current(ns))
 
     @property
     @_open_only
@@ -292,7 +299,7 @@ class BlockStore:
     @_open_only
     def longest_entry_tokens(self, ns: str | None = None) -> int:
         """The longest entry's length, across namespaces or (``ns`` given) in one."""
-        return max((e.length for e in self.entries(ns)), default=0)
+        return max((e.length for e in self._current(ns)), default=0)
 
     @_open_only
     def token_prefixes(self, ns: str | None = None) -> Iterator[tuple[int, ...]]:
@@ -313,12 +320,18 @@ class BlockStore:
     @_open_only
     def find(self, prompt: Sequence[int], ns: str = "") -> Match | None:
         arr = self._lookup(prompt, ns)
-        return self._remote.find(arr, ns, self._catalog.find(arr, ns))
+        return self._remote.find(arr, ns, self._handed(self._catalog.find(arr, ns)))
 
     @_open_only
     def find_exact(self, tokens: Sequence[int], ns: str = "") -> Match | None:
         arr = self._lookup(tokens, ns)
-        return self._remote.find(arr, ns, self._catalog.find_exact(arr, ns), exact=True)
+        return self._remote.find(arr, ns, self._handed(self._catalog.find_exact(arr, ns)), exact=True)
+
+    def _handed(self, match: Match | None) -> Match | None:
+        """A local match as the caller gets it: its entry holding its tokens and
+        block names, read from its header with no lock (the catalog pages
+        them), readable once removed or closed (``Catalog.from_header``)."""
+        return Match(self._catalog.from_header(match.entry), match.prefix_len) if match is not None else None
 
     @_open_only
     def changes(self, since: tuple[bytes, int] | None = None) -> LocalChanges:
@@ -333,7 +346,8 @@ class BlockStore:
     def find_generation_checkpoint(self, prompt: Sequence[int], key: str, cache_ns: str = "") -> Entry | None:
         arr = tokens_array(prompt)
         self._retention.refresh()
-        return self._catalog.generation_checkpoint(arr, key, cache_ns)
+        found = self._catalog.generation_checkpoint(arr, key, cache_ns)
+        return self._catalog.from_header(found) if found is not None else None
 
     # -- restore ---------------------------------------------------------------------
     @_open_only

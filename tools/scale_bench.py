@@ -24,6 +24,7 @@ disk. One root grows through the sizes; at each, with the writer closed:
 
     python tools/scale_bench.py --out scale.json          # 1k / 10k / 100k
     python tools/scale_bench.py --quick --out scale.json  # seconds: the test's run
+    python tools/scale_bench.py --sizes 10000 --roots DIR --no-fleet  # one size, a root kept in DIR
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fleet", action="store_true", help="skip the bucket rows")
     parser.add_argument("--roots", type=Path, help="grow and keep a root per size here (a rerun, e.g. of another "
                         "tree through PYTHONPATH, measures the same entries without storing them again)")
+    parser.add_argument("--sizes", type=int, nargs="+", help="measure at these sizes only (default: 1k 10k 100k)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -331,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = Path(tempfile.mkdtemp(prefix="blockkv-scale-", dir=args.workdir))
     try:
-        report = run(QUICK if args.quick else FULL, work, args.roots or work / "roots", not args.no_fleet)
+        w = QUICK if args.quick else FULL
+        if args.sizes:
+            w = replace(w, sizes=tuple(sorted(args.sizes)))
+        report = run(w, work, args.roots or work / "roots", not args.no_fleet)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(report, indent=2) + "\n"

@@ -122,6 +122,19 @@ def decode_header(data: bytes) -> Header:
     return Header(identity, ns, tokens, descriptor, checkpoint, block_xxh3)
 
 
+def framed_tokens(data: bytes) -> np.ndarray | None:
+    """A header's tokens by its framing alone (magic, version, sizes; no JSON
+    parsed, no digest checked), as a view of ``data``; None if the framing is
+    not a header's. For a reader that checks them against what it already
+    knows of them (the catalog's digest of the indexed tokens, catalog.py)."""
+    if len(data) < _FIXED.size + _DIGEST:
+        return None
+    magic, version, _, meta_len, n_tokens = _FIXED.unpack_from(data)
+    if magic != MAGIC or version != VERSION or len(data) != _FIXED.size + meta_len + 4 * n_tokens + _DIGEST:
+        return None
+    return np.frombuffer(data, dtype="<u4", count=n_tokens, offset=_FIXED.size + meta_len)
+
+
 def _str(meta: dict[str, Any], key: str) -> str:
     value = meta[key]
     if not isinstance(value, str):

@@ -26,6 +26,7 @@ from blockkv.local.commit import Commits
 from blockkv.local.directory import Directory
 from blockkv.local.disk_tier import DiskTier, Heal
 from blockkv.local.executors import Executors
+from blockkv.local.header_pages import HeaderPages
 from blockkv.local.index_keeper import IndexKeeper
 from blockkv.local.locks import DirLock
 from blockkv.local.recovery import Recovery
@@ -74,7 +75,8 @@ class LocalHandle:
         self.intents = IntentFile(directory.path / "writers")
         self.recovery = Recovery(directory, self.intents.directory, fs, clock, owner,
                                  tmp_grace=settings.tmp_grace, map_size=options.index_map_size, warn=warn)
-        self.catalog = Catalog({owner}, clock, kin=directory.modes.keys() - {owner})  # the other mode's: kin
+        self.catalog = Catalog({owner}, clock, kin=directory.modes.keys() - {owner},  # the other mode's: kin
+                               headers=HeaderPages(directory))  # tokens read from headers once loaded
         self.keeper = IndexKeeper(directory, DirLock(directory.path / "LOCK"), self.recovery, self.catalog,
                                   self.intents.directory, map_size=options.index_map_size,
                                   lock_timeout=settings.lock_timeout, warn=warn)

@@ -33,8 +33,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,8 +43,16 @@ import numpy as np
 
 from blockkv.errors import CorruptError
 from blockkv.fs import TMP_SUFFIX, FileLayer
-from blockkv.local.index_records import gc_paused, pack_record, unpack_record, unpack_records
+from blockkv.local.index_records import (
+    gc_paused,
+    pack_record,
+    record_blocks,
+    record_tokens,
+    unpack_record,
+    unpack_records,
+)
 from blockkv.local.lmdb_env import TXN_TIMEOUT, boot_id, env_key, open_env, release_env
+from blockkv.local.prefix_index import TokensOf
 from blockkv.local.txn_lock import TxnLock
 from blockkv.records import EntryRecord, LocalChanges
 
@@ -58,6 +66,7 @@ _BLOCK_ROW = np.dtype([("refs", "<u4"), ("size", "<u8"), ("zero_since", "<f8")])
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct("<d")
 _LOG_KEEP = 50_000
+_NO_TOKENS = np.empty(0, np.uint32)
 R = TypeVar("R")
 
 
@@ -155,17 +164,56 @@ class Index:
         return self._env.read(lambda txn: _u64(txn.get(b"bytes", db=self._meta)))
 
     # -- reads --------------------------------------------------------------
-    def entries(self) -> list[EntryRecord]:
-        """Every record, in the order they were added (their log sequence)."""
+    def entries(self, *, tokens: bool = True) -> list[EntryRecord]:
+        """Every record, in the order they were added (their log sequence).
+        ``tokens=False``: each with no tokens (an empty array), for who needs
+        only the rest (recovery: many long entries' tokens are most of the table)."""
 
-        def read(txn: lmdb.Transaction) -> tuple[dict[bytes, int], list[tuple[bytes, bytes]]]:
-            seqs = {v[1:]: k for k, v in txn.cursor(db=self._log)}  # big-endian keys sort as numbers
-            return seqs, list(txn.cursor(db=self._entries))
+        def read(txn: lmdb.Transaction) -> list[EntryRecord]:
+            records = _in_order(txn, self, 1 << 62, copy=tokens)
+            return list(records) if tokens else [replace(r, tokens=_NO_TOKENS) for r in records]
 
         with gc_paused():
-            seqs, rows = self._env.read(read)
-            rows.sort(key=lambda kv: seqs.get(kv[0], b""))
-            return unpack_records(rows)
+            return self._env.read(read, buffers=True)
+
+    def scan_entries(self, fn: Callable[[EntryRecord, TokensOf], None], begin: Callable[[], None],
+                     batch: int = 1024) -> None:
+        """``fn(record, tokens_of)`` for every record in the order they were
+        added, in one read transaction: the record's tokens, and what
+        ``tokens_of`` returns, are views of the map, valid only inside the
+        call (a load that holds no entry's tokens). ``begin()`` first, and
+        again if the transaction is retried (the map resized): start over."""
+
+        def read(txn: lmdb.Transaction) -> None:
+            begin()
+            def tokens_of(entry_id: str) -> np.ndarray | None:
+                raw = txn.get(entry_id.encode(), db=self._entries)
+                return record_tokens(raw) if raw is not None else None
+
+            for record in _in_order(txn, self, batch):
+                fn(record, tokens_of)
+
+        with gc_paused():
+            self._env.read(read, buffers=True)
+
+    def rows_of(self, entry_ids: Iterable[str]) -> dict[str, tuple[np.ndarray, tuple[str, ...]]]:
+        """The tokens (copied) and block names of each of ``entry_ids`` the table holds (one transaction)."""
+
+        def read(txn: lmdb.Transaction) -> dict[str, tuple[np.ndarray, tuple[str, ...]]]:
+            rows = ((entry_id, txn.get(entry_id.encode(), db=self._entries)) for entry_id in entry_ids)
+            return {entry_id: (record_tokens(raw).copy(), record_blocks(raw)) for entry_id, raw in rows
+                    if raw is not None}
+
+        return self._env.read(read, buffers=True)
+
+    def blocks_of(self, entry_ids: Iterable[str]) -> dict[str, tuple[str, ...]]:
+        """The block names of each of ``entry_ids`` the table holds (one transaction)."""
+
+        def read(txn: lmdb.Transaction) -> dict[str, tuple[str, ...]]:
+            rows = ((entry_id, txn.get(entry_id.encode(), db=self._entries)) for entry_id in entry_ids)
+            return {entry_id: record_blocks(raw) for entry_id, raw in rows if raw is not None}
+
+        return self._env.read(read, buffers=True)
 
     def entry(self, entry_id: str) -> EntryRecord | None:
         raw = self._env.read(lambda txn: txn.get(entry_id.encode(), db=self._entries))
@@ -434,6 +482,18 @@ class Index:
         txn.put(_U64.pack(seq), op, db=self._log)
         txn.put(b"seq", _U64.pack(seq), db=self._meta)
         return seq
+
+
+def _in_order(txn: lmdb.Transaction, index: Index, batch: int, *, copy: bool = False) -> Iterator[EntryRecord]:
+    """The entries table's records in the order they were added (their last log
+    record), ``batch`` rows parsed at a time; tokens are views of the rows
+    unless ``copy``."""
+    seqs = {bytes(v[1:]): bytes(k) for k, v in txn.cursor(db=index._log)}  # big-endian keys sort as numbers
+    keys = sorted((bytes(k) for k in txn.cursor(db=index._entries).iternext(values=False)),
+                  key=lambda k: seqs.get(k, b""))
+    for at in range(0, len(keys), batch):
+        chunk = keys[at : at + batch]
+        yield from unpack_records([(k, txn.get(k, db=index._entries)) for k in chunk], copy=copy)
 
 
 def _u64(raw: bytes | None) -> int:

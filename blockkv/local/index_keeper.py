@@ -38,7 +38,6 @@ from blockkv.local.index import Index
 from blockkv.local.lmdb_env import BROKEN_INDEX
 from blockkv.local.locks import DirLock, waiting_at_most
 from blockkv.local.recovery import Recovery
-from blockkv.records import EntryRecord
 
 SETTLE_AFTER = 5.0  # seconds without an index write before a handle settles the index
 REFRESH_WAIT = 0.025  # the longest a query waits for the transaction lock; none after a refresh found it busy
@@ -228,19 +227,17 @@ class IndexKeeper:
     def _recover(self, gc_grace: float) -> list[str]:
         """The steps of ``scan``, under the lock, from one listing and one writer survey."""
         finished: list[str] = []
-        records: list[EntryRecord] | None = None
         listing = self._dir.listing()  # one listing serves every step below
         live = writers.survey(self._intents_dir)
         self._recovery.reap_tmp(listing.tmp, live)
         files = listing.blocks
         try:
             if self.index.is_trusted():
-                records = self.index.entries()
+                records = self.index.entries(tokens=False)  # the catalog's load reads them, holding none
                 finished = self._recovery.roll_back_pending(self.index, records)
                 if finished:
-                    records = self.index.entries()
-                if self._recovery.reconcile(self.index, records, listing.headers, files) or finished:
-                    records = None  # changed: reload below
+                    records = self.index.entries(tokens=False)
+                self._recovery.reconcile(self.index, records, listing.headers, files)
             else:
                 self._recovery.notes.append("index missing, from another format or from before an OS restart: rebuilt")
                 self._recovery.rebuild(self.index)
@@ -249,13 +246,12 @@ class IndexKeeper:
             # liblmdb's proof that the environment itself is broken: it is moved aside first
             self._warn("index", f"LMDB index unusable ({exc}); rebuilding from headers")
             self._recovery.notes.append(f"index unreadable ({exc}): rebuilt")
-            records = None
             if isinstance(exc, BROKEN_INDEX):
                 self.index.close()
                 self.index = self._recovery.fresh_index()
             self._recovery.rebuild(self.index)
         self._recovery.sweep_orphans(self.index, gc_grace, files, live)
-        self._catalog.load(self.index, records)
+        self._catalog.load(self.index)
         return finished
 
     def rebuild(self) -> None:
@@ -270,7 +266,7 @@ class IndexKeeper:
         header had landed (indexed now)."""
         if not self.index.pending():
             return []
-        finished = self._recovery.roll_back_pending(self.index, self.index.entries())
+        finished = self._recovery.roll_back_pending(self.index, self.index.entries(tokens=False))
         self.refresh()
         return finished
 

@@ -76,28 +76,41 @@ def unpack_record(entry_id: str, data: bytes) -> EntryRecord:
         raise CorruptError(f"index record {entry_id} unreadable: {exc}") from None
 
 
-def unpack_records(rows: list[tuple[bytes, bytes]]) -> list[EntryRecord]:
+def unpack_records(rows: list[tuple[bytes, bytes]], *, copy: bool = True) -> list[EntryRecord]:
     """Every (key, value) row of the entries table as a record, in order. The
     JSON heads are parsed as one array (a third of the per-call cost of
     parsing 10k small documents one by one); if that fails, row by row, so
-    the error names the row."""
+    the error names the row. ``copy=False``: the tokens are views of the rows
+    (of the map, in a transaction with buffers: valid only inside it)."""
     try:
         heads, ends = [], []
         for _, v in rows:
             (n,) = struct.unpack_from("<I", v)
-            heads.append(v[4 : 4 + n])
+            heads.append(bytes(v[4 : 4 + n]))
             ends.append(4 + n)
         metas = json.loads(b"[" + b",".join(heads) + b"]")
         if len(metas) != len(rows):
             raise ValueError("a head is not one JSON value")
-        return [_record(k.decode(), m, v, end) for (k, v), m, end in zip(rows, metas, ends)]
+        return [_record(bytes(k).decode(), m, v, end, copy) for (k, v), m, end in zip(rows, metas, ends)]
     except (ValueError, KeyError, TypeError, struct.error):
-        return [unpack_record(k.decode(), v) for k, v in rows]
+        return [unpack_record(bytes(k).decode(), bytes(v)) for k, v in rows]
 
 
-def _record(entry_id: str, m: Any, data: bytes, offset: int) -> EntryRecord:
+def record_tokens(data: bytes | memoryview) -> np.ndarray:
+    """A row's tokens, as a view of the row (no JSON parsed)."""
+    (n,) = struct.unpack_from("<I", data)
+    return np.frombuffer(data, "<u4", offset=4 + n)
+
+
+def record_blocks(data: bytes | memoryview) -> tuple[str, ...]:
+    """A row's block names (only its JSON head parsed)."""
+    (n,) = struct.unpack_from("<I", data)
+    return tuple(json.loads(bytes(data[4 : 4 + n]))["blocks"])
+
+
+def _record(entry_id: str, m: Any, data: bytes | memoryview, offset: int, copy: bool = True) -> EntryRecord:
+    tokens = np.frombuffer(data, "<u4", offset=offset)
     return EntryRecord(
         entry_id, m["ns"], m["path"], int(m["hdr"]), tuple(m["blocks"]), bool(m["trim"]),
-        int(m["mro"]), m["ckpt"], tuple(m["att"]), str(m["owner"]),
-        np.frombuffer(data, "<u4", offset=offset).copy(),
+        int(m["mro"]), m["ckpt"], tuple(m["att"]), str(m["owner"]), tokens.copy() if copy else tokens,
     )

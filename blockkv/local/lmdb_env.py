@@ -105,10 +105,12 @@ class SharedEnv:
             except lmdb.MapResizedError:
                 self._adopt_size()
 
-    def read(self, fn: Callable[[lmdb.Transaction], R]) -> R:
+    def read(self, fn: Callable[[lmdb.Transaction], R], *, buffers: bool = False) -> R:
+        """Run ``fn`` in a read transaction (``buffers``: values are views into
+        the map, valid only inside ``fn``)."""
         while True:
             try:
-                with self.txns.shared(), self.env.begin() as txn:
+                with self.txns.shared(), self.env.begin(buffers=buffers) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
                 self._adopt_size()

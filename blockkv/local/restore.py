@@ -63,7 +63,8 @@ class EntryRead:
         self.bytes_read += len(data)
         parsed = ParsedEntry.parse(data)
         self._reading = ""
-        if parsed.header.identity != self._identity or parsed.header.ns != self._entry.ns:
+        if (parsed.header.identity != self._identity or parsed.header.ns != self._entry.ns
+                or not _same_tokens(parsed.header, self._entry)):
             raise IndexDisagrees("the header on disk is not the one indexed")
         self._key = parsed.key
         caches, attachments = parsed.rebuild(cut, self._fill_all, self._stored_bytes, self._allocate)
@@ -123,6 +124,17 @@ class EntryRead:
             raise missing
         self.bytes_read += st.st_size
         return st.st_size
+
+
+def _same_tokens(header: Header, entry: Entry) -> bool:
+    """Whether the header states the tokens ``entry`` was found by (a header
+    rewritten under a live index, its digest valid: its caches would be
+    served for other tokens). An entry whose tokens cannot be read now agrees
+    with nothing."""
+    try:
+        return len(header.tokens) == entry.length and np.array_equal(header.tokens, entry.token_array)
+    except KeyError:
+        return False
 
 
 def evaluate(caches: list[Any], attachments: dict[str, Any]) -> None:

@@ -213,10 +213,10 @@ class Retention:
         next store of it writes a good copy); a block good under another
         entry's key convicts only this entry's header; a block that verifies
         or cannot be read now proves nothing."""
-        own, finding = self._catalog.entries(), None
+        own, finding = self._catalog.with_blocks(self._catalog.entries()), None
         if block:
             others = keys_naming(block, self._dir.identity, [e for e in own if e.id != entry.id],
-                                 self._catalog.unserved())
+                                 self._catalog.with_blocks(self._catalog.unserved()))
             finding = judge_now(self._dir.pool, block, block_naming_key(self._dir.identity, entry.ns), others)
         if finding in (Finding.GOOD, Finding.UNREADABLE):
             self._warn("restore-miss", f"restore of entry {entry.id} failed ({exc}), but block {block} "
@@ -233,7 +233,7 @@ class Retention:
     # -- the cap ----------------------------------------------------------------------------
     def plan(self, target_bytes: int) -> list[Entry]:
         """The entries eviction down to ``target_bytes`` would remove, LRU first."""
-        return self._plan(target_bytes)[0]
+        return self._catalog.detached(self._plan(target_bytes)[0])
 
     def _plan(self, target_bytes: int, ns: str | None = None) -> tuple[list[Entry], dict[str, float]]:
         """``plan`` (of namespace ``ns``'s entries only, against their own
@@ -241,7 +241,7 @@ class Retention:
         later than the index records (another handle's restore not yet in the
         index): an entry is never evicted on a last use its header contradicts."""
         index = self._keeper.index
-        candidates = self._catalog.in_namespace(ns) if ns is not None else None
+        candidates = self._catalog.with_blocks(self._catalog.in_namespace(ns)) if ns is not None else None
         total = self.footprint() if candidates is None else footprint(candidates, index.block_sizes())
         if total <= target_bytes:  # the common case: every store checks the cap
             return [], {}
@@ -277,6 +277,7 @@ class Retention:
         try:
             with self.locked():
                 plan, later = self._plan(target_bytes, ns)
+                plan = self._catalog.detached(plan)  # handed out: readable once removed
                 if later:
                     self._keeper.index.touch(later)
                 for entry in plan:

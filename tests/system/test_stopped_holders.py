@@ -120,6 +120,46 @@ def test_a_process_stopped_inside_a_transaction_delays_no_query(tmp_path: Path, 
         assert [seed for seed in acked if not restored_exactly(fresh, seed)] == []
 
 
+def test_a_paged_catalog_reads_its_labels_past_a_stopped_writer(tmp_path: Path) -> None:
+    """The catalog holds no tokens once loaded (issue #45): a lookup reads the
+    trie's edge labels, and the tokens and block names of what it hands out,
+    from the entries' header files, never the index: it answers while another
+    process is stopped inside a write transaction, with this process's own
+    store queued behind that (which stops this process's new index readers)."""
+    shared = random_tokens(24, seed=30)
+    prompts = [shared + random_tokens(16, seed=seed) for seed in (31, 32, 33)]
+    with BlockStore(tmp_path, **IDENT) as first:
+        for tokens in prompts:
+            assert first.store(tokens, prefill(tiny_model("llama"), tokens)[0])
+    holder = None
+    with BlockStore(tmp_path, **IDENT) as store:  # loaded: no label read yet, none kept
+        headers = store._catalog._pages.headers
+        assert headers._cache == {}
+        try:
+            holder = stopped_in_txn(tmp_path, "write")
+            result: list[bool] = []
+            writer = threading.Thread(target=lambda: result.append(store.store(*caches_of(11))))
+            writer.start()
+            time.sleep(0.2)
+            for tokens in prompts:
+                match, seconds = timed(lambda tokens=tokens: store.find(tokens + [7]))
+                assert seconds < QUICK and match is not None and match.prefix_len == len(tokens)
+                assert match.entry.tokens == tuple(tokens) and len(match.entry.blocks) > 0
+                loaded = store.restore(match.entry, match.prefix_len)
+                expected = prefill(tiny_model("llama"), tokens)[0]
+                assert loaded is not None and all(live_bits(a) == live_bits(b) for a, b in zip(loaded.caches, expected))
+            assert len(headers._cache) > 0  # the labels came from the headers
+            writer.join(LOCK_TIMEOUT + WAIT)
+            assert result == [False]
+            holder.send_signal(signal.SIGCONT)
+            out, _ = holder.communicate(timeout=WAIT)
+            assert out.strip() == "stored"
+        finally:
+            if holder is not None:
+                holder.kill()
+                holder.wait()
+
+
 # -- a stream of scanning readers cannot starve a writer ------------------------------------------------
 
 SCANNERS = 8
