@@ -15,19 +15,36 @@ system prompts. Two workloads (``--workload``):
 - ``agent``: issue #23's: 8 sessions, 4 at once, two 800-word system prompts,
   8 turns, all streamed.
 
-Per way it reports:
+Two run shapes (issue #44): whole rounds (the default: every session runs to
+its last turn, throughput over the time that took) or ``--window SECONDS``
+(time-boxed: each fleet serves for that long, its clients starting new
+sessions, new words on the same two system prompts, until it closes; only
+requests answered inside the window count, throughput is them over the
+window). ``--interleave N``: each client keeps N conversations going, a turn
+of each in turn, instead of one after another.
+
+Per way it reports, load-independent counts first:
 
 - later turns served from the node's own RAM or disk: the node held the
   conversation so far (its published residency, read just before the request
-  was sent) and did not prefill it (``cached_tokens`` covers it);
-- prompt tokens prefilled (``prompt_tokens - cached_tokens``, summed);
+  was sent) and did not prefill it (``cached_tokens`` covers it); and where
+  each later turn's reused prefix came from, by its ``cached_tokens`` against
+  what its node had published holding (``source``);
+- later turns sent to a node already busy with another request of the run,
+  and the requests in flight on a request's node when it was sent;
+- prompt tokens prefilled (``prompt_tokens - cached_tokens``, summed), and
+  the nodes' own /metrics counters (hits and tokens restored per tier,
+  tokens prefilled), scraped from every node before its fleet stops;
 - bytes of blocks read from the bucket (counted by the S3 server);
 - time to first token (first streamed chunk) of the streamed requests, median
-  and p95, of later turns and of all turns;
+  and p95, of later turns (also split by whether their node was idle or busy
+  when they were sent) and of all turns;
 - throughput: requests answered per second of the way's wall time (fleets'
-  start excluded).
+  start excluded), or of its window;
+- per fleet: its way, the load average after it, requests by node.
 
     python tools/route_bench.py --rounds 4         # the soak's workload, router and round-robin, both orders twice
+    python tools/route_bench.py --window 150       # issue #44's trial: 150 s time-boxed fleets of the soak's workload
     python tools/route_bench.py --workload agent   # issue #23's agent workload
     python tools/route_bench.py --quick            # a tiny run that checks the tool (figures mean nothing)
     python tools/route_bench.py --floor            # the floor: one idle node, direct, routed, mlx_lm.server
@@ -393,7 +410,7 @@ def summary(sent: list[Sent], bucket_bytes: int, wall_s: float, fleets: list[dic
         "later_from_own_ram_or_disk": sum(1 for s in later if s.own) / max(len(later), 1),
         **{f"later_from_{where}": sum(1 for s in later if source(s) == where) for where in SOURCES},
         "later_sent_to_a_busy_node": sum(1 for s in later if queued[id(s)]) / max(len(later), 1),
-        "in_flight_on_node_at_send_mean": statistics.mean(queued[id(s)] for s in sent) if sent else float("nan"),
+        "in_flight_on_node_at_send_mean": statistics.fmean(queued[id(s)] for s in sent) if sent else float("nan"),
         "prompt_tokens": sum(s.prompt_tokens for s in sent),
         "prefilled_tokens": sum(s.prompt_tokens - s.cached_tokens for s in sent),
         **{f"nodes_{name}": int(value) for name, value in sorted(counters.items())},
