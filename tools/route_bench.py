@@ -21,7 +21,9 @@ its last turn, throughput over the time that took) or ``--window SECONDS``
 sessions, new words on the same two system prompts, until it closes; only
 requests answered inside the window count, throughput is them over the
 window). ``--interleave N``: each client keeps N conversations going, a turn
-of each in turn, instead of one after another.
+of each in turn, instead of one after another, so a conversation's turns are
+spaced by the others' (with ``--pooled``, the clients share all their
+conversations, as a pool of workers over many sessions does).
 
 Per way it reports, load-independent counts first:
 
@@ -60,6 +62,7 @@ each way, so that the node never holds one way's turn for the other).
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import os
@@ -264,20 +267,40 @@ class Conversation:
                     _leading(digests, ram), _leading(digests, disk), own, closes is None or end <= closes)
 
 
-def client(fleet: Fleet, sessions: Sessions, args: argparse.Namespace, tokenizer: PromptTokenizer,
-           label: tuple[str, int]) -> list[Sent]:
-    """One client: its conversations one after another, or, ``--interleave``,
-    several at once, a turn of each in turn; a finished one is followed by the
-    next session, while there is one (and the window, if any, is open)."""
-    live = [Conversation(n, args, tokenizer) for n in (sessions.take() for _ in range(args.interleave)) if n is not None]
+class Ready:
+    """Conversations waiting for their next turn, the longest waiting first:
+    one client's, or, ``--pooled``, every client's (any client sends the next
+    turn of whichever conversation has waited longest, never two turns of one
+    at once). A finished one is followed by the next session, while there is
+    one."""
+
+    def __init__(self, count: int, sessions: Sessions, args: argparse.Namespace, tokenizer: PromptTokenizer) -> None:
+        self.sessions, self.args, self.tokenizer = sessions, args, tokenizer
+        self._lock = threading.Lock()
+        self._queue = collections.deque(Conversation(n, args, tokenizer)
+                                        for n in (sessions.take() for _ in range(count)) if n is not None)
+
+    def pop(self) -> Conversation | None:
+        with self._lock:
+            return self._queue.popleft() if self._queue else None
+
+    def put(self, conversation: Conversation) -> None:
+        if conversation.done:
+            n = self.sessions.take()
+            if n is None:
+                return
+            conversation = Conversation(n, self.args, self.tokenizer)
+        with self._lock:
+            self._queue.append(conversation)
+
+
+def client(fleet: Fleet, ready: Ready, label: tuple[str, int]) -> list[Sent]:
+    """One client: the next turn of the conversation that has waited longest,
+    while there is one (and the window, if any, is open)."""
     sent: list[Sent] = []
-    while live and sessions.open():
-        conversation = live.pop(0)
-        sent.append(conversation.step(fleet, label, sessions.closes))
-        if not conversation.done:
-            live.append(conversation)
-        elif (n := sessions.take()) is not None:
-            live.append(Conversation(n, args, tokenizer))
+    while ready.sessions.open() and (conversation := ready.pop()) is not None:
+        sent.append(conversation.step(fleet, label, ready.sessions.closes))
+        ready.put(conversation)
     return sent
 
 
@@ -292,9 +315,10 @@ def run_way(way: str, fleet_no: int, args: argparse.Namespace, model: Path, toke
         sessions = Sessions(args.sessions, args.window)
         began = time.perf_counter()
 
+        shared = Ready(args.concurrency * args.interleave, sessions, args, tokenizer) if args.pooled else None
+        queues = [shared or Ready(args.interleave, sessions, args, tokenizer) for _ in range(args.concurrency)]
         with ThreadPoolExecutor(args.concurrency) as pool:
-            clients = [pool.submit(client, fleet, sessions, args, tokenizer, (way, fleet_no))
-                       for _ in range(args.concurrency)]
+            clients = [pool.submit(client, fleet, ready, (way, fleet_no)) for ready in queues]
             sent = [s for c in clients for s in c.result()]
         wall = args.window if args.window is not None else time.perf_counter() - began
         record = {"way": way, "fleet": fleet_no, "wall_s": wall, "load_average_after": os.getloadavg(),
@@ -513,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interleave", type=int, default=1, metavar="N",
                    help="conversations each client keeps going at once, a turn of each in turn (default "
                    "%(default)s: one after another)")
+    p.add_argument("--pooled", action="store_true",
+                   help="the clients share their conversations: each sends the next turn of whichever has waited "
+                   "longest (as a pool of workers over many sessions does), so a conversation's turns come from "
+                   "any client")
     p.add_argument("--sync-interval", type=float, metavar="SECONDS",
                    help="the nodes' sync_interval: how soon a node learns what the others stored (default: theirs, 30)")
     p.add_argument("--json", type=Path, help="also write the figures here")

@@ -1,4 +1,4 @@
-"""tools/route_bench.py --quick --window --interleave (two fleets of three nodes, about a
+"""tools/route_bench.py --quick --window --interleave --pooled (two fleets of three nodes, about a
 minute on 2 shared cores): a time-boxed run counts only the requests answered
 inside each fleet's window, and its per-request and per-node counts agree with
 each other and with what the nodes' /metrics counted. No timing is asserted."""
@@ -14,7 +14,7 @@ from tool_scripts import load
 def test_quick_window_run_counts_inside_the_window_and_its_counts_agree(tmp_path: Path) -> None:
     bench = load("route_bench")
     out = tmp_path / "route.json"
-    assert bench.main(["--quick", "--rounds", "1", "--window", "6", "--interleave", "2", "--json", str(out)]) == 0
+    assert bench.main(["--quick", "--rounds", "1", "--window", "6", "--interleave", "2", "--pooled", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     records = {r["fleet"]: r for r in report["fleet_records"]}
     assert sorted((r["fleet"], r["way"]) for r in records.values()) == [(0, "router"), (1, "round-robin")]
