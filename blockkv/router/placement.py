@@ -112,12 +112,16 @@ class Router:
         # anything: it is taken to start as well as the best known node, so its queue decides its share
         best = min(starts.values(), key=lambda s: s.cost, default=start_cost(length, Matches()))
         conversation = digests(BLOCK_SIZE)
-        meets = self.sessions.meets(self.sessions.record(conversation) if record else self.sessions.turn(conversation))
+        turn = self.sessions.record(conversation, now) if record else self.sessions.turn(conversation)
+        meets = self.sessions.meets(turn)
+        queues = {n.url: n.queue() for n in self.nodes}
+        company = self.sessions.company(now, sum(q[1] for q in queues.values()))
         options = []
         for node in usable:
             start = starts.get(node.url) or Start(best.cost, "unknown", 0)
-            work, in_flight = node.queue()
-            options.append(Option(start, queue_cost(work, in_flight, node.active_cost(), meets), in_flight,
+            work, in_flight = queues[node.url]
+            expected = None if company is None else company.get(node.url, 0.0)
+            options.append(Option(start, queue_cost(work, in_flight, node.active_cost(), meets, expected), in_flight,
                                   node.routed))
         return [(usable[i], options[i].start, digests(usable[i].block_size)) for i in order(options)]
 
@@ -129,7 +133,8 @@ class Router:
             ranked = self.rank(tokens, record=True, ns=ns)
             if ranked:
                 ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2])
+                self.sessions.place(ranked[0][0].url, time.monotonic())
         for i, (node, start, digests) in enumerate(ranked):
-            if i:
+            if i:  # the first did not answer: its conversation is counted there until it turns live elsewhere
                 node.begin(request_id, start.cost, digests)
             yield node, start

@@ -15,10 +15,12 @@ token, plus the work already queued on it:
 - a request in flight is a session that stays on the node (its prefix is
   there), and so is the new one: they meet on this turn and on the turns the
   new one's conversation still sends, so the active cost is charged that
-  many times (``Sessions``: measured from the prompts routed). A node whose
-  sessions keep it busy is left by a new session once that costs more than
-  restoring the shared prefix elsewhere; a later turn, with fewer turns left
-  and more to restore, stays.
+  many times (``Sessions``: measured from the prompts routed), each time
+  with the requests the node's live conversations are expected to have in
+  flight then (``Sessions.company``: conversations not always in flight meet
+  less often). A node whose sessions keep it busy is left by a new session
+  once that costs more than restoring the shared prefix elsewhere; a later
+  turn, with fewer turns left and more to restore, stays.
 
 The cheapest option per node is taken; the cheapest node wins, ties going to
 the node with fewer requests in flight, then fewer routed so far. This is
@@ -78,11 +80,24 @@ def start_cost(length: int, m: Matches) -> Start:
     return best
 
 
-def queue_cost(unstarted_work: float, in_flight: int, active_cost: float = ACTIVE_COST, meets: float = 1.0) -> float:
+def queue_cost(unstarted_work: float, in_flight: int, active_cost: float = ACTIVE_COST, meets: float = 1.0,
+               company: float | None = None) -> float:
     """What the requests in flight on a node add: their unfinished start cost,
-    plus ``active_cost`` for each of them on each of the ``meets`` turns the
-    new request's conversation meets them (``Sessions.meets``)."""
-    return unstarted_work + active_cost * in_flight * meets
+    plus ``active_cost`` for each of them on this turn, and on each of the
+    ``meets - 1`` later turns of the new request's conversation for each
+    request expected in flight there then: ``company`` (``Sessions.company``),
+    else the requests in flight now (every conversation always in flight)."""
+    later = in_flight if company is None else company
+    return unstarted_work + active_cost * (in_flight + (meets - 1.0) * later)
+
+
+@dataclass(frozen=True)
+class Home:
+    """Where a conversation's last turn went, when, and which turn it was."""
+
+    node: str
+    at: float  # time.monotonic()
+    turn: int
 
 
 class Sessions:
@@ -94,8 +109,16 @@ class Sessions:
     two sessions placed together meet on every turn they both still send: on
     tools/route_bench.py's soak (12 sessions of 8 turns, 3 clients, 2 system
     prompts) an active cost charged once left every session of one system
-    prompt on one node (48/32/16 requests a node). Not thread-safe (the
-    router's choosing lock guards it)."""
+    prompt on one node (48/32/16 requests a node).
+
+    Conversations are not always in flight: a pool of 3 clients over 12
+    conversations (``route_bench.py --interleave 4 --pooled``) has each in
+    flight a quarter of the time. So the sessions also keep where each live
+    conversation's last turn went (``place``): the live ones (their last turn
+    routed within twice the measured gap between turns, fewer turns sent than
+    the mean) are what will send turns to their nodes, each in flight the
+    share of the time the fleet's requests in flight are of them
+    (``company``). Not thread-safe (the router's choosing lock guards it)."""
 
     MEMORY = 0.02  # weight of the newest prompt in the counts: about the last 50 prompts
     LIMIT = 4096  # conversations remembered (their last prompts' digests)
@@ -104,22 +127,55 @@ class Sessions:
         self._last: OrderedDict[str, int] = OrderedDict()  # a prompt's last digest -> its turn
         self._prompts = 0.0
         self._new = 0.0
+        self._homes: OrderedDict[str, Home] = OrderedDict()  # a conversation's last digest -> its last turn's node
+        self._gap: float | None = None  # seconds between a conversation's turns being routed (moving mean)
+        self._placing: tuple[str, int] | None = None  # the prompt recorded last: its last digest, its turn
 
     def turn(self, digests: Sequence[str]) -> int:
         """A prompt's turn in its conversation (1: a new one), from its digests."""
         return next((self._last[d] + 1 for d in reversed(digests) if d in self._last), 1)
 
-    def record(self, digests: Sequence[str]) -> int:
-        """A prompt with these digests was routed; returns its ``turn``."""
+    def record(self, digests: Sequence[str], now: float = 0.0) -> int:
+        """A prompt with these digests was routed at ``now`` (a ``time.monotonic()``);
+        returns its ``turn``. Its conversation is no longer at home anywhere until ``place``."""
         turn = self.turn(digests)
         self._prompts += self.MEMORY * (1.0 - self._prompts)
         self._new += self.MEMORY * (float(turn == 1) - self._new)
+        earlier = next((d for d in reversed(digests) if d in self._homes), None)
+        if earlier is not None:
+            gap = now - self._homes.pop(earlier).at
+            self._gap = gap if self._gap is None else self._gap + 0.2 * (gap - self._gap)
+        self._placing = None
         if digests:
             self._last[digests[-1]] = turn
             self._last.move_to_end(digests[-1])
             while len(self._last) > self.LIMIT:
                 self._last.popitem(last=False)
+            self._placing = (digests[-1], turn)
         return turn
+
+    def place(self, node: str, now: float) -> None:
+        """The prompt recorded last went to ``node``: its conversation lives there."""
+        if self._placing is not None:
+            digest, turn = self._placing
+            self._homes[digest] = Home(node, now, turn)
+            self._homes.move_to_end(digest)
+            while len(self._homes) > self.LIMIT:
+                self._homes.popitem(last=False)
+
+    def company(self, now: float, in_flight: int) -> dict[str, float] | None:
+        """Per node, the requests its live conversations are expected to have in
+        flight at a time (``in_flight`` of the fleet's, shared by all live ones);
+        None until the gap between turns is measured."""
+        if self._gap is None:
+            return None
+        mean = self._prompts / self._new if self._new > 0 else 1.0
+        live = [h.node for h in self._homes.values() if now - h.at <= 2 * self._gap and h.turn < mean]
+        duty = min(1.0, in_flight / len(live)) if live else 0.0
+        homed: dict[str, float] = {}
+        for node in live:
+            homed[node] = homed.get(node, 0.0) + duty
+        return homed
 
     def meets(self, turn: int) -> float:
         """The turns a prompt at ``turn`` meets a session placed beside it: this

@@ -36,6 +36,7 @@ from blockkv.router.scoring import (
     Sessions,
     Start,
     order,
+    queue_cost,
     start_cost,
 )
 from blockkv.testing.fleet_processes import Process
@@ -234,6 +235,46 @@ def test_a_new_session_leaves_the_node_its_family_keeps_busy() -> None:
     assert router.sessions.turn(prefix_digests(later, KEY, 32)) == 2
     node, start, _ = router.rank(later)[0]
     assert node is busy and start.tier == "ram"  # 7 turns left: less than restoring its 1,700 tokens
+
+
+def test_conversations_not_always_in_flight_are_charged_as_often_as_they_meet() -> None:
+    """A pool of 3 clients over 12 conversations (route_bench.py --interleave 4 --pooled,
+    issue #44) has each conversation in flight a quarter of the time. Charged as if the
+    request in flight on its node met it on every turn left, a later turn left its node for
+    another as crowded, restoring its conversation from the bucket (a quarter of the later
+    turns moved, and the router lost to round-robin); charged for the turns the nodes' live
+    conversations are expected in flight, it stays."""
+    router = _router(3)
+    a, b, c = router.nodes
+    for node in router.nodes:
+        node.remote = True
+    sessions = router.sessions
+    now = time.monotonic()
+    for k in range(11):  # 11 others, live on the three nodes, a turn every 8 s
+        home = router.nodes[k % 3].url
+        for t in range(2):
+            sessions.record([f"pool{k}/{i}" for i in range(t + 1)], now - 16 + 8 * t)
+            sessions.place(home, now - 16 + 8 * t)
+    _conversations(sessions, 60, 8)  # and conversations are 8 turns long
+    first = random_tokens(32 * 32, seed=9) + random_tokens(190, seed=10)  # system prompt and a turn
+    sessions.record(prefix_digests(first, KEY, 32), now - 8)
+    sessions.place(a.url, now - 8)
+    later = first + random_tokens(200, seed=11)
+    a.held["RAM"].update(prefix_digests(first, KEY, 32))
+    a.held["DISK"].update(prefix_digests(first, KEY, 32))  # spilled, so in the bucket: any node restores it
+    a.begin(1, 0.0, [])
+    a.started(1)  # another conversation's turn in flight on a, its prefill done
+    turn = sessions.turn(prefix_digests(later, KEY, 32))
+    assert turn == 2 and sessions.meets(turn) > 5.0
+    stay = start_cost(len(later), Matches(ram=len(first)))
+    move = start_cost(len(later), Matches(bucket=len(later) // 32 * 32))
+    # met on every turn left, the one in flight would cost more than restoring elsewhere
+    assert stay.cost + queue_cost(0.0, 1, ACTIVE_COST, sessions.meets(turn)) > move.cost
+    node, start, _ = router.rank(later, record=True)[0]
+    assert node is a and start.tier == "ram"
+    company = sessions.company(time.monotonic(), 1)
+    assert company is not None and sum(company.values()) == pytest.approx(1.0)  # 1 in flight, shared by 11
+    assert company[a.url] == company[b.url] > company[c.url]  # a and b: 4 others live there; c: 3
 
 
 Answer = tuple[int, bytes] | Callable[[str, bytes], tuple[int, bytes]]
