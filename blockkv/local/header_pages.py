@@ -25,6 +25,7 @@ walk just before it is handed out.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -36,6 +37,8 @@ from blockkv.errors import BlockKVError
 from blockkv.format.header import decode_header, framed_tokens
 from blockkv.local.directory import Directory
 from blockkv.records import Entry
+
+log = logging.getLogger(__name__)
 
 CACHE_BYTES = 4 << 20  # recently read header files kept, whatever the catalog's size
 
@@ -57,6 +60,7 @@ class HeaderPages:
         self._cached = 0  # bytes in _cache
         self._cache_bytes = cache_bytes
         self._mutex = threading.Lock()
+        self._warned = False  # an unexpected read failure was logged
 
     def follow(self, digests: dict[str, int]) -> None:
         """Check against ``digests`` from now on (the catalog's, of each entry's
@@ -104,6 +108,11 @@ class HeaderPages:
         try:
             data = self._dir.fs.read(self._dir.header_path(entry.ns, entry.id), limit=entry.header_bytes)
         except (OSError, MemoryError, BlockKVError):  # gone, or unreadable now: the caller's fallback decides
+            return None
+        except Exception as exc:  # noqa: BLE001 - e.g. a caller's FileLayer failing: a lookup misses, never raises
+            if not self._warned:
+                self._warned = True
+                log.warning("blockkv: reading a header for a lookup failed (%r); such lookups are misses", exc)
             return None
         return data if len(data) == entry.header_bytes else None
 

@@ -9,6 +9,7 @@ stores, real caches from a tiny model's forward passes, compared bit for bit.
 
 from __future__ import annotations
 
+import logging
 import struct
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 
 from blockkv import BlockStore
 from blockkv.format.header import Header, decode_header, encode_header
+from blockkv.fs import FileLayer
 from blockkv.testing.models import prefill, random_tokens, tiny_model
 from blockkv.testing.stateful import live_bits
 
@@ -128,3 +130,23 @@ def test_labels_are_read_through_a_bounded_cache(tmp_path: Path) -> None:
         pages._cache_bytes = max(e.header_bytes for e in s._catalog.entries())  # room for one header
         assert s.find(A + [1]) is not None and s.find(B + [1]) is not None
         assert 0 < pages._cached <= pages._cache_bytes and len(pages._cache) == 1
+
+
+def test_a_file_layer_whose_read_fails_unexpectedly_costs_a_lookup_a_warning_not_an_exception(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A caller's FileLayer written before ``read`` took ``limit`` (tools/bench.py's
+    had one): the header read for a label raises TypeError. The lookup must not
+    raise: it reads the index's row (its lock is free) and restores bit-exact,
+    with one warning."""
+
+    class OldFileLayer(FileLayer):
+        def read(self, path: Path) -> bytes:  # type: ignore[override]
+            return super().read(path)
+
+    stored_pair(tmp_path)
+    with BlockStore(tmp_path, **IDENT, fs=OldFileLayer()) as s, caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert restored_exactly(s, A) and restored_exactly(s, B)
+            assert s.find(B + [1]).entry.id == s.find_exact(B).entry.id
+    warned = [r for r in caplog.records if "reading a header for a lookup failed" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]

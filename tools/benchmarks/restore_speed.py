@@ -94,9 +94,9 @@ class CountingFileLayer(FileLayer):
         if is_block_name(path.name):
             self.block_reads.append(path.name)
 
-    def read(self, path: Path) -> bytes:
+    def read(self, path: Path, limit: int | None = None) -> bytes:
         self._count(path)
-        return super().read(path)
+        return super().read(path, limit)
 
     def read_exact(self, path: Path, buffers: Sequence[memoryview], on_read: Any = None) -> bool:
         self._count(path)
