@@ -136,7 +136,7 @@ def test_a_paged_catalog_reads_its_labels_past_a_stopped_writer(tmp_path: Path) 
         headers = store._catalog._pages.headers
         assert headers._cache == {}
         try:
-            holder = stopped_in_txn(tmp_path, "write")
+            holder = stopped_in_txn(tmp_path, "write", IDENT)
             result: list[bool] = []
             writer = threading.Thread(target=lambda: result.append(store.store(*caches_of(11))))
             writer.start()
@@ -151,13 +151,9 @@ def test_a_paged_catalog_reads_its_labels_past_a_stopped_writer(tmp_path: Path) 
             assert len(headers._cache) > 0  # the labels came from the headers
             writer.join(LOCK_TIMEOUT + WAIT)
             assert result == [False]
-            holder.send_signal(signal.SIGCONT)
-            out, _ = holder.communicate(timeout=WAIT)
-            assert out.strip() == "stored"
+            assert continued(holder, WAIT) == "stored"
         finally:
-            if holder is not None:
-                holder.kill()
-                holder.wait()
+            ended(holder)
 
 
 # -- a stream of scanning readers cannot starve a writer ------------------------------------------------
