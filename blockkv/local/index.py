@@ -198,20 +198,19 @@ class Index:
 
     def rows_of(self, entry_ids: Iterable[str]) -> dict[str, tuple[np.ndarray, tuple[str, ...]]]:
         """The tokens (copied) and block names of each of ``entry_ids`` the table holds (one transaction)."""
-
-        def read(txn: lmdb.Transaction) -> dict[str, tuple[np.ndarray, tuple[str, ...]]]:
-            rows = ((entry_id, txn.get(entry_id.encode(), db=self._entries)) for entry_id in entry_ids)
-            return {entry_id: (record_tokens(raw).copy(), record_blocks(raw)) for entry_id, raw in rows
-                    if raw is not None}
-
-        return self._env.read(read, buffers=True)
+        return self._parsed_rows(entry_ids, lambda raw: (record_tokens(raw).copy(), record_blocks(raw)))
 
     def blocks_of(self, entry_ids: Iterable[str]) -> dict[str, tuple[str, ...]]:
         """The block names of each of ``entry_ids`` the table holds (one transaction)."""
+        return self._parsed_rows(entry_ids, record_blocks)
 
-        def read(txn: lmdb.Transaction) -> dict[str, tuple[str, ...]]:
+    def _parsed_rows(self, entry_ids: Iterable[str], parse: Callable[[Any], R]) -> dict[str, R]:
+        """``parse(row)`` of each of ``entry_ids`` the table holds, in one read
+        transaction (the rows are views of the map: ``parse`` copies what it keeps)."""
+
+        def read(txn: lmdb.Transaction) -> dict[str, R]:
             rows = ((entry_id, txn.get(entry_id.encode(), db=self._entries)) for entry_id in entry_ids)
-            return {entry_id: record_blocks(raw) for entry_id, raw in rows if raw is not None}
+            return {entry_id: parse(raw) for entry_id, raw in rows if raw is not None}
 
         return self._env.read(read, buffers=True)
 
