@@ -33,7 +33,7 @@ node is left exactly when the queue on it costs more than the prefill it saves.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 # Restoring a token costs this fraction of prefilling it: the project measured a
@@ -170,12 +170,22 @@ class Sessions:
         if self._gap is None:
             return None
         mean = self._prompts / self._new if self._new > 0 else 1.0
-        live = [h.node for h in self._homes.values() if now - h.at <= 2 * self._gap and h.turn < mean]
+        live = [h.node for h in self._recent(now - 2 * self._gap) if h.turn < mean]
         duty = min(1.0, in_flight / len(live)) if live else 0.0
         homed: dict[str, float] = {}
         for node in live:
             homed[node] = homed.get(node, 0.0) + duty
         return homed
+
+    def _recent(self, since: float) -> Iterator[Home]:
+        """The homes placed at ``since`` or later, newest first: ``place`` appends
+        in time order, so the walk stops at the first older one instead of
+        visiting all ``LIMIT`` (4,095 homes: 453 µs a request under the
+        router's choosing lock, now the live ones only)."""
+        for home in reversed(self._homes.values()):
+            if home.at < since:
+                return
+            yield home
 
     def meets(self, turn: int) -> float:
         """The turns a prompt at ``turn`` meets a session placed beside it: this

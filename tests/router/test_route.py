@@ -843,3 +843,24 @@ def test_a_node_refusing_the_routers_key_is_the_routers_error_naming_its_flag(fa
         router.stop()
         server.shutdown()
         server.server_close()
+
+
+def test_only_recent_homes_are_walked_for_the_company_of_a_request() -> None:
+    """``Sessions.company`` runs under the router's choosing lock on every request:
+    it counts the conversations placed within twice the gap between turns, and
+    stops at the first older home instead of walking all it remembers."""
+    sessions = Sessions()
+    now = time.monotonic()
+    for k in range(Sessions.LIMIT):  # conversations long gone, oldest first as place() keeps them
+        sessions.record([f"old{k}/0"], now - 600 + k * 0.01)
+        sessions.place("http://old", now - 600 + k * 0.01)
+    for k in range(3):  # three live conversations, one turn each so far...
+        sessions.record([f"live{k}/0"], now - 1.5)
+        sessions.place(f"http://n{k}", now - 1.5)
+    sessions.record(["live0/0", "live0/1"], now - 0.5)  # ...and live0's second turn: a gap of 1 s
+    sessions.place("http://n0", now - 0.5)
+    _conversations(sessions, 60, 8)
+    company = sessions.company(now, 3)
+    assert company == {"http://n0": 1.0, "http://n1": 1.0, "http://n2": 1.0}
+    walked = list(sessions._recent(now - 2.0))
+    assert len(walked) == 3  # the 4,093 old homes left are never visited
