@@ -220,7 +220,7 @@ def profile(tokens: int, reps: int, work: Path, only_fills: bool = False) -> lis
         for name, other in (("verified restore", store), ("unverified restore", unverified)):
             got = alternate({"mlx-lm load": load, name: lambda s=other: eval_caches(s.restore(entry).caches)}, reps)
             rows += [f"| {k}, process CPU{' (alternating with the next row)' if k == 'mlx-lm load' else ''} "
-                     f"| {least * 1e3:.1f} ms | | {wall * 1e3:.1f} ms |" for k, (wall, _, least) in got.items()]
+                     f"| {least * 1e3:.1f} ms | | {wall * 1e3:.1f} ms |" for k, (wall, _, least, _) in got.items()]
         rows += timeline(store, entry, timed, reps)
     return rows
 
