@@ -11,15 +11,21 @@ exports libxxhash's streaming functions, which ctypes calls without the GIL
   check, and a check hashing each piece by address through ctypes (the
   addresses worked out per block from the destination arrays, not per piece);
   median wall, least CPU, cores busy. Digests are checked bit-identical first,
-  and the ctypes check's restores bit-exact, with no fallback to today's path.
+  and the ctypes check's restores bit-exact, with no fallback to today's path;
+- ``--native``: also a restore whose every block is read into its pieces and
+  hashed by one native call with the GIL dropped (``benchmarks/read_hash.c``,
+  built with the system's ``cc``): what the Python around the reads and the
+  GIL-held hashing cost, measured by taking them away.
 
     python tools/xxh3_calls.py                      # 4,096 and 8,704 tokens, 21 reps
     python tools/xxh3_calls.py --tokens 8704 --reps 41
+    python tools/xxh3_calls.py --tokens 8704 --reps 41 --native
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import threading
@@ -34,7 +40,7 @@ import xxhash
 from benchmarks.config import FULL
 from benchmarks.harness import open_store
 from benchmarks.sources import KVSource, check_restored, eval_caches
-from benchmarks.xxh3_ctypes import LIB, Xxh3At
+from benchmarks.xxh3_ctypes import LIB, Xxh3At, native_reader, update_address
 from cpu_budget import alternate
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
@@ -160,13 +166,43 @@ def _ctypes_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target]) -
     return fill
 
 
-def restores(tokens: int, reps: int, work: Path) -> list[str]:
+def _native_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target],
+                 reader: Callable[..., int]) -> Callable[..., rebuild.Target]:
+    """``EntryRead._fill`` reading and hashing each block in one native call
+    (after the frame's header and layout are read and compared, as today);
+    any other case goes today's way."""
+    update = update_address()
+
+    def fill(self: EntryRead, target: rebuild.Target) -> rebuild.Target:
+        addresses = getattr(target, "addresses", None)
+        if self._verify is not True or addresses is None:
+            return today(self, target)
+        sizes = np.fromiter((p.nbytes for p in target.pieces), np.uint64, len(target.pieces))
+        where, prefix, h = np.array(addresses, np.uint64), target.frame_prefix, Xxh3At()
+        fd = os.open(self._pool.path(target.ref.name), os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            ok = (os.fstat(fd).st_size == len(prefix) + int(sizes.sum()) and os.pread(fd, len(prefix), 0) == prefix
+                  and reader(fd, len(prefix), where.ctypes.data, sizes.ctypes.data, len(sizes), h._state, update,
+                             512 << 10) == int(sizes.sum()))
+        finally:
+            os.close(fd)
+        if ok and finish_name(h, target.layout) == target.ref.xxh3:
+            return target
+        FALLBACKS[0] += 1
+        return today(self, target)
+
+    return fill
+
+
+def restores(tokens: int, reps: int, work: Path, native: Callable[..., int] | None = None) -> list[str]:
     src = KVSource.random(FULL.shape, tokens, seed=1)
     path = work / f"mlx-{tokens}.safetensors"
     save_prompt_cache(str(path), src.caches())
     today_call, today_fill = rebuild._TokenTargets.__call__, EntryRead._fill
     ways = {"today's check": (today_call, today_fill),
             "ctypes check": (_with_addresses(today_call), _ctypes_fill(today_fill))}
+    if native is not None:
+        ways["native read + check of each block"] = (_with_addresses(today_call), _native_fill(today_fill, native))
     with open_store(work / f"root-{tokens}", FULL.block_tokens) as store:
         assert store.store(src.tokens, src.caches()), "store refused"
         entry = store.find_exact(src.tokens).entry
@@ -196,6 +232,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8704])
+    parser.add_argument("--native", action="store_true", help="also a native read + check of each block (needs cc)")
     args = parser.parse_args()
     if LIB is None:
         print("this xxhash build does not export the XXH3 streaming functions: nothing to compare")
@@ -205,8 +242,11 @@ def main() -> int:
             "| restore | wall (median) | CPU (least) | cores busy | mlx-lm load's wall / this | minor faults |",
             "|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="blockkv-xxh3-") as work:
+        native = native_reader(Path(work)) if args.native else None
+        if args.native and native is None:
+            print("no C compiler (cc): no native row")
         for tokens in args.tokens:
-            rows += restores(tokens, args.reps, Path(work))
+            rows += restores(tokens, args.reps, Path(work), native)
     print("\n".join(rows))
     return 0
 

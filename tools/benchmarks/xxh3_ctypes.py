@@ -2,13 +2,17 @@
 Linux build exports libxxhash's streaming functions: a call on a raw address
 that drops the GIL (ctypes does for every ``CDLL`` call), where
 ``xxhash.xxh3_128().update`` keeps it. Measured against that in
-``tools/xxh3_calls.py`` (issue #45); not used by the library, which it did
-not beat."""
+``tools/xxh3_calls.py`` (issue #45), with a native reader of a whole
+block (``read_hash.c``); not used by the library."""
 
 from __future__ import annotations
 
 import ctypes
+import shutil
+import subprocess
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import xxhash
 
@@ -58,3 +62,23 @@ class Xxh3At:
     def __del__(self) -> None:
         LIB.XXH3_freeState(self._state)
 
+
+
+def native_reader(work: Path) -> Callable[..., int] | None:
+    """``read_hash`` of read_hash.c, compiled with the system's ``cc`` into
+    ``work`` and typed: None without a compiler or the XXH3 symbols."""
+    source, built = Path(__file__).with_name("read_hash.c"), work / "read_hash.so"
+    if LIB is None or shutil.which("cc") is None:
+        return None
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(built), str(source)], check=True)
+    fn = ctypes.CDLL(str(built)).read_hash
+    fn.restype = ctypes.c_longlong
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
+    return fn
+
+
+def update_address() -> int:
+    """The address of ``XXH3_128bits_update_dispatch``, for native code to call."""
+    assert LIB is not None
+    return ctypes.cast(LIB.XXH3_128bits_update_dispatch, ctypes.c_void_p).value or 0
