@@ -45,7 +45,7 @@ from cpu_budget import alternate
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from blockkv.format import rebuild
-from blockkv.format.blocks import block_parts, finish_name
+from blockkv.format.blocks import block_parts, finish_name, layout_bytes, rows_part
 from blockkv.local.restore import EntryRead
 
 PIECE, CALLS = 32 << 10, 8192  # a restore's piece; 256 MiB, about an 8,704-token restore's check
@@ -135,6 +135,37 @@ def _with_addresses(made: Callable[..., rebuild.Target]) -> Callable[..., rebuil
     return call
 
 
+def _lean_targets(made: Callable[..., rebuild.Target]) -> Callable[..., rebuild.Target]:
+    """``_TokenTargets.__call__`` without a memoryview per piece: the pieces'
+    addresses and sizes as two arrays, a few numpy operations a block (for
+    the native reader, which needs nothing else); a block whose tensors do
+    not all hold the same whole rows goes today's way."""
+
+    def call(self: rebuild._TokenTargets, ref: rebuild.BlockRef) -> rebuild.Target:
+        spec = block_parts(self._full, ref.start, ref.stop)
+        if len({(a, b) for _, a, b in spec}) != 1 or any(b > self._rows[i] for i, _, b in spec):
+            return made(self, ref)
+        order = tuple(i for i, _, _ in spec)
+        lean = self.__dict__.setdefault("lean", {})
+        if order not in lean:
+            bases = [np.frombuffer(self._dest[i], np.uint8).ctypes.data for i in order]
+            lean[order] = (np.array([base + o for base, i in zip(bases, order) for o in self._heads[i]], np.uint64),
+                           np.array([self._geometry[i][1] for i in order for _ in self._heads[i]], np.uint64))
+        starts, rows = lean[order]
+        (_, a, b) = spec[0]
+        key = tuple((i, b - a) for i in order)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = layout_bytes([rows_part(self._full[i], a, b) for i in order])
+        covers = tuple((i, self._geometry[i][0] * (b - a) * self._geometry[i][1]) for i in order)
+        target = rebuild.Target(ref, layout, [], covers)
+        object.__setattr__(target, "addresses", starts + np.uint64(a) * rows)
+        object.__setattr__(target, "sizes", np.uint64(b - a) * rows)
+        return target
+
+    return call
+
+
 FALLBACKS = [0]
 
 
@@ -177,8 +208,10 @@ def _native_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target],
         addresses = getattr(target, "addresses", None)
         if self._verify is not True or addresses is None:
             return today(self, target)
-        sizes = np.fromiter((p.nbytes for p in target.pieces), np.uint64, len(target.pieces))
-        where, prefix, h = np.array(addresses, np.uint64), target.frame_prefix, Xxh3At()
+        sizes = getattr(target, "sizes", None)
+        if sizes is None:
+            sizes = np.fromiter((p.nbytes for p in target.pieces), np.uint64, len(target.pieces))
+        where, prefix, h = np.asarray(addresses, np.uint64), target.frame_prefix, Xxh3At()
         fd = os.open(self._pool.path(target.ref.name), os.O_RDONLY | os.O_NOFOLLOW)
         try:
             ok = (os.fstat(fd).st_size == len(prefix) + int(sizes.sum()) and os.pread(fd, len(prefix), 0) == prefix
@@ -203,6 +236,7 @@ def restores(tokens: int, reps: int, work: Path, native: Callable[..., int] | No
             "ctypes check": (_with_addresses(today_call), _ctypes_fill(today_fill))}
     if native is not None:
         ways["native read + check of each block"] = (_with_addresses(today_call), _native_fill(today_fill, native))
+        ways["the same, targets without memoryviews"] = (_lean_targets(today_call), _native_fill(today_fill, native))
     with open_store(work / f"root-{tokens}", FULL.block_tokens) as store:
         assert store.store(src.tokens, src.caches()), "store refused"
         entry = store.find_exact(src.tokens).entry
