@@ -15,7 +15,10 @@ exports libxxhash's streaming functions, which ctypes calls without the GIL
 - ``--native``: also a restore whose every block is read into its pieces and
   hashed by one native call with the GIL dropped (``benchmarks/read_hash.c``,
   built with the system's ``cc``): what the Python around the reads and the
-  GIL-held hashing cost, measured by taking them away.
+  GIL-held hashing cost, measured by taking them away; the same fed by
+  targets that hold no memoryviews (addresses and sizes in numpy arrays);
+  and, with no compiled code, those targets read by libc's ``preadv`` and
+  hashed piece by piece through ctypes.
 
     python tools/xxh3_calls.py                      # 4,096 and 8,704 tokens, 21 reps
     python tools/xxh3_calls.py --tokens 8704 --reps 41
@@ -25,6 +28,7 @@ exports libxxhash's streaming functions, which ctypes calls without the GIL
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import tempfile
@@ -227,6 +231,49 @@ def _native_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target],
     return fill
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.preadv.restype = ctypes.c_ssize_t
+_LIBC.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong]
+
+
+def _libc_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target]) -> Callable[..., rebuild.Target]:
+    """``EntryRead._fill`` over ``_lean_targets`` with no compiled code of its
+    own: libc's ``preadv`` through ctypes over an iovec array numpy builds
+    once a block, one call per 512 KiB run, then each piece of the run hashed
+    by address through ctypes (one call a piece); any other case goes today's way."""
+
+    def fill(self: EntryRead, target: rebuild.Target) -> rebuild.Target:
+        sizes = getattr(target, "sizes", None)
+        if self._verify is not True or sizes is None:
+            return today(self, target)
+        iov = np.empty((len(sizes), 2), np.uint64)
+        iov[:, 0], iov[:, 1] = target.addresses, sizes
+        ends = np.cumsum(sizes)
+        runs = np.arange(1, -(-int(ends[-1]) // (512 << 10)) + 1) * (512 << 10)
+        cuts = sorted({*(np.searchsorted(ends, runs) + 1).tolist(), len(sizes)} - {len(sizes) + 1})
+        pieces, prefix, h = list(zip(target.addresses.tolist(), sizes.tolist())), target.frame_prefix, Xxh3At()
+        update, ok, start, offset = h.update_at, True, 0, len(prefix)
+        fd = os.open(self._pool.path(target.ref.name), os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            ok = os.fstat(fd).st_size == len(prefix) + int(ends[-1]) and os.pread(fd, len(prefix), 0) == prefix
+            for end in cuts if ok else ():
+                want = int(ends[end - 1]) - (int(ends[start - 1]) if start else 0)
+                if _LIBC.preadv(fd, iov.ctypes.data + 16 * start, end - start, offset) != want:
+                    ok = False  # short or failed: today's path reads it again
+                    break
+                for address, size in pieces[start:end]:
+                    update(address, size)
+                start, offset = end, offset + want
+        finally:
+            os.close(fd)
+        if ok and finish_name(h, target.layout) == target.ref.xxh3:
+            return target
+        FALLBACKS[0] += 1
+        return today(self, target)
+
+    return fill
+
+
 def restores(tokens: int, reps: int, work: Path, native: Callable[..., int] | None = None) -> list[str]:
     src = KVSource.random(FULL.shape, tokens, seed=1)
     path = work / f"mlx-{tokens}.safetensors"
@@ -237,6 +284,8 @@ def restores(tokens: int, reps: int, work: Path, native: Callable[..., int] | No
     if native is not None:
         ways["native read + check of each block"] = (_with_addresses(today_call), _native_fill(today_fill, native))
         ways["the same, targets without memoryviews"] = (_lean_targets(today_call), _native_fill(today_fill, native))
+        ways["no compiled code: libc preadv + ctypes hash, no memoryviews"] = (_lean_targets(today_call),
+                                                                             _libc_fill(today_fill))
     with open_store(work / f"root-{tokens}", FULL.block_tokens) as store:
         assert store.store(src.tokens, src.caches()), "store refused"
         entry = store.find_exact(src.tokens).entry
