@@ -70,7 +70,8 @@ def alternate(fns: dict[str, Callable[[], object]], reps: int,
 
 
 def line(name: str, wall: float, cpu: float, least: float, flt: float) -> str:
-    return f"| {name} | {wall * 1e3:.1f} ms | {cpu * 1e3:.1f} ms | {least * 1e3:.1f} ms | {cpu / wall:.2f} | {flt:.0f} |"
+    return (f"| {name} | {wall * 1e3:.1f} ms | {cpu * 1e3:.1f} ms | {least * 1e3:.1f} ms | {cpu / wall:.2f} "
+            f"| {flt:.0f} |")
 
 
 def main() -> int:
