@@ -173,6 +173,16 @@ def _lean_targets(made: Callable[..., rebuild.Target]) -> Callable[..., rebuild.
 FALLBACKS = [0]
 
 
+def _fall_back(today: Callable[[EntryRead, rebuild.Target], rebuild.Target], read: EntryRead,
+               target: rebuild.Target) -> rebuild.Target:
+    """Today's fill of a block a measured way could not take (counted: a run
+    with any is not reported); a lean target has no pieces to fill, so it stops the run."""
+    FALLBACKS[0] += 1
+    if hasattr(target, "sizes"):
+        raise RuntimeError(f"block {target.ref.name}: a target without memoryviews cannot fall back")
+    return today(read, target)
+
+
 def _ctypes_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target]) -> Callable[..., rebuild.Target]:
     """``EntryRead._fill`` hashing each piece by address through ctypes; any
     other case (no addresses, a mismatch, an odd frame) goes today's way."""
@@ -195,8 +205,7 @@ def _ctypes_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target]) -
         if (self._pool.read_exact(target.ref.name, [head, *target.pieces], feed)
                 and head == target.frame_prefix and finish_name(h, target.layout) == target.ref.xxh3):
             return target
-        FALLBACKS[0] += 1
-        return today(self, target)
+        return _fall_back(today, self, target)
 
     return fill
 
@@ -225,8 +234,7 @@ def _native_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target],
             os.close(fd)
         if ok and finish_name(h, target.layout) == target.ref.xxh3:
             return target
-        FALLBACKS[0] += 1
-        return today(self, target)
+        return _fall_back(today, self, target)
 
     return fill
 
@@ -268,8 +276,7 @@ def _libc_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target]) -> 
             os.close(fd)
         if ok and finish_name(h, target.layout) == target.ref.xxh3:
             return target
-        FALLBACKS[0] += 1
-        return today(self, target)
+        return _fall_back(today, self, target)
 
     return fill
 
