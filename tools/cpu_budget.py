@@ -3,7 +3,7 @@ and save of the same cache (issue #24): wall time, process CPU time and the
 cores that kept busy, each median of alternating reps in one long-lived
 process, as the bench's same-process rows are measured; and the least CPU
 time of the reps, the figure that holds up when other work shares the cores
-(the medians do not).
+(the medians do not); and the minor page faults of each (median).
 
 - restore: mlx-lm's load alternating with a verified restore, then with an
   unverified one, then the scatter reads alone (after both alternations, so
@@ -46,25 +46,32 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def alternate(fns: dict[str, Callable[[], object]], reps: int,
-              before: Callable[[], object] = lambda: None) -> dict[str, tuple[float, float, float]]:
-    """{name: (median wall s, median CPU s, least CPU s)} of ``fns`` run in turn,
-    ``reps`` times after two warm rounds (``before`` runs untimed ahead of each call)."""
-    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
+              before: Callable[[], object] = lambda: None) -> dict[str, tuple[float, float, float, float]]:
+    """{name: (median wall s, median CPU s, least CPU s, median minor page faults)} of
+    ``fns`` run in turn, ``reps`` times after two warm rounds (``before`` runs untimed
+    ahead of each call). The faults say who paid for fresh pages: alternating in one
+    process, one side may reuse pages the other just freed (docs/benchmarks.md)."""
+    runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in fns}
     for rep in range(reps + 2):
         for key, fn in fns.items():
             before()
-            c0, t0 = cpu_s(), time.perf_counter()
+            f0, c0, t0 = faults(), cpu_s(), time.perf_counter()
             fn()
-            wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+            wall, cpu, flt = time.perf_counter() - t0, cpu_s() - c0, faults() - f0
             if rep >= 2:
-                runs[key].append((wall, cpu))
-    return {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v), min(c for _, c in v))
-            for k, v in runs.items()}
+                runs[key].append((wall, cpu, flt))
+    return {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v), min(r[1] for r in v),
+                statistics.median(r[2] for r in v)) for k, v in runs.items()}
 
 
-def line(name: str, wall: float, cpu: float, least: float) -> str:
-    return f"| {name} | {wall * 1e3:.1f} ms | {cpu * 1e3:.1f} ms | {least * 1e3:.1f} ms | {cpu / wall:.2f} |"
+def line(name: str, wall: float, cpu: float, least: float, flt: float) -> str:
+    return (f"| {name} | {wall * 1e3:.1f} ms | {cpu * 1e3:.1f} ms | {least * 1e3:.1f} ms | {cpu / wall:.2f} "
+            f"| {flt:.0f} |")
 
 
 def main() -> int:
@@ -74,7 +81,7 @@ def main() -> int:
     parser.add_argument("--store-tokens", type=int, default=1024)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="blockkv-cpu-"))
-    rows = ["| what | wall | CPU | least CPU | cores busy |", "|---|---|---|---|---|"]
+    rows = ["| what | wall | CPU | least CPU | cores busy | minor faults |", "|---|---|---|---|---|---|"]
     try:
         src = KVSource.random(FULL.shape, args.restore_tokens, seed=1)
         path = work / "mlx.safetensors"

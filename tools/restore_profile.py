@@ -20,10 +20,17 @@ GIL, which decides what two reading threads can overlap.
   the one tried and reverted in 996ada9 (one job per reading thread, each
   making its next target just before reading it): which one a quiet machine
   favours (docs/benchmarks.md, "Verified restore").
+- ``--levers``: mlx-lm's load alternating with today's verified restore and
+  with the same restore through two reading threads instead of four, 1 MiB
+  read runs instead of 512 KiB, and both (fewer GIL hand-overs, each a chance
+  for a core to idle): median wall, least CPU, minor faults, and mlx-lm's
+  wall over each. Inconclusive at load 3-5 (docs/benchmarks.md): one for a
+  quiet machine.
 
     python tools/restore_profile.py                    # 4,096 and 8,704 tokens, 9 reps
     python tools/restore_profile.py --tokens 8704 --reps 21
     python tools/restore_profile.py --tokens 8704 --reps 21 --fills
+    python tools/restore_profile.py --tokens 8704 --reps 21 --levers
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +56,7 @@ from benchmarks.sources import KVSource, eval_caches
 from cpu_budget import alternate, cpu_s
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from blockkv import BlockStore, Entry
+from blockkv import BlockStore, Entry, fs
 from blockkv.format.rebuild import ParsedEntry, Target
 from blockkv.fs import FileLayer
 from blockkv.local.restore import EntryRead, _feeder
@@ -164,6 +172,30 @@ def fills(store: BlockStore, entry: Entry, timed: TimedReads, reps: int) -> list
     return rows + [f"| wall, today's / per-thread (> 1: per-thread faster) | {today / per_thread:.2f} | | |"]
 
 
+def levers(store: BlockStore, entry: Entry, load: Callable[[], object], reps: int) -> list[str]:
+    """Today's verified restore against two reading threads, 1 MiB read runs
+    and both, each alternating with mlx-lm's ``load`` in this one handle."""
+    four, run = store._executor("read"), fs._READ_RUN
+    two = ThreadPoolExecutor(max_workers=2, thread_name_prefix="blockkv-read2")
+    ways = {"today: 4 reading threads, 512 KiB runs": (four, run), "2 reading threads": (two, run),
+            "1 MiB runs": (four, 1 << 20), "2 reading threads, 1 MiB runs": (two, 1 << 20)}
+
+    def restore(pool: ThreadPoolExecutor, size: int) -> Callable[[], None]:
+        def go() -> None:
+            store._executor._pools["read"], fs._READ_RUN = pool, size
+            eval_caches(store.restore(entry).caches)
+        return go
+
+    try:
+        got = alternate({"mlx-lm load": load, **{k: restore(*v) for k, v in ways.items()}}, reps)
+    finally:
+        store._executor._pools["read"], fs._READ_RUN = four, run
+        two.shutdown()
+    load_wall = got["mlx-lm load"][0]
+    return [f"| {k} | {least * 1e3:.1f} ms | | {wall * 1e3:.1f} ms (mlx-lm's / this: {load_wall / wall:.2f}; "
+            f"{flt:.0f} minor faults) |" for k, (wall, _, least, flt) in got.items()]
+
+
 def parts(store: BlockStore, entry: Entry) -> dict[str, Callable[[], object]]:
     """Each part of a verified restore, as a function run on this thread."""
     pool, key = store._dir.pool, None
@@ -195,7 +227,7 @@ def parts(store: BlockStore, entry: Entry) -> dict[str, Callable[[], object]]:
             "reads + check, fused": fused, "check alone": check_alone}
 
 
-def profile(tokens: int, reps: int, work: Path, only_fills: bool = False) -> list[str]:
+def profile(tokens: int, reps: int, work: Path, only: str = "") -> list[str]:
     src = KVSource.random(FULL.shape, tokens, seed=1)
     path = work / f"mlx-{tokens}.safetensors"
     save_prompt_cache(str(path), src.caches())
@@ -205,8 +237,11 @@ def profile(tokens: int, reps: int, work: Path, only_fills: bool = False) -> lis
           open_store(work / f"root-{tokens}", FULL.block_tokens, verify=False) as unverified):
         assert store.store(src.tokens, src.caches()), "store refused"
         entry = store.find_exact(src.tokens).entry
-        if only_fills:
+        load = lambda: eval_caches(load_prompt_cache(str(path)))
+        if only == "fills":
             return [f"| {tokens} tokens | | | |", *fills(store, entry, timed, reps)]
+        if only == "levers":
+            return [f"| {tokens} tokens | | | |", *levers(store, entry, load, reps)]
         targets = entry_targets(store, entry)
         pieces = sum(len(t.pieces) for t in targets)
         rows.append(f"| {tokens} tokens: {len(targets)} blocks, {pieces} pieces, "
@@ -216,11 +251,10 @@ def profile(tokens: int, reps: int, work: Path, only_fills: bool = False) -> lis
             cpu, user = thread_cpu(fn, reps)
             rows.append(f"| {name}, one thread | {cpu * 1e3:.1f} ms | {user:.0%} | |")
         del fn  # it holds the parts' destination arrays: beside them every mlx-lm load faults in fresh pages
-        load = lambda: eval_caches(load_prompt_cache(str(path)))
         for name, other in (("verified restore", store), ("unverified restore", unverified)):
             got = alternate({"mlx-lm load": load, name: lambda s=other: eval_caches(s.restore(entry).caches)}, reps)
             rows += [f"| {k}, process CPU{' (alternating with the next row)' if k == 'mlx-lm load' else ''} "
-                     f"| {least * 1e3:.1f} ms | | {wall * 1e3:.1f} ms |" for k, (wall, _, least) in got.items()]
+                     f"| {least * 1e3:.1f} ms | | {wall * 1e3:.1f} ms |" for k, (wall, _, least, _) in got.items()]
         rows += timeline(store, entry, timed, reps)
     return rows
 
@@ -230,11 +264,13 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8704])
     parser.add_argument("--fills", action="store_true", help="only today's fill against the per-thread one, alternating")
+    parser.add_argument("--levers", action="store_true",
+                        help="only today's restore against 2 reading threads and 1 MiB runs, alternating")
     args = parser.parse_args()
     rows = ["| part | CPU (least) | user share | wall (median) |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="blockkv-profile-") as work:
         for tokens in args.tokens:
-            rows += profile(tokens, args.reps, Path(work), args.fills)
+            rows += profile(tokens, args.reps, Path(work), "fills" if args.fills else "levers" if args.levers else "")
     print("\n".join(rows))
     return 0
 
