@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,12 @@ def real_model() -> Path:
     from blockkv.real_model import real_model_dir
 
     return real_model_dir()
+
+
+@pytest.fixture
+def disk_path() -> Iterator[Path]:
+    """A fresh directory on the disk (the system's temporary directory), for a test
+    whose tool measures the disk: /proc's write_bytes count a block device's writes,
+    and tmpfs, where ``tmp_path`` may be, has none."""
+    with tempfile.TemporaryDirectory(prefix="blockkv-test-disk-") as tmp:
+        yield Path(tmp)
