@@ -21,7 +21,10 @@ Profiles (pick with ``HYPOTHESIS_PROFILE=<name>`` or ``pytest --hypothesis-profi
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,21 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+_TMPFS = Path("/dev/shm")
+_TMPFS_FREE = 4 << 30  # the most a default run's tmp_path files came near, with room to spare
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``tmp_path`` on tmpfs (/dev/shm) when there is one with room: each store root
+    makes and fsyncs 256 shard directories, and on a disk that cost the store, format
+    and local tests a third of their time. The files are real files all the same (crash
+    durability is proven through the recording file layer, full disks on real mounts);
+    ``--basetemp``, ``PYTEST_DEBUG_TEMPROOT`` or ``BLOCKKV_TEST_TMP=disk`` keep the disk."""
+    if config.option.basetemp or os.environ.get("PYTEST_DEBUG_TEMPROOT") or os.environ.get("BLOCKKV_TEST_TMP") == "disk":
+        return
+    if _TMPFS.is_dir() and os.access(_TMPFS, os.W_OK) and shutil.disk_usage(_TMPFS).free >= _TMPFS_FREE:
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = str(_TMPFS)  # pytest's own numbered, per-user directories under it
+
 
 @pytest.fixture
 def store_root(tmp_path: Path) -> Path:
@@ -68,3 +86,12 @@ def real_model() -> Path:
     from blockkv.real_model import real_model_dir
 
     return real_model_dir()
+
+
+@pytest.fixture
+def disk_path() -> Iterator[Path]:
+    """A fresh directory on the disk (the system's temporary directory), for a test
+    whose tool measures the disk: /proc's write_bytes count a block device's writes,
+    and tmpfs, where ``tmp_path`` may be, has none."""
+    with tempfile.TemporaryDirectory(prefix="blockkv-test-disk-") as tmp:
+        yield Path(tmp)

@@ -714,10 +714,12 @@ class Trickler:
                     for byte in line:
                         sock.sendall(bytes([byte]))
                         try:
-                            if sock.recv(1 << 16) == b"" or self._stop.is_set():
+                            if sock.recv(1 << 16) == b"":
                                 break
                         except TimeoutError:
-                            continue
+                            pass
+                        if self._stop.is_set():  # stopped: a held connection ends within one pause
+                            break
             except OSError:
                 pass
             self._count("closed")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the benchmark m
 BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
 
 
-def test_quick_bench_writes_its_report(tmp_path: Path) -> None:
+def test_quick_bench_writes_its_report(tmp_path: Path, disk_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
         [
@@ -25,7 +25,7 @@ def test_quick_bench_writes_its_report(tmp_path: Path) -> None:
             "--out",
             str(out),
             "--workdir",
-            str(tmp_path),
+            str(disk_path),  # the agent workload divides by the block device's write bytes
         ],
         capture_output=True,
         text=True,
@@ -43,9 +43,8 @@ def test_quick_bench_writes_its_report(tmp_path: Path) -> None:
     md = (out / "benchmarks.md").read_text()
     assert "## Targets" in md and "## Machine" in md
     assert (out / "benchmarks.png").stat().st_size > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "out"
-    ]  # scratch stores removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert list(disk_path.iterdir()) == []  # scratch stores removed
 
 
 def test_quick_needs_an_output_directory() -> None:

@@ -55,7 +55,7 @@ class Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
                 pytest.fail(f"server did not come up:\n{log.read_text()}")
-            time.sleep(0.2)
+            time.sleep(0.05)  # a refused connect costs nothing: every start waits a poll less
 
     def _ready(self) -> bool:
         try:

@@ -56,19 +56,29 @@ def _connect_many(port: int, n: int) -> list[socket.socket]:
 
 
 # holds connections that send nothing until its stdin closes (a process's descriptors are limited:
-# the idle sockets are spread over several of them)
+# the idle sockets are spread over several of them). All its connects are in flight at once: one at a
+# time, each that met a full accept queue waited out the kernel's 1 s SYN retransmission while the server
+# sat idle, and the holders took 20-30 s. A connect not made within CONNECT_S is given up, as the
+# blocking form's 5 s timeout gave up one.
 HOLDER = """
-import socket, sys
-held = []
+import selectors, socket, sys, time
+CONNECT_S = 60
+pending = selectors.DefaultSelector()
 for _ in range(int(sys.argv[2])):
     s = socket.socket()
-    s.settimeout(5)
-    try:
-        s.connect(("127.0.0.1", int(sys.argv[1])))
-    except OSError:
-        s.close()
-        continue
-    held.append(s)
+    s.setblocking(False)
+    s.connect_ex(("127.0.0.1", int(sys.argv[1])))
+    pending.register(s, selectors.EVENT_WRITE)
+held = []
+deadline = time.monotonic() + CONNECT_S
+while pending.get_map() and time.monotonic() < deadline:
+    for key, _ in pending.select(timeout=deadline - time.monotonic()):
+        s = key.fileobj
+        pending.unregister(s)
+        if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+            held.append(s)
+        else:
+            s.close()
 print(len(held), flush=True)
 sys.stdin.read()
 """
