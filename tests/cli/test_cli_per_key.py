@@ -68,7 +68,7 @@ def per_key_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PerKeyRun]
                 client.chat.completions.create(model="default_model", messages=messages, max_tokens=4,
                                                temperature=0.0)
     finally:
-        assert node.stop() == 0, node.log.read_text()
+        assert node.stopped_cleanly(), node.log.read_text()
     spaces = tuple(namespace_of(hashlib.sha256(k.encode()).digest()) for k in (a, b))
     yield PerKeyRun(root, model, spaces, node.log.read_text())  # type: ignore[arg-type]
 

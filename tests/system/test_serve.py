@@ -27,7 +27,7 @@ from blockkv.mlx_lm.demo import Agent
 from blockkv.mlx_lm.identity import model_identity
 from blockkv.mlx_lm.warm import system_tokens
 from blockkv.model_dir import build_model_dir, sample_text
-from blockkv.testing.fleet_processes import free_port
+from blockkv.testing.fleet_processes import exited_cleanly, free_port
 from blockkv.testing.models import prefill
 
 MAX_TOKENS = 8
@@ -92,11 +92,7 @@ class Server:
             pytest.fail(f"server ignored {how.name}:\n{self.log.read_text()}")
         log = self.log.read_text()
         assert not self.blockkv or _spills(log)[1] == 0, log
-        # mlx-lm's server itself sometimes aborts in interpreter teardown after
-        # Ctrl-C (reproduced with plain `mlx_lm server`); by then blockkv has
-        # flushed and closed, so that abort alone is tolerated.
-        mlx_lm_abort = code == -signal.SIGABRT and "terminate called without an active exception" in log
-        assert code == 0 or mlx_lm_abort, log
+        assert exited_cleanly(code, log), log
         return log
 
 

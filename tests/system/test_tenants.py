@@ -55,7 +55,7 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
         node.wait_ready()
         yield Tenants(node, keys, model, tmp / "kv")
     finally:
-        assert node.stop() == 0, node.log.read_text()
+        assert node.stopped_cleanly(), node.log.read_text()
 
 
 def _chat(system: str, user_seed: int) -> list[dict[str, str]]:
@@ -109,7 +109,7 @@ def test_a_key_past_its_share_evicts_its_own_entries_not_anothers(tmp_path: Path
         for i in range(10):  # each about a sixth of the cap: b stores well past its share, and past the cap
             stream_chat(node.url, b, _chat(sample_text(300, seed=61 + i), 1), 4)
     finally:
-        assert node.stop() == 0, node.log.read_text()
+        assert node.stopped_cleanly(), node.log.read_text()
     (directory,) = (d for d in (tmp_path / "kv").iterdir() if d.is_dir())
     store = BlockStore.open_dir(directory, isolate_namespaces=True)
     try:

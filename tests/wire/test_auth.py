@@ -200,7 +200,7 @@ def test_per_key_caches_share_nothing_between_keys_in_ram_or_on_disk(tmp_path: P
         own, _ = _cached(node.url, b, later, stream=True)
         status, body = _get(node.url + "/blockkv/residency", {"Authorization": f"Bearer {a}"})
     finally:
-        assert node.stop() == 0, node.log.read_text()
+        assert node.stopped_cleanly(), node.log.read_text()
     assert cold == 0 and warm > 0  # a's system prompt, in a's RAM tier
     assert other == 0 and theirs == answer  # not in b's: b prefilled it, and got the same greedy answer
     assert own > 0
@@ -213,7 +213,7 @@ def test_per_key_caches_share_nothing_between_keys_in_ram_or_on_disk(tmp_path: P
         never, _ = _cached(restarted.url, c, fresh)  # c sent nothing before: a's and b's disk entries are not c's
         mine, _ = _cached(restarted.url, a, fresh)
     finally:
-        assert restarted.stop() == 0, restarted.log.read_text()
+        assert restarted.stopped_cleanly(), restarted.log.read_text()
     assert never == 0
     assert mine > 0 and len(re.findall("restored", restarted.log.read_text())) == 1  # a's own, from disk
 
