@@ -5,11 +5,11 @@ A node's cost for a prompt of ``L`` tokens is the work to reach its first new
 token, plus the work already queued on it:
 
 - the prefix hot in its RAM tier costs nothing; the rest is prefilled (1 per token);
-- a longer prefix on its local disk costs ``disk`` per token restored;
-- a longer prefix in the bucket (any node can restore what a node on it
-  stored) costs ``bucket`` per token; both measured from the times to first
-  token of requests that restored (``Restores``), ``DISK_COST`` and
-  ``BUCKET_COST`` until they have been;
+- a longer prefix on its local disk costs ``disk`` per token restored, and
+  one in the bucket (any node can restore what a node on it stored)
+  ``bucket`` per token, when the node would restore it (``start_cost``);
+  both measured from the times to first token of requests that restored
+  (``Restores``), ``DISK_COST`` and ``BUCKET_COST`` until they have been;
 - each request in flight on the node adds its own unfinished start cost (its
   prefill, until its first token streams back) plus the node's active cost:
   measured from the times to first token it streams (``Pace``), ``ACTIVE_COST``
@@ -24,7 +24,7 @@ token, plus the work already queued on it:
   once that costs more than restoring the shared prefix elsewhere; a later
   turn, with fewer turns left and more to restore, stays.
 
-The cheapest option per node is taken; the cheapest node wins, ties going to
+The cheapest node wins, ties going to
 the node with fewer requests in flight, then fewer routed so far. This is
 Dynamo's KV router (prefill blocks a worker would compute, plus its active
 blocks) with llm-d's tiers weighted by what reading them costs instead of a
@@ -38,6 +38,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from blockkv.wire.residency import RESTORE_READ_PER_SAVED
 
 # Restoring a token costs this fraction of prefilling it: the project measured a
 # local restore 56x faster than prefill (docs/mlx-lm.md uses 1/16, with margin,
@@ -82,14 +84,19 @@ class RestoreCosts:
 
 
 def start_cost(length: int, m: Matches, costs: RestoreCosts = RestoreCosts()) -> Start:
-    """The cost of starting a prompt of ``length`` tokens on a node with matches ``m``."""
-    best = Start(float(length - m.ram), "ram" if m.ram else "cold", m.ram, length - m.ram)
-    for tier, reused, per_token in (("disk", m.disk, costs.disk), ("bucket", m.bucket, costs.bucket)):
-        if reused > best.reused:
-            cost = per_token * reused + (length - reused)
-            if cost < best.cost:
-                best = Start(cost, tier, reused, length - reused)
-    return best
+    """The cost of starting a prompt of ``length`` tokens on a node with matches
+    ``m``, the way the node starts it: its cache restores the longest prefix on
+    its disk or in the bucket when that saves a token of prefill per
+    ``RESTORE_READ_PER_SAVED`` it reads (``PersistentPromptCache``), else it
+    prefills what its RAM tier lacks. The router predicts that choice, never
+    makes it: priced as a choice of its own, a node it counted as prefilling
+    after its RAM tier restored from the bucket (timed as prefill, never as a
+    restore), and one it counted as restoring prefilled."""
+    tier, reused = ("bucket", m.bucket) if m.bucket > m.disk else ("disk", m.disk)
+    if reused > m.ram and (reused - m.ram) * RESTORE_READ_PER_SAVED >= reused:
+        per_token = costs.bucket if tier == "bucket" else costs.disk
+        return Start(per_token * reused + (length - reused), tier, reused, length - reused)
+    return Start(float(length - m.ram), "ram" if m.ram else "cold", m.ram, length - m.ram)
 
 
 def queue_cost(unstarted_work: float, in_flight: int, active_cost: float = ACTIVE_COST, meets: float = 1.0,

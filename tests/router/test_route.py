@@ -109,13 +109,25 @@ def test_a_prompt_being_tokenized_holds_up_no_other(model_dir: Path, monkeypatch
         long.join()
 
 
-def test_the_cheapest_start_reads_the_best_tier() -> None:
-    assert start_cost(1000, Matches()) .tier == "cold"
-    ram = start_cost(1000, Matches(ram=600, disk=900, bucket=999))
-    assert (ram.tier, ram.reused) == ("disk", 900) and ram.cost == pytest.approx(900 * DISK_COST + 100)
-    assert start_cost(1000, Matches(ram=990, disk=999)).tier == "ram"  # 9 tokens are not worth 999 restored
-    bucket = start_cost(1000, Matches(ram=100, bucket=999))
-    assert (bucket.tier, bucket.cost) == ("bucket", pytest.approx(999 * BUCKET_COST + 1))
+def test_a_start_is_priced_as_the_node_makes_it() -> None:
+    """The node's cache restores the longest prefix it finds on its disk or in the bucket
+    if that saves a token of prefill per RESTORE_READ_PER_SAVED it reads: the router
+    prices that, whatever a cheaper start it might have chosen instead."""
+    assert start_cost(1000, Matches()).tier == "cold"
+    disk = start_cost(1000, Matches(ram=600, disk=900))
+    assert (disk.tier, disk.reused, disk.prefilled) == ("disk", 900, 100)
+    assert disk.cost == pytest.approx(900 * DISK_COST + 100)
+    bucket = start_cost(1000, Matches(ram=600, disk=900, bucket=999))  # the longest, if dearer than the disk's
+    assert (bucket.tier, bucket.reused, bucket.cost) == ("bucket", 999, pytest.approx(999 * BUCKET_COST + 1))
+    assert 999 * BUCKET_COST + 1 > 900 * DISK_COST + 100
+    cheap = RestoreCosts(disk=0.001, bucket=0.001)
+    ram = start_cost(1000, Matches(ram=990, disk=999), cheap)  # 9 tokens saved: the node reads none of 999 ...
+    assert (ram.tier, ram.reused, ram.cost) == ("ram", 990, 10.0)
+    assert 999 * cheap.disk + 1 < 10.0  # ... however cheap reading them is
+    assert start_cost(1000, Matches(ram=940, bucket=999)).tier == "ram"  # 59 * 16 < 999 ...
+    assert start_cost(1000, Matches(ram=936, bucket=999)).tier == "bucket"  # ... 63 * 16 >= 999
+    measured = start_cost(1000, Matches(ram=100, bucket=999), cheap)
+    assert (measured.tier, measured.cost) == ("bucket", pytest.approx(999 * cheap.bucket + 1))
 
 
 def _router(n: int, **nodes: Any) -> Router:
