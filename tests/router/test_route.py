@@ -386,6 +386,28 @@ def test_a_router_that_learns_restores_are_cheap_sends_a_later_turn_from_a_busy_
     assert node is idle and (start.tier, start.reused) == ("bucket", len(conversation))
 
 
+def test_a_request_whose_first_token_is_not_seen_is_worked_off_at_the_nodes_pace() -> None:
+    """A non-streamed answer streams no first token: its prefill counts as queued only
+    for as long as the node's measured pace takes to do it, in the queue and in what a
+    request routed beside it is expected to wait for."""
+    router = _router(1)
+    node = router.nodes[0]
+    node.begin(1, 500.0, [])
+    assert node.queue() == (500.0, 1)  # no pace measured: all of it
+    node.started(1, now=node.in_flight[1].sent_at + 5.0)  # alone: 100 units a second
+    node.end(1)
+    node.begin(2, 300.0, [])  # not streamed: never started
+    node.in_flight[2].sent_at -= 2.0  # sent 2 s ago: 200 units done
+    assert node.queue()[0] == pytest.approx(100.0, abs=1.0)
+    node.begin(3, 100.0, [])
+    assert node.in_flight[3].ahead == pytest.approx(100.0, abs=1.0)
+    node.started(3, now=node.in_flight[3].sent_at + 2.5)  # 0.5 s later than the prefills: 50 units
+    assert node.active_cost() == pytest.approx(50.0, abs=1.0)
+    node.end(3)
+    node.in_flight[2].sent_at -= 10.0
+    assert node.queue() == (0.0, 1)  # long since done, though its answer still runs
+
+
 class FakeNode:
     """A misbehaving node on 127.0.0.1: ``answers`` maps a path to (status, body bytes),
     or to a function of the request's path with its query and its body that returns them;
