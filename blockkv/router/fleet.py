@@ -234,8 +234,12 @@ class Node:
 
     def started(self, request_id: int, now: float | None = None) -> None:
         """Its first token streamed back (at ``now``, a ``time.monotonic()``): the
-        node's pace is measured by it, or, if it restored on an idle node, the
-        fleet's restore cost."""
+        node's pace is measured by it, or, if it restored, the fleet's restore
+        cost (found idle) or nothing (found busy: priced at a restore cost still
+        being measured, the prior 1/4 of prefill on a restore that took 1/100,
+        it made the other requests look free: the busiest node of a whole-rounds
+        route_bench fleet, 16/48/32 requests a node, measured its active cost at
+        the floor, 1.0)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             request = self.in_flight.get(request_id)
@@ -243,10 +247,10 @@ class Node:
                 return
             request.started = True
             start = request.start
-            if not request.others and start is not None and start.tier in ("disk", "bucket") and start.reused:
-                self.restores.observe(start, now - request.sent_at, self.pace.seconds_per_unit)
-            else:
+            if start is None or start.tier not in ("disk", "bucket") or not start.reused:
                 self.pace.observe(request.work, request.others, request.ahead, now - request.sent_at)
+            elif not request.others:
+                self.restores.observe(start, now - request.sent_at, self.pace.seconds_per_unit)
 
     def abandon(self, request_id: int) -> None:
         """The request never reached the node: no trace of it here."""
@@ -275,11 +279,7 @@ class Node:
         streamed back, else what the node's pace has not worked off since it
         was sent (all of it until the pace is measured). A non-streamed answer
         streams no first token: counted whole until it ended, its prefill was
-        charged to every request beside it long after it was done, and a
-        request routed beside it, expected to wait for that prefill too, came
-        out early, the node's active cost low: at its floor (1.0) on the
-        busiest node of a whole-rounds route_bench fleet (16/48/32 requests a
-        node), half of whose answers are not streamed."""
+        charged to every request beside it long after it was done."""
         if request.started:
             return 0.0
         seconds_per_unit = self.pace.seconds_per_unit

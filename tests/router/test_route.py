@@ -382,6 +382,10 @@ def test_a_router_that_learns_restores_are_cheap_sends_a_later_turn_from_a_busy_
     idle.end(3)
     assert router.restores.costs().bucket == pytest.approx(1 / 1400, rel=1e-3)
     assert idle.pace.seconds_per_unit == pytest.approx(0.005)  # the restore did not count as prefill
+    busy.begin(4, 0.0, [], Start(170 + 1920 * BUCKET_COST, "bucket", 1920, 170))  # beside request 2: its
+    busy.started(4, now=busy.in_flight[4].sent_at + 0.5)  # expected start held a prior still being measured
+    assert busy.pace.delay_per_active_s is None and router.restores.costs().bucket == pytest.approx(1 / 1400)
+    busy.end(4)
     node, start, _ = router.rank(later)[0]
     assert node is idle and (start.tier, start.reused) == ("bucket", len(conversation))
 
