@@ -235,11 +235,10 @@ class Node:
     def started(self, request_id: int, now: float | None = None) -> None:
         """Its first token streamed back (at ``now``, a ``time.monotonic()``): the
         node's pace is measured by it, or, if it restored, the fleet's restore
-        cost (found idle) or nothing (found busy: priced at a restore cost still
-        being measured, the prior 1/4 of prefill on a restore that took 1/100,
-        it made the other requests look free: the busiest node of a whole-rounds
-        route_bench fleet, 16/48/32 requests a node, measured its active cost at
-        the floor, 1.0)."""
+        cost (found idle) or nothing (found busy: its start was priced at a
+        restore cost still being measured, up to the prior 1/4 of prefill on
+        restores measured at 0.003-0.048, so it came out early and pulled the
+        node's active cost towards its floor)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             request = self.in_flight.get(request_id)

@@ -11,7 +11,8 @@ token, plus the work already queued on it:
   both measured from the times to first token of requests that restored
   (``Restores``), ``DISK_COST`` and ``BUCKET_COST`` until they have been;
 - each request in flight on the node adds its own unfinished start cost (its
-  prefill, until its first token streams back) plus the node's active cost:
+  prefill, until its first token streams back or the node's pace has worked
+  it off) plus the node's active cost:
   measured from the times to first token it streams (``Pace``), ``ACTIVE_COST``
   until it has been;
 - a request in flight is a session that stays on the node (its prefix is
@@ -88,10 +89,10 @@ def start_cost(length: int, m: Matches, costs: RestoreCosts = RestoreCosts()) ->
     ``m``, the way the node starts it: its cache restores the longest prefix on
     its disk or in the bucket when that saves a token of prefill per
     ``RESTORE_READ_PER_SAVED`` it reads (``PersistentPromptCache``), else it
-    prefills what its RAM tier lacks. The router predicts that choice, never
-    makes it: priced as a choice of its own, a node it counted as prefilling
-    after its RAM tier restored from the bucket (timed as prefill, never as a
-    restore), and one it counted as restoring prefilled."""
+    prefills what its RAM tier lacks. The router predicts that choice; it does
+    not make it: priced as its own choice of the cheapest tier, a node whose
+    RAM held a shorter prefix was counted as prefilling what its cache then
+    restored from the bucket, and the restore was timed as prefill."""
     tier, reused = ("bucket", m.bucket) if m.bucket > m.disk else ("disk", m.disk)
     if reused > m.ram and (reused - m.ram) * RESTORE_READ_PER_SAVED >= reused:
         per_token = costs.bucket if tier == "bucket" else costs.disk
@@ -211,9 +212,10 @@ class Pace:
     cost, and how much later the first token came when others were in flight
     gives the delay each of them adds. Their ratio is the node's active cost in
     start-cost units: on a node that shares its cores, or batches slowly, it is
-    high and a prompt hot there spills to another node sooner. An idle request
-    that restored from the disk or the bucket measures ``Restores`` instead
-    (its start cost holds the restore cost being measured). Not thread-safe
+    high and a prompt hot there spills to another node sooner. A request that
+    restored from the disk or the bucket measures ``Restores`` instead if it
+    found the node idle, nothing if busy (its start cost holds the restore
+    cost being measured). Not thread-safe
     (the node's lock guards it)."""
 
     SMOOTHING = 0.2  # weight of the newest observation
