@@ -237,7 +237,7 @@ class Node:
         node's pace is measured by it, or, if it restored, the fleet's restore
         cost (found idle) or nothing (found busy: its start was priced at a
         restore cost still being measured, up to the prior 1/4 of prefill on
-        restores measured at 0.003-0.048, so it came out early and pulled the
+        restores measured at 0.003-0.053, so it came out early and pulled the
         node's active cost towards its floor)."""
         now = time.monotonic() if now is None else now
         with self.lock:
