@@ -43,16 +43,13 @@ from blockkv.mlx_lm.budget import DiskShare
 from blockkv.mlx_lm.cache_fit import ModelLayout
 from blockkv.mlx_lm.identity import KVQuant, StoreIdentity, identity_from_key
 from blockkv.mlx_lm.storable import storable, text_prefix_len
+from blockkv.wire.residency import RESTORE_READ_PER_SAVED
 
 __all__ = ["PersistentPromptCache"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 16 << 30
-# Restoring a token from disk costs a small fraction of prefilling it (issue 16
-# measured a 1,835-token prompt: 0.13 s restored, 7.3 s prefilled, 56x), so a
-# restore pays when it saves one token of prefill per 16 it reads, with margin.
-RESTORE_READ_PER_SAVED = 16
 # A prompt segment's cache (mlx-lm's batched server inserts the prompt but its
 # last token, cache_type "user", and a first turn's system prompt, "system")
 # waits for its request's final cache instead of being written at once: that

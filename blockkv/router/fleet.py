@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from blockkv.router.scoring import Pace
+from blockkv.router.scoring import Pace, Restores, Start
 from blockkv.wire.residency import MEDIA, is_digest, salt_check
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class InFlight:
     others: int  # requests in flight on the node when it was routed
     ahead: float  # their start cost not yet done then
     sent_at: float  # time.monotonic() then
+    start: Start | None  # how it was to start, if known: a restore's first token measures the restore cost
     started: bool = False  # its first token came back: its prefill is done
 
 
@@ -116,6 +117,7 @@ class Node:
     in_flight: dict[int, InFlight] = field(default_factory=dict)
     routed: int = 0
     pace: Pace = field(default_factory=Pace)
+    restores: Restores = field(default_factory=Restores)  # the router's, shared by its nodes
     headers: dict[str, str] = field(default_factory=dict, repr=False)  # sent with every request (its API key)
     key_refused: bool = False  # its last answer to the router was 401: the router's key is wrong for it
 
@@ -217,10 +219,12 @@ class Node:
         return hot, cold
 
     # -- what the router sent it ---------------------------------------------------------
-    def begin(self, request_id: int, work: float, digests: list[str]) -> None:
+    def begin(self, request_id: int, work: float, digests: list[str], start: Start | None = None) -> None:
+        """The request was sent here, with start cost ``work`` (``start``'s, if given)."""
         with self.lock:
-            ahead = sum(r.work for r in self.in_flight.values() if not r.started)
-            self.in_flight[request_id] = InFlight(work, digests, len(self.in_flight), ahead, time.monotonic())
+            now = time.monotonic()
+            ahead = sum(self._unstarted(r, now) for r in self.in_flight.values())
+            self.in_flight[request_id] = InFlight(work, digests, len(self.in_flight), ahead, now, start)
             self.routed += 1
             for d in digests:
                 self.predicted.pop(d, None)
@@ -229,13 +233,23 @@ class Node:
                 del self.predicted[d]  # the oldest: at worst a prompt routed as if it had to be prefilled
 
     def started(self, request_id: int, now: float | None = None) -> None:
-        """Its first token streamed back (at ``now``, a ``time.monotonic()``): the node's pace is measured by it."""
+        """Its first token streamed back (at ``now``, a ``time.monotonic()``): the
+        node's pace is measured by it, or, if it restored, the fleet's restore
+        cost (found idle) or nothing (found busy: its start was priced at a
+        restore cost still being measured, up to the prior 1/4 of prefill on
+        restores measured at 0.003-0.053, so it came out early and pulled the
+        node's active cost towards its floor)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             request = self.in_flight.get(request_id)
-            if request is not None and not request.started:
-                request.started = True
+            if request is None or request.started:
+                return
+            request.started = True
+            start = request.start
+            if start is None or start.tier not in ("disk", "bucket") or not start.reused:
                 self.pace.observe(request.work, request.others, request.ahead, now - request.sent_at)
+            elif not request.others:
+                self.restores.observe(start, now - request.sent_at, self.pace.seconds_per_unit)
 
     def abandon(self, request_id: int) -> None:
         """The request never reached the node: no trace of it here."""
@@ -255,8 +269,22 @@ class Node:
 
     def queue(self) -> tuple[float, int]:
         """(unstarted work, requests) in flight here."""
+        now = time.monotonic()
         with self.lock:
-            return sum(r.work for r in self.in_flight.values() if not r.started), len(self.in_flight)
+            return sum(self._unstarted(r, now) for r in self.in_flight.values()), len(self.in_flight)
+
+    def _unstarted(self, request: InFlight, now: float) -> float:
+        """A request's start cost not yet done: none once its first token
+        streamed back, else what the node's pace has not worked off since it
+        was sent (all of it until the pace is measured). A non-streamed answer
+        streams no first token: counted whole until it ended, its prefill was
+        charged to every request beside it long after it was done."""
+        if request.started:
+            return 0.0
+        seconds_per_unit = self.pace.seconds_per_unit
+        if not seconds_per_unit:
+            return request.work
+        return max(0.0, request.work - (now - request.sent_at) / seconds_per_unit)
 
     def active_cost(self) -> float:
         with self.lock:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from blockkv.router.fleet import Follower, Node
 from blockkv.router.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
-from blockkv.router.scoring import Matches, Option, Sessions, Start, order, queue_cost, start_cost
+from blockkv.router.scoring import Matches, Option, Restores, Sessions, Start, order, queue_cost, start_cost
 from blockkv.wire.auth import bearer
 from blockkv.wire.residency import BLOCK_SIZE, digest_key, namespace_key, prefix_digests
 
@@ -38,7 +38,8 @@ class Router:
             raise ValueError("at least one --node is needed")
         if len(set(urls)) != len(urls):
             raise ValueError("a --node is given twice")
-        self.nodes = [Node(url, headers=bearer(node_key)) for url in urls]
+        self.restores = Restores()  # measured from every node's restores (scoring.Restores says why per router)
+        self.nodes = [Node(url, headers=bearer(node_key), restores=self.restores) for url in urls]
         self.tokenizer = tokenizer
         self.node_timeout = node_timeout
         self._key = digest_key(salt)
@@ -101,16 +102,16 @@ class Router:
         held = {n.url: matched(n) for n in self.nodes}
         bucket = {size: max((held[n.url][1] for n in self.nodes if n.remote and n.block_size == size), default=0)
                   for size in {n.block_size for n in self.nodes}}
-        starts = {}
+        starts, costs = {}, self.restores.costs()
         for node in usable:
             if node.block_size:
                 ram, disk = held[node.url]
                 size = node.block_size
                 starts[node.url] = start_cost(length, Matches(capped(ram, size), capped(disk, size),
-                                                              capped(bucket[size], size)))
+                                                              capped(bucket[size], size)), costs)
         # a node whose residency is unknown (just restarted, not publishing yet, another salt) may hold
         # anything: it is taken to start as well as the best known node, so its queue decides its share
-        best = min(starts.values(), key=lambda s: s.cost, default=start_cost(length, Matches()))
+        best = min(starts.values(), key=lambda s: s.cost, default=start_cost(length, Matches(), costs))
         conversation = digests(BLOCK_SIZE)
         turn = self.sessions.record(conversation, now) if record else self.sessions.turn(conversation)
         meets = self.sessions.meets(turn)
@@ -132,9 +133,9 @@ class Router:
         with self._choosing:
             ranked = self.rank(tokens, record=True, ns=ns)
             if ranked:
-                ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2])
+                ranked[0][0].begin(request_id, ranked[0][1].cost, ranked[0][2], ranked[0][1])
                 self.sessions.place(ranked[0][0].url, time.monotonic())
         for i, (node, start, digests) in enumerate(ranked):
             if i:  # the first did not answer: its conversation is counted there until it turns live elsewhere
-                node.begin(request_id, start.cost, digests)
+                node.begin(request_id, start.cost, digests, start)
             yield node, start

@@ -108,9 +108,11 @@ class Handler(BaseHTTPRequestHandler):
         status = ("ok" if any(n.up and not n.key_refused for n in nodes) else "no node up"
                   if not any(n.up for n in nodes) else "every node up refuses the router's key: "
                   f"check --node-api-key-file (else ${NODE_KEY_ENV})")
+        costs = self.router.restores.costs()
         self._reply(200 if status == "ok" else 503, {"status": status, "nodes": {
             n.url: {"up": n.up, "key_refused": n.key_refused, "residency": n.block_size > 0,
-                    "in_flight": n.queue()[1], "active_cost": round(n.active_cost(), 1)} for n in nodes}})
+                    "in_flight": n.queue()[1], "active_cost": round(n.active_cost(), 1)} for n in nodes},
+            "restore_costs": {"disk": round(costs.disk, 5), "bucket": round(costs.bucket, 5)}})
 
     def do_POST(self) -> None:
         if self.path not in (*CHAT_PATHS, *TEXT_PATHS):

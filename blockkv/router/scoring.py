@@ -5,11 +5,14 @@ A node's cost for a prompt of ``L`` tokens is the work to reach its first new
 token, plus the work already queued on it:
 
 - the prefix hot in its RAM tier costs nothing; the rest is prefilled (1 per token);
-- a longer prefix on its local disk costs ``DISK_COST`` per token restored;
-- a longer prefix in the bucket (any node can restore what a node on it
-  stored) costs ``BUCKET_COST`` per token;
+- a longer prefix on its local disk costs ``disk`` per token restored, and
+  one in the bucket (any node can restore what a node on it stored)
+  ``bucket`` per token, when the node would restore it (``start_cost``);
+  both measured from the times to first token of requests that restored
+  (``Restores``), ``DISK_COST`` and ``BUCKET_COST`` until they have been;
 - each request in flight on the node adds its own unfinished start cost (its
-  prefill, until its first token streams back) plus the node's active cost:
+  prefill, until its first token streams back or the node's pace has worked
+  it off) plus the node's active cost:
   measured from the times to first token it streams (``Pace``), ``ACTIVE_COST``
   until it has been;
 - a request in flight is a session that stays on the node (its prefix is
@@ -22,7 +25,7 @@ token, plus the work already queued on it:
   once that costs more than restoring the shared prefix elsewhere; a later
   turn, with fewer turns left and more to restore, stays.
 
-The cheapest option per node is taken; the cheapest node wins, ties going to
+The cheapest node wins, ties going to
 the node with fewer requests in flight, then fewer routed so far. This is
 Dynamo's KV router (prefill blocks a worker would compute, plus its active
 blocks) with llm-d's tiers weighted by what reading them costs instead of a
@@ -32,9 +35,12 @@ node is left exactly when the queue on it costs more than the prefill it saves.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from blockkv.wire.residency import RESTORE_READ_PER_SAVED
 
 # Restoring a token costs this fraction of prefilling it: the project measured a
 # local restore 56x faster than prefill (docs/mlx-lm.md uses 1/16, with margin,
@@ -67,17 +73,31 @@ class Start:
     cost: float
     tier: str  # "ram", "disk", "bucket", "cold", or "unknown" (the node's residency is)
     reused: int  # prompt tokens not prefilled
+    prefilled: int = 0  # prompt tokens prefilled
 
 
-def start_cost(length: int, m: Matches) -> Start:
-    """The cost of starting a prompt of ``length`` tokens on a node with matches ``m``."""
-    best = Start(float(length - m.ram), "ram" if m.ram else "cold", m.ram)
-    for tier, reused, per_token in (("disk", m.disk, DISK_COST), ("bucket", m.bucket, BUCKET_COST)):
-        if reused > best.reused:
-            cost = per_token * reused + (length - reused)
-            if cost < best.cost:
-                best = Start(cost, tier, reused)
-    return best
+@dataclass(frozen=True)
+class RestoreCosts:
+    """What restoring a token from each tier costs, in tokens' worth of prefill."""
+
+    disk: float = DISK_COST
+    bucket: float = BUCKET_COST
+
+
+def start_cost(length: int, m: Matches, costs: RestoreCosts = RestoreCosts()) -> Start:
+    """The cost of starting a prompt of ``length`` tokens on a node with matches
+    ``m``, the way the node starts it: its cache restores the longest prefix on
+    its disk or in the bucket when that saves a token of prefill per
+    ``RESTORE_READ_PER_SAVED`` it reads (``PersistentPromptCache``), else it
+    prefills what its RAM tier lacks. The router predicts that choice; it does
+    not make it: priced as its own choice of the cheapest tier, a node whose
+    RAM held a shorter prefix was counted as prefilling what its cache then
+    restored from the bucket, and the restore was timed as prefill."""
+    tier, reused = ("bucket", m.bucket) if m.bucket > m.disk else ("disk", m.disk)
+    if reused > m.ram and (reused - m.ram) * RESTORE_READ_PER_SAVED >= reused:
+        per_token = costs.bucket if tier == "bucket" else costs.disk
+        return Start(per_token * reused + (length - reused), tier, reused, length - reused)
+    return Start(float(length - m.ram), "ram" if m.ram else "cold", m.ram, length - m.ram)
 
 
 def queue_cost(unstarted_work: float, in_flight: int, active_cost: float = ACTIVE_COST, meets: float = 1.0,
@@ -202,7 +222,10 @@ class Pace:
     cost, and how much later the first token came when others were in flight
     gives the delay each of them adds. Their ratio is the node's active cost in
     start-cost units: on a node that shares its cores, or batches slowly, it is
-    high and a prompt hot there spills to another node sooner. Not thread-safe
+    high and a prompt hot there spills to another node sooner. A request that
+    restored from the disk or the bucket measures ``Restores`` instead if it
+    found the node idle, nothing if busy (its start cost holds the restore
+    cost being measured). Not thread-safe
     (the node's lock guards it)."""
 
     SMOOTHING = 0.2  # weight of the newest observation
@@ -218,10 +241,10 @@ class Pace:
         if ttft_s < 0:
             return
         if not others:
-            self.seconds_per_unit = self._mean(self.seconds_per_unit, ttft_s / max(work, 1.0))
+            self.seconds_per_unit = _smoothed(self.seconds_per_unit, ttft_s / max(work, 1.0), self.SMOOTHING)
         elif self.seconds_per_unit is not None:  # the prefills ahead are in queue_cost already: not counted twice
             extra = max(0.0, ttft_s - (work + ahead) * self.seconds_per_unit)
-            self.delay_per_active_s = self._mean(self.delay_per_active_s, extra / others)
+            self.delay_per_active_s = _smoothed(self.delay_per_active_s, extra / others, self.SMOOTHING)
 
     def active_cost(self) -> float:
         """The start cost a request in flight here adds to a new one (``ACTIVE_COST`` until measured)."""
@@ -229,8 +252,66 @@ class Pace:
             return ACTIVE_COST
         return min(max(self.delay_per_active_s / self.seconds_per_unit, 1.0), 1e6)
 
-    def _mean(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.SMOOTHING * (new - old)
+
+class Restores:
+    """What restoring a token from the disk or the bucket costs against
+    prefilling it, measured per fleet instead of assumed (``DISK_COST``,
+    ``BUCKET_COST``): a request that found its node idle and restored ``R``
+    tokens from a tier, prefilling ``P``, streamed its first token after
+    ``ttft = seconds_per_unit * (P + cost * R)``, the node's seconds per unit
+    measured by its ``Pace``. The constants are one model's KV over one
+    network (issue #23's); on a model with little KV a token over loopback a
+    bucket restore costs ~1/1,400 of prefill, not 1/4, and a router that
+    prices it at 1/4 keeps a conversation waiting behind another on its node
+    rather than restore it on an idle one (issue #44's pooled shape: 35.7 % of
+    later turns sent to a busy node, round-robin 6.5 %).
+
+    One per router, not per node: what a restore costs against a prefill is
+    the model's KV bytes a token against its compute a token, and the path to
+    the one bucket, both the fleet's; a node that is slower at everything
+    (shared cores) is slower at both, which its own ``seconds_per_unit``
+    already says. And a router that prices restores high sends few requests
+    to restore, so per node the measurement would come late or never; pooled,
+    every node's restores count. Means of the excess over prefill and of the
+    tokens restored, each smoothed, then their ratio (a per-request ratio
+    clipped at the floor would average noise into a bias upwards); the ratio
+    is kept within ``[FLOOR, CEILING]``. Thread-safe (every node's answers
+    feed it)."""
+
+    SMOOTHING = 0.2  # weight of the newest observation, as Pace's
+    FLOOR = 1e-4  # never free: a tier's restore still reads its bytes
+    CEILING = 1.0  # never worse than prefilling: a node whose restore fails prefills instead
+    PRIOR = RestoreCosts()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._excess: dict[str, float] = {}  # tier -> smoothed start-cost units beyond the tokens prefilled
+        self._reused: dict[str, float] = {}  # tier -> smoothed tokens restored
+
+    def observe(self, start: Start, ttft_s: float, seconds_per_unit: float | None) -> None:
+        """A request that started as ``start`` on an idle node whose seconds per
+        unit are ``seconds_per_unit`` streamed its first token ``ttft_s`` later."""
+        if start.tier not in ("disk", "bucket") or start.reused <= 0 or not seconds_per_unit or ttft_s < 0:
+            return
+        excess = ttft_s / seconds_per_unit - start.prefilled
+        with self._lock:
+            self._excess[start.tier] = _smoothed(self._excess.get(start.tier), excess, self.SMOOTHING)
+            self._reused[start.tier] = _smoothed(self._reused.get(start.tier), float(start.reused), self.SMOOTHING)
+
+    def costs(self) -> RestoreCosts:
+        """The per-token costs now: measured where measured, else the prior."""
+        with self._lock:
+            return RestoreCosts(self._cost("disk", self.PRIOR.disk), self._cost("bucket", self.PRIOR.bucket))
+
+    def _cost(self, tier: str, prior: float) -> float:
+        if tier not in self._excess:
+            return prior
+        return min(max(self._excess[tier] / self._reused[tier], self.FLOOR), self.CEILING)
+
+
+def _smoothed(old: float | None, new: float, weight: float) -> float:
+    """A moving mean: ``new`` weighs ``weight``, the first is taken whole."""
+    return new if old is None else old + weight * (new - old)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from blockkv.router.scoring import (
     DISK_COST,
     Matches,
     Option,
+    RestoreCosts,
+    Restores,
     Sessions,
     Start,
     order,
@@ -107,13 +109,25 @@ def test_a_prompt_being_tokenized_holds_up_no_other(model_dir: Path, monkeypatch
         long.join()
 
 
-def test_the_cheapest_start_reads_the_best_tier() -> None:
-    assert start_cost(1000, Matches()) .tier == "cold"
-    ram = start_cost(1000, Matches(ram=600, disk=900, bucket=999))
-    assert (ram.tier, ram.reused) == ("disk", 900) and ram.cost == pytest.approx(900 * DISK_COST + 100)
-    assert start_cost(1000, Matches(ram=990, disk=999)).tier == "ram"  # 9 tokens are not worth 999 restored
-    bucket = start_cost(1000, Matches(ram=100, bucket=999))
-    assert (bucket.tier, bucket.cost) == ("bucket", pytest.approx(999 * BUCKET_COST + 1))
+def test_a_start_is_priced_as_the_node_makes_it() -> None:
+    """The node's cache restores the longest prefix it finds on its disk or in the bucket
+    if that saves a token of prefill per RESTORE_READ_PER_SAVED it reads: the router
+    prices that, whatever a cheaper start it might have chosen instead."""
+    assert start_cost(1000, Matches()).tier == "cold"
+    disk = start_cost(1000, Matches(ram=600, disk=900))
+    assert (disk.tier, disk.reused, disk.prefilled) == ("disk", 900, 100)
+    assert disk.cost == pytest.approx(900 * DISK_COST + 100)
+    bucket = start_cost(1000, Matches(ram=600, disk=900, bucket=999))  # the longest, if dearer than the disk's
+    assert (bucket.tier, bucket.reused, bucket.cost) == ("bucket", 999, pytest.approx(999 * BUCKET_COST + 1))
+    assert 999 * BUCKET_COST + 1 > 900 * DISK_COST + 100
+    cheap = RestoreCosts(disk=0.001, bucket=0.001)
+    ram = start_cost(1000, Matches(ram=990, disk=999), cheap)  # 9 tokens saved: the node reads none of 999 ...
+    assert (ram.tier, ram.reused, ram.cost) == ("ram", 990, 10.0)
+    assert 999 * cheap.disk + 1 < 10.0  # ... however cheap reading them is
+    assert start_cost(1000, Matches(ram=940, bucket=999)).tier == "ram"  # 59 * 16 < 999 ...
+    assert start_cost(1000, Matches(ram=936, bucket=999)).tier == "bucket"  # ... 63 * 16 >= 999
+    measured = start_cost(1000, Matches(ram=100, bucket=999), cheap)
+    assert (measured.tier, measured.cost) == ("bucket", pytest.approx(999 * cheap.bucket + 1))
 
 
 def _router(n: int, **nodes: Any) -> Router:
@@ -312,6 +326,90 @@ def test_a_nodes_active_cost_is_measured_from_the_first_tokens_it_streams() -> N
     hot.end(3)
     assert hot.active_cost() == pytest.approx(700.0)
     assert hot.queue() == (0.0, 1) and router.rank(prompt)[0][0] is idle  # 1 + 700 > 639 to prefill
+
+
+def test_a_restores_cost_is_solved_from_the_first_tokens_of_idle_restores() -> None:
+    """ttft = seconds_per_unit * (prefilled + cost * restored), smoothed over
+    requests; the constants until a tier is measured, within [FLOOR, CEILING]."""
+    restores = Restores()
+    assert restores.costs() == RestoreCosts(DISK_COST, BUCKET_COST)
+    bucket = Start(170 + 1500 * BUCKET_COST, "bucket", 1500, 170)
+    restores.observe(bucket, 0.01 * (170 + 1500 * 0.002), 0.01)  # restored 1,500 tokens for 3 of prefill
+    assert restores.costs().bucket == pytest.approx(0.002) and restores.costs().disk == DISK_COST
+    for _ in range(40):  # slower since: the mean follows
+        restores.observe(bucket, 0.01 * (170 + 1500 * 0.1), 0.01)
+    assert restores.costs().bucket == pytest.approx(0.1, rel=1e-3)
+    noisy = Restores()  # faster than its own prefill, by noise: above the floor, never free
+    noisy.observe(Start(100.0, "disk", 1000, 100), 0.5, 0.01)
+    assert noisy.costs().disk == Restores.FLOOR
+    noisy.observe(Start(100.0, "disk", 1000, 100), 0.01 * (100 + 1000 * 0.3), 0.01)
+    assert noisy.costs().disk == pytest.approx((0.8 * -50 + 0.2 * 300) / 1000)  # the excesses average, unclipped
+    slow = Restores()  # a restore that failed and prefilled: never dearer than prefilling
+    slow.observe(Start(100.0, "bucket", 1000, 100), 0.01 * 3000, 0.01)
+    assert slow.costs().bucket == Restores.CEILING
+    unmeasured = Restores()  # no pace yet, nothing restored, or not a restore: nothing learnt
+    for start, spu in ((bucket, None), (Start(170.0, "bucket", 0, 170), 0.01), (Start(170.0, "ram", 1500, 170), 0.01)):
+        unmeasured.observe(start, 1.0, spu)
+    assert unmeasured.costs() == RestoreCosts()
+
+
+def test_a_router_that_learns_restores_are_cheap_sends_a_later_turn_from_a_busy_node_to_an_idle_one() -> None:
+    """Issue #44's pooled shape on one machine: a bucket restore of this tiny
+    model's KV over loopback costs ~1/1,400 of prefill, not BUCKET_COST. Priced at
+    BUCKET_COST, a later turn waits behind a request on the node holding its
+    conversation (35.7 % of later turns sent to a busy node, round-robin's 6.5 %);
+    once the router has timed a restore on an idle node, it restores on one."""
+    router = _router(2)
+    busy, idle = router.nodes
+    for node in router.nodes:
+        node.remote = True
+    conversation = random_tokens(60 * 32, seed=12)
+    later = conversation + random_tokens(170, seed=13)
+    digests = prefix_digests(conversation, KEY, 32)
+    busy.held["RAM"].update(digests)
+    busy.held["DISK"].update(digests)  # spilled, so in the bucket: the idle node restores it
+    for node in router.nodes:  # each node's pace: a cold prompt of 1,000 tokens alone in 5 s
+        node.begin(1, 1000.0, [], Start(1000.0, "cold", 0, 1000))
+        node.started(1, now=node.in_flight[1].sent_at + 5.0)
+        node.end(1)
+    busy.begin(2, 0.0, [])
+    busy.started(2)  # another conversation's turn in flight, its prefill done
+    assert ACTIVE_COST < len(conversation) * BUCKET_COST
+    node, start, _ = router.rank(later)[0]
+    assert node is busy and start.tier == "ram"  # restoring 1,920 tokens at 1/4 costs more than waiting
+    idle.begin(3, 0.0, [], Start(170 + 1920 * BUCKET_COST, "bucket", 1920, 170))
+    idle.started(3, now=idle.in_flight[3].sent_at + 0.005 * (170 + 1920 / 1400))  # restored for ~1 token's prefill
+    idle.end(3)
+    assert router.restores.costs().bucket == pytest.approx(1 / 1400, rel=1e-3)
+    assert idle.pace.seconds_per_unit == pytest.approx(0.005)  # the restore did not count as prefill
+    busy.begin(4, 0.0, [], Start(170 + 1920 * BUCKET_COST, "bucket", 1920, 170))  # beside request 2: its
+    busy.started(4, now=busy.in_flight[4].sent_at + 0.5)  # expected start held a prior still being measured
+    assert busy.pace.delay_per_active_s is None and router.restores.costs().bucket == pytest.approx(1 / 1400)
+    busy.end(4)
+    node, start, _ = router.rank(later)[0]
+    assert node is idle and (start.tier, start.reused) == ("bucket", len(conversation))
+
+
+def test_a_request_whose_first_token_is_not_seen_is_worked_off_at_the_nodes_pace() -> None:
+    """A non-streamed answer streams no first token: its prefill counts as queued only
+    for as long as the node's measured pace takes to do it, in the queue and in what a
+    request routed beside it is expected to wait for."""
+    router = _router(1)
+    node = router.nodes[0]
+    node.begin(1, 500.0, [])
+    assert node.queue() == (500.0, 1)  # no pace measured: all of it
+    node.started(1, now=node.in_flight[1].sent_at + 5.0)  # alone: 100 units a second
+    node.end(1)
+    node.begin(2, 300.0, [])  # not streamed: never started
+    node.in_flight[2].sent_at -= 2.0  # sent 2 s ago: 200 units done
+    assert node.queue()[0] == pytest.approx(100.0, abs=1.0)
+    node.begin(3, 100.0, [])
+    assert node.in_flight[3].ahead == pytest.approx(100.0, abs=1.0)
+    node.started(3, now=node.in_flight[3].sent_at + 2.5)  # 0.5 s later than the prefills: 50 units
+    assert node.active_cost() == pytest.approx(50.0, abs=1.0)
+    node.end(3)
+    node.in_flight[2].sent_at -= 10.0
+    assert node.queue() == (0.0, 1)  # long since done, though its answer still runs
 
 
 class FakeNode:
