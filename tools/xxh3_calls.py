@@ -210,6 +210,19 @@ def _ctypes_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target]) -
     return fill
 
 
+def _read_block(self: EntryRead, target: rebuild.Target, payload_bytes: int,
+                read: Callable[[int, int], bool]) -> bool:
+    """Open ``target``'s block file, check its size and frame prefix as today's
+    fill does, then ``read(fd, payload offset)`` the payload into the pieces."""
+    prefix = target.frame_prefix
+    fd = os.open(self._pool.path(target.ref.name), os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        return (os.fstat(fd).st_size == len(prefix) + payload_bytes and os.pread(fd, len(prefix), 0) == prefix
+                and read(fd, len(prefix)))
+    finally:
+        os.close(fd)
+
+
 def _native_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target],
                  reader: Callable[..., int]) -> Callable[..., rebuild.Target]:
     """``EntryRead._fill`` reading and hashing each block in one native call
@@ -224,15 +237,13 @@ def _native_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target],
         sizes = getattr(target, "sizes", None)
         if sizes is None:
             sizes = np.fromiter((p.nbytes for p in target.pieces), np.uint64, len(target.pieces))
-        where, prefix, h = np.asarray(addresses, np.uint64), target.frame_prefix, Xxh3At()
-        fd = os.open(self._pool.path(target.ref.name), os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            ok = (os.fstat(fd).st_size == len(prefix) + int(sizes.sum()) and os.pread(fd, len(prefix), 0) == prefix
-                  and reader(fd, len(prefix), where.ctypes.data, sizes.ctypes.data, len(sizes), h._state, update,
-                             512 << 10) == int(sizes.sum()))
-        finally:
-            os.close(fd)
-        if ok and finish_name(h, target.layout) == target.ref.xxh3:
+        where, total, h = np.asarray(addresses, np.uint64), int(sizes.sum()), Xxh3At()
+
+        def read(fd: int, offset: int) -> bool:
+            return reader(fd, offset, where.ctypes.data, sizes.ctypes.data, len(sizes), h._state, update,
+                          512 << 10) == total
+
+        if _read_block(self, target, total, read) and finish_name(h, target.layout) == target.ref.xxh3:
             return target
         return _fall_back(today, self, target)
 
@@ -259,22 +270,20 @@ def _libc_fill(today: Callable[[EntryRead, rebuild.Target], rebuild.Target]) -> 
         ends = np.cumsum(sizes)
         runs = np.arange(1, -(-int(ends[-1]) // (512 << 10)) + 1) * (512 << 10)
         cuts = sorted({*(np.searchsorted(ends, runs) + 1).tolist(), len(sizes)} - {len(sizes) + 1})
-        pieces, prefix, h = list(zip(target.addresses.tolist(), sizes.tolist())), target.frame_prefix, Xxh3At()
-        update, ok, start, offset = h.update_at, True, 0, len(prefix)
-        fd = os.open(self._pool.path(target.ref.name), os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            ok = os.fstat(fd).st_size == len(prefix) + int(ends[-1]) and os.pread(fd, len(prefix), 0) == prefix
-            for end in cuts if ok else ():
+        pieces, h = list(zip(target.addresses.tolist(), sizes.tolist())), Xxh3At()
+
+        def read(fd: int, offset: int) -> bool:
+            update, start = h.update_at, 0
+            for end in cuts:
                 want = int(ends[end - 1]) - (int(ends[start - 1]) if start else 0)
                 if _LIBC.preadv(fd, iov.ctypes.data + 16 * start, end - start, offset) != want:
-                    ok = False  # short or failed: today's path reads it again
-                    break
+                    return False  # short or failed: today's path reads it again
                 for address, size in pieces[start:end]:
                     update(address, size)
                 start, offset = end, offset + want
-        finally:
-            os.close(fd)
-        if ok and finish_name(h, target.layout) == target.ref.xxh3:
+            return True
+
+        if _read_block(self, target, int(ends[-1]), read) and finish_name(h, target.layout) == target.ref.xxh3:
             return target
         return _fall_back(today, self, target)
 
