@@ -425,14 +425,6 @@ def run(work: Path, *, quick: bool, seed: int, long_runs: int, long_steps: int, 
     return fig
 
 
-def scratch_parent() -> str | None:
-    """Where crash states go: /dev/shm when there is one. They are files this tool writes and
-    opens, never needing to survive a crash; on tmpfs, materialising one (a root's 256 shard
-    directories) costs a tenth of a disk's. None: the system's temporary directory."""
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -448,7 +440,11 @@ def main() -> int:
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="blockkv-powerloss-", dir=scratch_parent()) as tmp:
+    # crash states are files this tool writes and opens, never needing to survive a crash:
+    # on tmpfs, materialising one (a root's 256 shard directories) costs a tenth of a disk's
+    shm = Path("/dev/shm")
+    scratch = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="blockkv-powerloss-", dir=scratch) as tmp:
         fig = run(Path(tmp), quick=args.quick, seed=args.seed,
                   long_runs=args.long_runs if args.long_runs is not None else (1 if args.quick else 4),
                   long_steps=args.long_steps or (8 if args.quick else 16),

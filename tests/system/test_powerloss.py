@@ -15,8 +15,6 @@ import os
 import random
 import stat
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,16 +28,6 @@ assert _spec and _spec.loader
 tool = importlib.util.module_from_spec(_spec)
 sys.modules["powerloss_tool"] = tool
 _spec.loader.exec_module(tool)
-
-
-@pytest.fixture
-def scratch() -> Iterator[Path]:
-    """A work directory where the tool puts its crash states (/dev/shm when there is one):
-    on the disk, materialising the first open's 256 shard directories per state made the
-    quick run four times as long; the states are the tool's own files, never needing to
-    survive a crash."""
-    with tempfile.TemporaryDirectory(prefix="blockkv-powerloss-test-", dir=tool.scratch_parent()) as tmp:
-        yield Path(tmp)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -126,8 +114,8 @@ def test_crash_points_split_at_index_commits(tmp_path: Path) -> None:
     assert len({p.lmdb_version for p in points}) >= 2
 
 
-def test_every_crash_point_of_the_small_workloads(scratch: Path) -> None:
-    fig = tool.run(scratch, quick=True, seed=0, long_runs=1, long_steps=8, sample=8)
+def test_every_crash_point_of_the_small_workloads(tmp_path: Path) -> None:
+    fig = tool.run(tmp_path, quick=True, seed=0, long_runs=1, long_steps=8, sample=8)
     assert (fig.lost, fig.wrong, fig.problems) == (0, 0, [])
     assert fig.workloads == len(tool.SMALL) + 1
     assert fig.states >= fig.crash_points > fig.workloads
@@ -135,7 +123,7 @@ def test_every_crash_point_of_the_small_workloads(scratch: Path) -> None:
 
 
 @pytest.mark.parametrize("forgets", ["file fsync", "directory fsync"])
-def test_a_store_that_forgets_a_barrier_is_caught(scratch: Path, forgets: str) -> None:
+def test_a_store_that_forgets_a_barrier_is_caught(tmp_path: Path, forgets: str) -> None:
     """The same checks on a store whose file layer skips one kind of barrier must find lost entries."""
 
     class Forgetful(RecordingFileLayer):
@@ -145,7 +133,7 @@ def test_a_store_that_forgets_a_barrier_is_caught(scratch: Path, forgets: str) -
             super().fsync(fd)
 
     fig = tool.Figures()
-    tool.run_workload("store", tool.w_store, scratch / "w", fig, random.Random(0), sample=None,
+    tool.run_workload("store", tool.w_store, tmp_path / "w", fig, random.Random(0), sample=None,
                       n_random=0, exhaustive_upto=0, fs_class=Forgetful)
     assert fig.lost > 0, fig.line()
 
