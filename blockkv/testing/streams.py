@@ -48,10 +48,18 @@ def stream_chat(url: str, key: str, messages: list[dict[str, str]], max_tokens: 
                 logit_bias: dict[str, int] | None = None, seed: int | None = None) -> Streamed:
     """One greedy streamed chat at ``url`` with API key ``key`` (a ``seed`` makes
     mlx-lm serve it outside the batch)."""
+    return _stream(_client(url, key), messages, max_tokens, logit_bias, seed)
+
+
+def _client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=BOUND_S)
+
+
+def _stream(client: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int,
+            logit_bias: dict[str, int] | None, seed: int | None) -> Streamed:
     extra: dict[str, Any] = {"logit_bias": logit_bias} if logit_bias else {}
     if seed is not None:
         extra["seed"] = seed
-    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=BOUND_S)
     sent = time.monotonic()
     chunks = client.chat.completions.create(  # type: ignore[call-overload]  # extra: logit_bias, seed
         model="default_model", messages=messages, max_tokens=max_tokens, temperature=0.0,
@@ -76,11 +84,15 @@ def concurrently(url: str, chats: list[tuple[str, list[dict[str, str]]]], max_to
     by any of them is raised here."""
     results: list[Streamed | BaseException | None] = [None] * len(chats)
     barrier = threading.Barrier(len(chats))
+    # each client made before the barrier: made after it, on four threads at once, one
+    # (its SSL context, even for http) sent its request up to 45 ms after the others, after
+    # the batch had started, and it was served once that batch ended (test_tenants, ~1 run in 5)
+    clients = [_client(url, key) for key, _ in chats]
 
     def run(i: int) -> None:
         try:
             barrier.wait(timeout=BOUND_S)
-            results[i] = stream_chat(url, chats[i][0], chats[i][1], max_tokens, logit_bias)
+            results[i] = _stream(clients[i], chats[i][1], max_tokens, logit_bias, None)
         except BaseException as e:  # noqa: BLE001 - handed to the caller below
             results[i] = e
 
