@@ -156,8 +156,10 @@ class PersistentPromptCache(LRUPromptCache):
         self._ram_only_kinds: set[tuple[type, ...]] = set()
         self._warned: set[str] = set()
         self._lock = threading.Lock()
-        # called with (tier, seconds) after each restore ("disk" or "bucket"): serve's /metrics
-        self.restore_observers: list[Callable[[str, float], None]] = []
+        # called with (tier, tokens, seconds) after each restore ("disk" or "bucket"), its
+        # seconds from the lookup to the copy served: serve's /metrics, and the restore
+        # times a node publishes to its router (node/journal.py)
+        self.restore_observers: list[Callable[[str, int, float], None]] = []
         self._counts = dict.fromkeys(
             (
                 "ram_hits",
@@ -323,15 +325,14 @@ class PersistentPromptCache(LRUPromptCache):
         # find leaves at least one token to compute, so len(searchable) - 1 is the most it can match
         if not self._worth_restoring(len(searchable) - 1, from_ram):
             return None
+        started = time.perf_counter()
         try:
             store = self.store_for(model)
             match = store.find(searchable, ns) if store is not None else None
             if store is None or match is None or not self._worth_restoring(match.prefix_len, from_ram):
                 return None
             tier = store.tier_of(match.entry)
-            started = time.perf_counter()
             loaded = store.restore(match.entry, prefix_len=match.prefix_len)
-            seconds = time.perf_counter() - started
             if loaded is None:
                 return None
             misfit = self._misfit(model, loaded.caches, match.prefix_len)
@@ -345,12 +346,13 @@ class PersistentPromptCache(LRUPromptCache):
             # to extend in place, as from any RAM hit.
             super().insert_cache(ram_key, prefix, loaded.caches)
             served = copy.deepcopy(loaded.caches)
+            seconds = time.perf_counter() - started
         except Exception as e:  # noqa: BLE001 - the disk tier must never fail a request
             self._warn_once(f"fetch:{type(e).__name__}", "blockkv: disk lookup failed (%s); served without it", e)
             return None
         self._count(**{f"{tier}_hits": 1, f"tokens_from_{tier}": match.prefix_len}, promoted_to_ram=1)
         for observe in self.restore_observers:
-            observe(tier, seconds)
+            observe(tier, match.prefix_len, seconds)
         log.info(
             "blockkv: restored %d of %d prompt tokens from %s (kept in the RAM tier for the next session)",
             match.prefix_len, len(tokens), "the bucket" if tier == "bucket" else "disk",

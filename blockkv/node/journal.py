@@ -18,6 +18,11 @@ share prefixes, so each medium counts the entries holding a digest:
 those no entry holds any more. A reader that misses events (its ``since`` fell
 out of the bounded log, or the node restarted: another ``epoch``) is told to
 resync, and reads the snapshot.
+
+Every answer also carries ``restored``: per tier (``disk``, ``bucket``) the
+prompt tokens the node restored this epoch and the seconds that took, from
+the lookup to the cache handed to mlx-lm. A router prices a restore by them
+(``router/scoring.py``'s ``Restores``); they name no prompt.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from blockkv.wire.residency import (
     BLOCK_SIZE,
     MAX_WAIT_S,
     MEDIA,
+    RESTORE_TIERS,
     namespace_key,
     prefix_digests,
     salt_check,
@@ -60,6 +66,7 @@ class Journal:
         self._log: deque[tuple[int, dict[str, Any]]] = deque(maxlen=keep)
         self._entries: dict[str, dict[Hashable, tuple[str, ...]]] = {m: {} for m in MEDIA}
         self._refs: dict[str, Counter[str]] = {m: Counter() for m in MEDIA}
+        self._restored = {tier: [0, 0.0] for tier in RESTORE_TIERS}  # tier -> [tokens, seconds] this epoch
 
     def apply(self, medium: str, stored: Iterable[tuple[Hashable, Sequence[int] | np.ndarray]] = (),
               removed: Iterable[Hashable] = (), *, cleared: bool = False, ns: str = "") -> None:
@@ -103,6 +110,17 @@ class Journal:
                 self._log.append((self._seq, {"seq": self._seq, "ts": time.time(), "events": events}))
                 self._cond.notify_all()
 
+    def restored(self, tier: str, tokens: int, seconds: float) -> None:
+        """The node restored ``tokens`` prompt tokens from ``tier`` in ``seconds``
+        (``PersistentPromptCache.restore_observers``): summed into the
+        ``restored`` every answer carries, so the router prices a restore by
+        what the node spent on it rather than by a constant, from the first
+        restore of any request, busy node or idle."""
+        if tier in self._restored and tokens > 0 and seconds >= 0:
+            with self._cond:
+                self._restored[tier][0] += tokens
+                self._restored[tier][1] += seconds
+
     def read(self, since: int, wait: float = 0.0, limit: int = MAX_BATCHES_PER_READ) -> dict[str, Any]:
         """The batches after sequence ``since`` (at most ``limit``), waiting up to
         ``wait`` seconds for one if there is none yet; ``resync: true`` when the
@@ -111,7 +129,7 @@ class Journal:
             if since == self._seq and wait > 0:
                 self._cond.wait_for(lambda: self._seq != since, timeout=min(wait, MAX_WAIT_S))
             first = self._log[0][0] if self._log else self._seq + 1
-            head = {"epoch": self.epoch, "block_size": self.block_size}
+            head = {"epoch": self.epoch, "block_size": self.block_size, "restored": self._restored_now()}
             if since > self._seq or since < first - 1:
                 return {**head, "resync": True, "seq": self._seq}
             batches = [batch for seq, batch in self._log if seq > since][:limit]
@@ -121,8 +139,11 @@ class Journal:
         """Every digest each medium holds now, as of sequence ``seq``: where a reader starts."""
         with self._cond:
             return {"epoch": self.epoch, "seq": self._seq, "block_size": self.block_size,
-                    "salt_check": self._salt_check, "remote": self.remote,
+                    "salt_check": self._salt_check, "remote": self.remote, "restored": self._restored_now(),
                     "media": {m: sorted(self._refs[m]) for m in MEDIA}}
+
+    def _restored_now(self) -> dict[str, dict[str, float]]:
+        return {tier: {"tokens": tokens, "seconds": seconds} for tier, (tokens, seconds) in self._restored.items()}
 
     def held(self, medium: str) -> set[str]:
         """The digests ``medium`` holds now."""

@@ -63,7 +63,8 @@ class ServeMetrics:
         self._caches = caches
         self._key_stats = key_stats
         self.restore_seconds = Histogram(
-            "blockkv_restore_seconds", "Time to restore a prompt cache from the disk or the bucket",
+            "blockkv_restore_seconds", "Time to restore a prompt cache from the disk or the bucket (lookup to "
+            "the cache handed to mlx-lm)",
             ["tier"], registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
         )
@@ -73,7 +74,7 @@ class ServeMetrics:
 
     def watch(self, cache: Any) -> None:
         """Observe ``cache``'s restores (a ``PersistentPromptCache``)."""
-        cache.restore_observers.append(lambda tier, seconds: self.restore_seconds.labels(tier).observe(seconds))
+        cache.restore_observers.append(lambda tier, _, seconds: self.restore_seconds.labels(tier).observe(seconds))
 
     def text(self, key: str | None = None) -> bytes:
         """Every metric; or, given a key id, only that key's own counts."""

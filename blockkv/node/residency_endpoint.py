@@ -55,6 +55,7 @@ class ResidentPromptCache(PersistentPromptCache):
         super().__init__(*args, **kwargs)
         self.journal = journal
         self.model_key = model_key
+        self.restore_observers.append(journal.restored)
         self._ram: dict[int, tuple[str, list[int]]] = {}  # id(tokens) -> (ns, tokens): mlx-lm's key lists, kept alive
         self._ram_broken = False
         self._watcher: DiskWatcher | None = None

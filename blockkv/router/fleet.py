@@ -16,15 +16,16 @@ import http.client
 import itertools
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
 from blockkv.router.scoring import Pace, Restores, Start
-from blockkv.wire.residency import MEDIA, is_digest, salt_check
+from blockkv.wire.residency import MEDIA, RESTORE_TIERS, is_digest, salt_check
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class InFlight:
     others: int  # requests in flight on the node when it was routed
     ahead: float  # their start cost not yet done then
     sent_at: float  # time.monotonic() then
-    start: Start | None  # how it was to start, if known: a restore's first token measures the restore cost
+    start: Start | None  # how it was to start, if known: a restore's first token measures no pace
     started: bool = False  # its first token came back: its prefill is done
 
 
@@ -120,6 +121,8 @@ class Node:
     restores: Restores = field(default_factory=Restores)  # the router's, shared by its nodes
     headers: dict[str, str] = field(default_factory=dict, repr=False)  # sent with every request (its API key)
     key_refused: bool = False  # its last answer to the router was 401: the router's key is wrong for it
+    # its restores' (tokens, seconds) per tier as of the last answer measured into ``restores``
+    restores_taken: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -176,12 +179,15 @@ class Node:
             self.forget()
             return False
         held = {m: Held(_digests(snap["media"].get(m, []))) for m in MEDIA}
+        restored = _restored(snap)
         with self.lock:
             if epoch != self.epoch:
                 self.predicted.clear()  # a restarted node holds nothing the router sent its last life
+                self.restores_taken.clear()  # and counts its restores from zero
             self.epoch, self.seq, self.block_size = epoch, seq, block_size
             self.remote = snap.get("remote") is True
             self.held = held
+            self._measure_restores(restored)
         return True
 
     def apply_events(self, answer: Any) -> bool:
@@ -196,7 +202,9 @@ class Node:
                                                     for b in batches):
             raise BadResidency("batches is not a list of objects with a list of events")
         changes = [_event(e) for b in batches for e in b["events"]]
+        restored = _restored(answer)
         with self.lock:
+            self._measure_restores(restored)
             for kind, medium, digests in changes:
                 if kind == "AllBlocksCleared":
                     self.held[medium].clear()
@@ -208,6 +216,19 @@ class Node:
                     self.held[medium].difference_update(digests)
             self.seq = seq
         return True
+
+    def _measure_restores(self, restored: dict[str, tuple[int, float]]) -> None:
+        """What the node spent restoring since the last answer, per tier, into the
+        router's ``Restores``, priced against this node's prefill pace; kept for
+        a later answer while the pace is not measured yet."""
+        seconds_per_unit = self.pace.seconds_per_unit
+        for tier, (tokens, seconds) in restored.items():
+            taken_tokens, taken_seconds = self.restores_taken.get(tier, (0, 0.0))
+            if tokens < taken_tokens or seconds < taken_seconds:  # counted anew (not this epoch's counts)
+                self.restores_taken[tier] = (tokens, seconds)
+            elif tokens > taken_tokens and seconds_per_unit:
+                self.restores.observe(tier, tokens - taken_tokens, seconds - taken_seconds, seconds_per_unit)
+                self.restores_taken[tier] = (tokens, seconds)
 
     def matched_blocks(self, digests: list[str], now: float) -> tuple[int, int]:
         """How many leading blocks of a prompt are in RAM (or routed here lately), and on disk."""
@@ -234,11 +255,10 @@ class Node:
 
     def started(self, request_id: int, now: float | None = None) -> None:
         """Its first token streamed back (at ``now``, a ``time.monotonic()``): the
-        node's pace is measured by it, or, if it restored, the fleet's restore
-        cost (found idle) or nothing (found busy: its start was priced at a
-        restore cost still being measured, up to the prior 1/4 of prefill on
-        restores measured at 0.003-0.053, so it came out early and pulled the
-        node's active cost towards its floor)."""
+        node's pace is measured by it, unless it restored (its start was priced
+        at a restore cost the node reports after the fact: timed as prefill,
+        a restore priced at the prior 1/4 of prefill and taking 1/100 came out
+        early and pulled the node's active cost towards its floor)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             request = self.in_flight.get(request_id)
@@ -246,10 +266,8 @@ class Node:
                 return
             request.started = True
             start = request.start
-            if start is None or start.tier not in ("disk", "bucket") or not start.reused:
+            if start is None or start.tier not in RESTORE_TIERS or not start.reused:
                 self.pace.observe(request.work, request.others, request.ahead, now - request.sent_at)
-            elif not request.others:
-                self.restores.observe(start, now - request.sent_at, self.pace.seconds_per_unit)
 
     def abandon(self, request_id: int) -> None:
         """The request never reached the node: no trace of it here."""
@@ -300,7 +318,7 @@ def _head(answer: dict[str, Any]) -> tuple[str, int, int]:
     return epoch, seq, block_size
 
 
-def _int(value: object) -> bool:
+def _int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -308,6 +326,25 @@ def _digests(values: object) -> list[str]:
     if not isinstance(values, list) or not all(is_digest(v) for v in values):
         raise BadResidency("digests are not a list of 16 hex characters each")
     return values  # type: ignore[return-value]
+
+
+def _restored(answer: dict[str, Any]) -> dict[str, tuple[int, float]]:
+    """An answer's ``restored`` (what the node spent restoring, per tier, this
+    epoch): {} from a node that does not publish it."""
+    restored = answer.get("restored")
+    if restored is None:
+        return {}
+    if not isinstance(restored, dict) or not set(restored) <= set(RESTORE_TIERS):
+        raise BadResidency("restored is not an object of restore tiers")
+    out = {}
+    for tier, counts in restored.items():
+        tokens = counts.get("tokens") if isinstance(counts, dict) else None
+        seconds = counts.get("seconds") if isinstance(counts, dict) else None
+        if not (_int(tokens) and 0 <= tokens <= MAX_SEQ and isinstance(seconds, (int, float))
+                and not isinstance(seconds, bool) and 0 <= seconds < math.inf):
+            raise BadResidency(f"restored {tier!r} is not a count of tokens and of seconds")
+        out[tier] = (tokens, float(seconds))
+    return out
 
 
 def _event(event: object) -> tuple[str, str, list[str]]:

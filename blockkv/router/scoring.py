@@ -8,8 +8,8 @@ token, plus the work already queued on it:
 - a longer prefix on its local disk costs ``disk`` per token restored, and
   one in the bucket (any node can restore what a node on it stored)
   ``bucket`` per token, when the node would restore it (``start_cost``);
-  both measured from the times to first token of requests that restored
-  (``Restores``), ``DISK_COST`` and ``BUCKET_COST`` until they have been;
+  both measured from the restore times the nodes report (``Restores``),
+  ``DISK_COST`` and ``BUCKET_COST`` until they have been;
 - each request in flight on the node adds its own unfinished start cost (its
   prefill, until its first token streams back or the node's pace has worked
   it off) plus the node's active cost:
@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from blockkv.wire.residency import RESTORE_READ_PER_SAVED
+from blockkv.wire.residency import RESTORE_READ_PER_SAVED, RESTORE_TIERS
 
 # Restoring a token costs this fraction of prefilling it: the project measured a
 # local restore 56x faster than prefill (docs/mlx-lm.md uses 1/16, with margin,
@@ -223,9 +223,8 @@ class Pace:
     gives the delay each of them adds. Their ratio is the node's active cost in
     start-cost units: on a node that shares its cores, or batches slowly, it is
     high and a prompt hot there spills to another node sooner. A request that
-    restored from the disk or the bucket measures ``Restores`` instead if it
-    found the node idle, nothing if busy (its start cost holds the restore
-    cost being measured). Not thread-safe
+    restored from the disk or the bucket measures nothing here (its start cost
+    holds a restore cost the node reports after the fact: ``Restores``). Not thread-safe
     (the node's lock guards it)."""
 
     SMOOTHING = 0.2  # weight of the newest observation
@@ -255,28 +254,34 @@ class Pace:
 
 class Restores:
     """What restoring a token from the disk or the bucket costs against
-    prefilling it, measured per fleet instead of assumed (``DISK_COST``,
-    ``BUCKET_COST``): a request that found its node idle and restored ``R``
-    tokens from a tier, prefilling ``P``, streamed its first token after
-    ``ttft = seconds_per_unit * (P + cost * R)``, the node's seconds per unit
-    measured by its ``Pace``. The constants are one model's KV over one
+    prefilling it, measured instead of assumed (``DISK_COST``,
+    ``BUCKET_COST``): each node publishes the tokens it restored from a tier
+    and the seconds that took, from the lookup to the cache handed to mlx-lm
+    (``restored`` in its residency answers, node/journal.py), and a restore
+    of ``R`` tokens in ``s`` seconds on a node whose prefill takes
+    ``seconds_per_unit`` a token (its ``Pace``) cost ``s / seconds_per_unit``
+    start-cost units, ``cost * R``. The constants are one model's KV over one
     network (issue #23's); on a model with little KV a token over loopback a
     bucket restore costs ~1/1,400 of prefill, not 1/4, and a router that
     prices it at 1/4 keeps a conversation waiting behind another on its node
     rather than restore it on an idle one (issue #44's pooled shape: 35.7 % of
     later turns sent to a busy node, round-robin 6.5 %).
 
+    Reported by the node, not solved from a first token's time: a router
+    solving it from the times to first token of restores on idle nodes
+    measured it only when a fresh fleet happened to restore on an idle node
+    (on the pooled shape, half of the router fleets never did and kept 1/4,
+    their later turns 1.41 s against 1.17-1.28 s for those that measured).
+    Every restore counts now, on a busy node too (its seconds then hold the
+    node's other work: dearer, never cheaper, than the restore alone).
+
     One per router, not per node: what a restore costs against a prefill is
     the model's KV bytes a token against its compute a token, and the path to
     the one bucket, both the fleet's; a node that is slower at everything
     (shared cores) is slower at both, which its own ``seconds_per_unit``
-    already says. And a router that prices restores high sends few requests
-    to restore, so per node the measurement would come late or never; pooled,
-    every node's restores count. Means of the excess over prefill and of the
-    tokens restored, each smoothed, then their ratio (a per-request ratio
-    clipped at the floor would average noise into a bias upwards); the ratio
-    is kept within ``[FLOOR, CEILING]``. Thread-safe (every node's answers
-    feed it)."""
+    already says. Means of the start cost and of the tokens restored, each
+    smoothed, then their ratio, kept within ``[FLOOR, CEILING]``.
+    Thread-safe (every node's answers feed it)."""
 
     SMOOTHING = 0.2  # weight of the newest observation, as Pace's
     FLOOR = 1e-4  # never free: a tier's restore still reads its bytes
@@ -285,18 +290,17 @@ class Restores:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._excess: dict[str, float] = {}  # tier -> smoothed start-cost units beyond the tokens prefilled
-        self._reused: dict[str, float] = {}  # tier -> smoothed tokens restored
+        self._units: dict[str, float] = {}  # tier -> smoothed start-cost units of a report's restores
+        self._reused: dict[str, float] = {}  # tier -> smoothed tokens they restored
 
-    def observe(self, start: Start, ttft_s: float, seconds_per_unit: float | None) -> None:
-        """A request that started as ``start`` on an idle node whose seconds per
-        unit are ``seconds_per_unit`` streamed its first token ``ttft_s`` later."""
-        if start.tier not in ("disk", "bucket") or start.reused <= 0 or not seconds_per_unit or ttft_s < 0:
+    def observe(self, tier: str, tokens: int, seconds: float, seconds_per_unit: float | None) -> None:
+        """A node whose prefill takes ``seconds_per_unit`` a token restored
+        ``tokens`` from ``tier`` in ``seconds`` (one restore or several)."""
+        if tier not in RESTORE_TIERS or tokens <= 0 or not seconds_per_unit or seconds < 0:
             return
-        excess = ttft_s / seconds_per_unit - start.prefilled
         with self._lock:
-            self._excess[start.tier] = _smoothed(self._excess.get(start.tier), excess, self.SMOOTHING)
-            self._reused[start.tier] = _smoothed(self._reused.get(start.tier), float(start.reused), self.SMOOTHING)
+            self._units[tier] = _smoothed(self._units.get(tier), seconds / seconds_per_unit, self.SMOOTHING)
+            self._reused[tier] = _smoothed(self._reused.get(tier), float(tokens), self.SMOOTHING)
 
     def costs(self) -> RestoreCosts:
         """The per-token costs now: measured where measured, else the prior."""
@@ -304,9 +308,9 @@ class Restores:
             return RestoreCosts(self._cost("disk", self.PRIOR.disk), self._cost("bucket", self.PRIOR.bucket))
 
     def _cost(self, tier: str, prior: float) -> float:
-        if tier not in self._excess:
+        if tier not in self._units:
             return prior
-        return min(max(self._excess[tier] / self._reused[tier], self.FLOOR), self.CEILING)
+        return min(max(self._units[tier] / self._reused[tier], self.FLOOR), self.CEILING)
 
 
 def _smoothed(old: float | None, new: float, weight: float) -> float:

@@ -32,6 +32,7 @@ SALT_ENV = "BLOCKKV_FLEET_SALT"
 # prompt: 0.13 s restored, 7.3 s prefilled, 56x), so a node's cache restores a
 # prefix when it saves one token of prefill per 16 it reads, with margin.
 RESTORE_READ_PER_SAVED = 16
+RESTORE_TIERS = ("disk", "bucket")  # the tiers whose restore times a node publishes (``restored``)
 _CONTEXT = "blockkv 2026 fleet residency digests v1"
 
 

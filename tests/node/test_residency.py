@@ -180,6 +180,9 @@ def test_the_ram_tier_is_journalled_as_mlx_lm_inserts_evicts_and_trims(tmp_path:
         cache.flush()
         found, rest = cache.fetch_nearest_cache(MODEL_KEY, turns[0] + [1, 2])  # a disk hit, promoted to RAM
         assert found is not None and journal.held("RAM") == set(prefix_digests(turns[0][: len(turns[0]) - len(rest) + 2], KEY))
+        restored = journal.snapshot()["restored"]  # what the restore took, for a router to price restores by
+        assert restored["disk"]["tokens"] == len(turns[0]) + 2 - len(rest) and restored["disk"]["seconds"] > 0
+        assert restored["bucket"] == {"tokens": 0, "seconds": 0.0} and journal.read(0)["restored"] == restored
         deadline = time.monotonic() + WAIT_BOUND_S  # the disk watcher polls every 0.25 s, later under load
         while not set(prefix_digests(turns[1], KEY)) <= journal.held("DISK"):
             assert time.monotonic() < deadline, journal.held("DISK")

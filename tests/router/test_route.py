@@ -328,29 +328,33 @@ def test_a_nodes_active_cost_is_measured_from_the_first_tokens_it_streams() -> N
     assert hot.queue() == (0.0, 1) and router.rank(prompt)[0][0] is idle  # 1 + 700 > 639 to prefill
 
 
-def test_a_restores_cost_is_solved_from_the_first_tokens_of_idle_restores() -> None:
-    """ttft = seconds_per_unit * (prefilled + cost * restored), smoothed over
-    requests; the constants until a tier is measured, within [FLOOR, CEILING]."""
+def test_a_restores_cost_is_the_time_a_node_reports_over_its_prefill_pace() -> None:
+    """cost = seconds / seconds_per_unit / tokens, smoothed over reports; the
+    constants until a tier is measured, within [FLOOR, CEILING]."""
     restores = Restores()
     assert restores.costs() == RestoreCosts(DISK_COST, BUCKET_COST)
-    bucket = Start(170 + 1500 * BUCKET_COST, "bucket", 1500, 170)
-    restores.observe(bucket, 0.01 * (170 + 1500 * 0.002), 0.01)  # restored 1,500 tokens for 3 of prefill
+    restores.observe("bucket", 1500, 0.01 * 1500 * 0.002, 0.01)  # 1,500 tokens for 3 of prefill
     assert restores.costs().bucket == pytest.approx(0.002) and restores.costs().disk == DISK_COST
     for _ in range(40):  # slower since: the mean follows
-        restores.observe(bucket, 0.01 * (170 + 1500 * 0.1), 0.01)
+        restores.observe("bucket", 1500, 0.01 * 1500 * 0.1, 0.01)
     assert restores.costs().bucket == pytest.approx(0.1, rel=1e-3)
-    noisy = Restores()  # faster than its own prefill, by noise: above the floor, never free
-    noisy.observe(Start(100.0, "disk", 1000, 100), 0.5, 0.01)
-    assert noisy.costs().disk == Restores.FLOOR
-    noisy.observe(Start(100.0, "disk", 1000, 100), 0.01 * (100 + 1000 * 0.3), 0.01)
-    assert noisy.costs().disk == pytest.approx((0.8 * -50 + 0.2 * 300) / 1000)  # the excesses average, unclipped
-    slow = Restores()  # a restore that failed and prefilled: never dearer than prefilling
-    slow.observe(Start(100.0, "bucket", 1000, 100), 0.01 * 3000, 0.01)
+    restores.observe("disk", 1000, 0.0, 0.01)  # too fast to time: never free
+    assert restores.costs().disk == Restores.FLOOR
+    restores.observe("disk", 3000, 0.01 * 3000 * 0.3, 0.01)  # two reports: their means' ratio
+    assert restores.costs().disk == pytest.approx(0.2 * 900 / (0.8 * 1000 + 0.2 * 3000))
+    slow = Restores()  # dearer than prefilling: a node would prefill instead
+    slow.observe("bucket", 1000, 0.01 * 3000, 0.01)
     assert slow.costs().bucket == Restores.CEILING
-    unmeasured = Restores()  # no pace yet, nothing restored, or not a restore: nothing learnt
-    for start, spu in ((bucket, None), (Start(170.0, "bucket", 0, 170), 0.01), (Start(170.0, "ram", 1500, 170), 0.01)):
-        unmeasured.observe(start, 1.0, spu)
+    unmeasured = Restores()  # no pace yet, nothing restored, or not a restore tier: nothing learnt
+    for tier, tokens, spu in (("bucket", 1500, None), ("bucket", 0, 0.01), ("ram", 1500, 0.01)):
+        unmeasured.observe(tier, tokens, 1.0, spu)
     assert unmeasured.costs() == RestoreCosts()
+
+
+def _restored(node: Node, seq: int, **tiers: tuple[int, float]) -> None:
+    """``node`` answers an events poll (no residency change) with these restore counts."""
+    assert node.apply_events({"epoch": node.epoch, "seq": seq, "block_size": node.block_size, "resync": False,
+                              "batches": [], "restored": {t: {"tokens": n, "seconds": s} for t, (n, s) in tiers.items()}})
 
 
 def test_a_router_that_learns_restores_are_cheap_sends_a_later_turn_from_a_busy_node_to_an_idle_one() -> None:
@@ -358,16 +362,19 @@ def test_a_router_that_learns_restores_are_cheap_sends_a_later_turn_from_a_busy_
     model's KV over loopback costs ~1/1,400 of prefill, not BUCKET_COST. Priced at
     BUCKET_COST, a later turn waits behind a request on the node holding its
     conversation (35.7 % of later turns sent to a busy node, round-robin's 6.5 %);
-    once the router has timed a restore on an idle node, it restores on one."""
+    once a node has reported what its restores take, busy or not, the router
+    restores on an idle one."""
     router = _router(2)
     busy, idle = router.nodes
     for node in router.nodes:
-        node.remote = True
+        node.remote, node.epoch, node.block_size = True, "e", 32
     conversation = random_tokens(60 * 32, seed=12)
     later = conversation + random_tokens(170, seed=13)
     digests = prefix_digests(conversation, KEY, 32)
     busy.held["RAM"].update(digests)
     busy.held["DISK"].update(digests)  # spilled, so in the bucket: the idle node restores it
+    _restored(busy, 1, bucket=(1920, 0.5))  # before any pace: kept until one is measured
+    assert router.restores.costs().bucket == BUCKET_COST and busy.restores_taken == {}
     for node in router.nodes:  # each node's pace: a cold prompt of 1,000 tokens alone in 5 s
         node.begin(1, 1000.0, [], Start(1000.0, "cold", 0, 1000))
         node.started(1, now=node.in_flight[1].sent_at + 5.0)
@@ -377,17 +384,22 @@ def test_a_router_that_learns_restores_are_cheap_sends_a_later_turn_from_a_busy_
     assert ACTIVE_COST < len(conversation) * BUCKET_COST
     node, start, _ = router.rank(later)[0]
     assert node is busy and start.tier == "ram"  # restoring 1,920 tokens at 1/4 costs more than waiting
-    idle.begin(3, 0.0, [], Start(170 + 1920 * BUCKET_COST, "bucket", 1920, 170))
-    idle.started(3, now=idle.in_flight[3].sent_at + 0.005 * (170 + 1920 / 1400))  # restored for ~1 token's prefill
-    idle.end(3)
-    assert router.restores.costs().bucket == pytest.approx(1 / 1400, rel=1e-3)
-    assert idle.pace.seconds_per_unit == pytest.approx(0.005)  # the restore did not count as prefill
-    busy.begin(4, 0.0, [], Start(170 + 1920 * BUCKET_COST, "bucket", 1920, 170))  # beside request 2: its
-    busy.started(4, now=busy.in_flight[4].sent_at + 0.5)  # expected start held a prior still being measured
-    assert busy.pace.delay_per_active_s is None and router.restores.costs().bucket == pytest.approx(1 / 1400)
-    busy.end(4)
+    busy.begin(3, 0.0, [], Start(170 + 1920 * BUCKET_COST, "bucket", 1920, 170))  # a restore beside request 2
+    busy.started(3, now=busy.in_flight[3].sent_at + 0.5)
+    busy.end(3)
+    assert busy.pace.delay_per_active_s is None  # a restore's first token is no measure of the node's pace
+    _restored(busy, 2, bucket=(2 * 1920, 0.5 + 0.005 * 1920 / 1400))  # the second took ~1 token's prefill
+    seconds_per_unit = busy.pace.seconds_per_unit
+    assert router.restores.costs().bucket == pytest.approx((0.5 + 0.005 * 1920 / 1400) / seconds_per_unit / 3840)
+    _restored(idle, 1, bucket=(1920, 0.005 * 1920 / 1400))  # every node's reports count: the mean follows
+    for seq in range(2, 60):
+        _restored(idle, seq, bucket=(seq * 1920, seq * 0.005 * 1920 / 1400))
+    assert router.restores.costs().bucket == pytest.approx(1 / 1400, rel=1e-2)
     node, start, _ = router.rank(later)[0]
     assert node is idle and (start.tier, start.reused) == ("bucket", len(conversation))
+    idle.epoch = "restarted"  # a new life counts from zero: no negative delta, the next report counts
+    _restored(idle, 1, bucket=(1920, 0.5))
+    assert router.restores.costs().bucket == pytest.approx(1 / 1400, rel=1e-2)
 
 
 def test_a_request_whose_first_token_is_not_seen_is_worked_off_at_the_nodes_pace() -> None:
@@ -523,6 +535,10 @@ def _events(**over: Any) -> bytes:
     _events(seq=2**64),
     _events().replace(b'"seq": 1,', b'"seq": ' + b"9" * 5000 + b","),  # past Python's int parsing limit
     _events(batches=[{"seq": 1, "events": [{"type": "BlockStored", "medium": "RAM", "block_hashes": 5}]}]),
+    _events(restored={"RAM": {"tokens": 1, "seconds": 0.1}}),
+    _events(restored={"bucket": {"tokens": -1, "seconds": 0.1}}),
+    _events(restored={"disk": {"tokens": 1, "seconds": float("nan")}}),
+    _events(restored={"disk": [1, 0.1]}),
 ])
 def test_a_malformed_events_answer_never_stops_the_following(
         answer: bytes, fakes: list[FakeNode], monkeypatch: pytest.MonkeyPatch,
