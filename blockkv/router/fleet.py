@@ -95,6 +95,7 @@ class InFlight:
     sent_at: float  # time.monotonic() then
     start: Start | None  # how it was to start, if known: a restore's first token measures no pace
     started: bool = False  # its first token came back: its prefill is done
+    joined: bool = False  # another request was sent to the node before its first token came back
 
 
 @dataclass
@@ -245,6 +246,8 @@ class Node:
         with self.lock:
             now = time.monotonic()
             ahead = sum(self._unstarted(r, now) for r in self.in_flight.values())
+            for request in self.in_flight.values():
+                request.joined = request.joined or not request.started
             self.in_flight[request_id] = InFlight(work, digests, len(self.in_flight), ahead, now, start)
             self.routed += 1
             for d in digests:
@@ -255,10 +258,21 @@ class Node:
 
     def started(self, request_id: int, now: float | None = None) -> None:
         """Its first token streamed back (at ``now``, a ``time.monotonic()``): the
-        node's pace is measured by it, unless it restored (its start was priced
-        at a restore cost the node reports after the fact: timed as prefill,
-        a restore priced at the prior 1/4 of prefill and taking 1/100 came out
-        early and pulled the node's active cost towards its floor)."""
+        node's pace is measured by it if its time holds only its own start and
+        the requests in flight beside it, which it does not when:
+
+        - it restored: its start was priced at a restore cost the node reports
+          after the fact (timed as prefill, a restore priced at the prior 1/4
+          of prefill and taking 1/100 came out early and pulled the node's
+          active cost towards its floor);
+        - another request was sent to the node before its first token: mlx-lm
+          prefills them together, so a request timed alone held the
+          newcomer's prefill and overstated the node's seconds per unit;
+        - it was sent behind prefills not yet done: those are charged as
+          queued work already, and prefilled together with its own they came
+          out early, so the delay left for the requests in flight was 0 and
+          their active cost was measured at its floor (6.4 on a node where a
+          later turn found busy took 0.5 s longer than one found idle)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             request = self.in_flight.get(request_id)
@@ -266,8 +280,9 @@ class Node:
                 return
             request.started = True
             start = request.start
-            if start is None or start.tier not in RESTORE_TIERS or not start.reused:
-                self.pace.observe(request.work, request.others, request.ahead, now - request.sent_at)
+            restored = start is not None and start.tier in RESTORE_TIERS and start.reused > 0
+            if not restored and not request.joined and not request.ahead:
+                self.pace.observe(request.work, request.others, now - request.sent_at)
 
     def abandon(self, request_id: int) -> None:
         """The request never reached the node: no trace of it here."""

@@ -233,16 +233,16 @@ class Pace:
         self.seconds_per_unit: float | None = None
         self.delay_per_active_s: float | None = None
 
-    def observe(self, work: float, others: int, ahead: float, ttft_s: float) -> None:
+    def observe(self, work: float, others: int, ttft_s: float) -> None:
         """A request of start cost ``work``, routed while ``others`` were in flight
-        with ``ahead`` of start cost not yet done, streamed its first token
-        ``ttft_s`` seconds later."""
+        (their prefills done), streamed its first token ``ttft_s`` seconds later,
+        nothing sent beside it meanwhile (``Node.started`` says why only then)."""
         if ttft_s < 0:
             return
         if not others:
             self.seconds_per_unit = _smoothed(self.seconds_per_unit, ttft_s / max(work, 1.0), self.SMOOTHING)
-        elif self.seconds_per_unit is not None:  # the prefills ahead are in queue_cost already: not counted twice
-            extra = max(0.0, ttft_s - (work + ahead) * self.seconds_per_unit)
+        elif self.seconds_per_unit is not None:
+            extra = max(0.0, ttft_s - work * self.seconds_per_unit)
             self.delay_per_active_s = _smoothed(self.delay_per_active_s, extra / others, self.SMOOTHING)
 
     def active_cost(self) -> float:

@@ -328,6 +328,26 @@ def test_a_nodes_active_cost_is_measured_from_the_first_tokens_it_streams() -> N
     assert hot.queue() == (0.0, 1) and router.rank(prompt)[0][0] is idle  # 1 + 700 > 639 to prefill
 
 
+def test_a_first_token_that_holds_another_requests_prefill_measures_no_pace() -> None:
+    """mlx-lm prefills the requests it has together: a request that another
+    joined before its first token, or that was sent behind a prefill not yet
+    done, took longer than its own start and the requests in flight make it,
+    and would overstate the seconds per unit or understate the active cost."""
+    node = _router(1).nodes[0]
+    node.begin(1, 100.0, [])
+    node.begin(2, 100.0, [])  # joins 1 before its first token, behind its prefill
+    node.started(1, now=node.in_flight[1].sent_at + 2.0)
+    node.started(2, now=node.in_flight[2].sent_at + 2.0)
+    assert node.pace.seconds_per_unit is None and node.pace.delay_per_active_s is None
+    node.end(1)
+    node.end(2)
+    node.begin(3, 100.0, [])
+    node.started(3, now=node.in_flight[3].sent_at + 1.0)  # alone throughout: measured
+    node.begin(4, 100.0, [])  # beside 3, whose prefill is done: measures the active cost
+    node.started(4, now=node.in_flight[4].sent_at + 1.5)
+    assert node.pace.seconds_per_unit == pytest.approx(0.01) and node.pace.active_cost() == pytest.approx(50.0)
+
+
 def test_a_restores_cost_is_the_time_a_node_reports_over_its_prefill_pace() -> None:
     """cost = seconds / seconds_per_unit / tokens, smoothed over reports; the
     constants until a tier is measured, within [FLOOR, CEILING]."""
@@ -417,11 +437,14 @@ def test_a_request_whose_first_token_is_not_seen_is_worked_off_at_the_nodes_pace
     assert node.queue()[0] == pytest.approx(100.0, abs=1.0)
     node.begin(3, 100.0, [])
     assert node.in_flight[3].ahead == pytest.approx(100.0, abs=1.0)
-    node.started(3, now=node.in_flight[3].sent_at + 2.5)  # 0.5 s later than the prefills: 50 units
-    assert node.active_cost() == pytest.approx(50.0, abs=1.0)
+    node.started(3, now=node.in_flight[3].sent_at + 2.5)  # behind a prefill not yet done: measures nothing
+    assert node.active_cost() == ACTIVE_COST
     node.end(3)
     node.in_flight[2].sent_at -= 10.0
     assert node.queue() == (0.0, 1)  # long since done, though its answer still runs
+    node.begin(4, 100.0, [])
+    node.started(4, now=node.in_flight[4].sent_at + 1.5)  # 0.5 s later than its own prefill: 50 units
+    assert node.active_cost() == pytest.approx(50.0, abs=1.0)
 
 
 class FakeNode:
