@@ -128,8 +128,11 @@ class Sent:
 
 
 class Fleet:
-    """Three ``blockkv serve`` nodes on fresh roots and a fresh bucket prefix
-    under ``work``, and, for the router's way, ``blockkv route`` in front."""
+    """``--nodes`` ``blockkv serve`` nodes (three) on fresh roots and a fresh
+    bucket prefix under ``work``, and, for the router's way, ``blockkv route``
+    in front. With ``--pin``, node *i* runs on CPU core *i* alone: nodes that
+    share no core, as on machines of their own, which one machine can only
+    simulate (the router, the bucket and the clients still run beside them)."""
 
     def __init__(self, way: str, args: argparse.Namespace, model: Path, url: str, options: dict[str, str],
                  work: Path) -> None:
@@ -138,7 +141,10 @@ class Fleet:
                   *(a for k, v in {**options, **interval}.items() for a in ("--remote-option", f"{k}={v}"))]
         work.mkdir()
         self.nodes = [Process(["serve", "--model", str(model), "--cache-dir", str(work / f"node{i}"), "--fleet-salt",
-                               SALT, "--log-level", "WARNING", *remote], work / f"node{i}.log") for i in range(3)]
+                               SALT, "--log-level", "WARNING", *remote], work / f"node{i}.log")
+                      for i in range(args.nodes)]
+        for core, node in enumerate(self.nodes if args.pin else ()):  # before the node starts its threads
+            os.sched_setaffinity(node.proc.pid, {core})
         self.router: Process | None = None
         self._robin = itertools.count()
         try:
@@ -543,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
                    "any client")
     p.add_argument("--sync-interval", type=float, metavar="SECONDS",
                    help="the nodes' sync_interval: how soon a node learns what the others stored (default: theirs, 30)")
+    p.add_argument("--nodes", type=int, default=3, help="nodes per fleet (default %(default)s)")
+    p.add_argument("--pin", action="store_true", help="node i runs on CPU core i alone (at most one node per "
+                   "core): nodes that share no core, as on machines of their own")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--floor", action="store_true",
                    help="only the floor: later turns on one idle node, direct, routed and on mlx_lm.server")
@@ -553,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, value)
     if args.interleave < 1:
         raise ValueError(f"--interleave must be at least 1, got {args.interleave}")
+    if args.nodes < 1 or (args.pin and args.nodes > len(os.sched_getaffinity(0))):
+        raise ValueError(f"--nodes must be at least 1, and with --pin at most the {len(os.sched_getaffinity(0))} "
+                         f"cores this process may use, got {args.nodes}")
     if args.window is not None and not args.window > 0:
         raise ValueError(f"--window must be a positive number of seconds, got {args.window}")
     if args.floor:
