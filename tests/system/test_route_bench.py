@@ -1,7 +1,8 @@
 """tools/route_bench.py --quick --window --interleave --pooled (two fleets of three nodes, about a
 minute on 2 shared cores): a time-boxed run counts only the requests answered
 inside each fleet's window, and its per-request and per-node counts agree with
-each other and with what the nodes' /metrics counted. No timing is asserted."""
+each other and with what the nodes' /metrics counted, and tools/route_queueing.py reads
+the run (every streamed later turn counted once). No timing is asserted."""
 
 from __future__ import annotations
 
@@ -37,3 +38,11 @@ def test_quick_window_run_counts_inside_the_window_and_its_counts_agree(tmp_path
         assert sum(row["requests_by_node"]) == len(inside)
     assert set(report["fleet_records"][0]["router_health"]["nodes"]) == set(records[0]["nodes"])
     assert report["fleet_records"][1]["router_health"] is None
+    queueing = load("route_queueing")
+    for way in bench.WAYS:
+        sent = report["requests"][way]
+        figures = queueing.fleet_figures(sent)
+        streamed_later = sum(1 for s in sent if s["turn"] > 0 and s["ttft_s"] is not None)
+        assert figures["requests"] == len(sent) and sum(figures["later_turns_by_in_flight"].values()) == streamed_later
+        assert 0 <= figures["stayed"] <= figures["busier"] <= 1
+    assert queueing.main([str(out)]) == 0
