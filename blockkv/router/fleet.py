@@ -271,8 +271,9 @@ class Node:
         - it was sent behind prefills not yet done: those are charged as
           queued work already, and prefilled together with its own they came
           out early, so the delay left for the requests in flight was 0 and
-          their active cost was measured at its floor (6.4 on a node where a
-          later turn found busy took 0.5 s longer than one found idle)."""
+          pulled their active cost down (6.4 on one of two pinned nodes where
+          a later turn found busy took 0.5 s longer than one found idle; 117
+          and 70 after)."""
         now = time.monotonic() if now is None else now
         with self.lock:
             request = self.in_flight.get(request_id)
