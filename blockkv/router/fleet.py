@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
-from blockkv.router.scoring import Pace, Restores, Start
+from blockkv.router.scoring import Active, Pace, Restores, Start
 from blockkv.wire.residency import MEDIA, RESTORE_TIERS, is_digest, salt_check
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class Node:
     routed: int = 0
     pace: Pace = field(default_factory=Pace)
     restores: Restores = field(default_factory=Restores)  # the router's, shared by its nodes
+    active: Active = field(default_factory=Active)  # the router's too
     headers: dict[str, str] = field(default_factory=dict, repr=False)  # sent with every request (its API key)
     key_refused: bool = False  # its last answer to the router was 401: the router's key is wrong for it
     # its restores' (tokens, seconds) per tier as of the last answer measured into ``restores``
@@ -283,7 +284,7 @@ class Node:
             start = request.start
             restored = start is not None and start.tier in RESTORE_TIERS and start.reused > 0
             if not restored and not request.joined and not request.ahead:
-                self.pace.observe(request.work, request.others, now - request.sent_at)
+                self.pace.observe(request.work, request.others, now - request.sent_at, self.active)
 
     def abandon(self, request_id: int) -> None:
         """The request never reached the node: no trace of it here."""
@@ -321,8 +322,7 @@ class Node:
         return max(0.0, request.work - (now - request.sent_at) / seconds_per_unit)
 
     def active_cost(self) -> float:
-        with self.lock:
-            return self.pace.active_cost()
+        return self.active.cost()
 
 
 def _head(answer: dict[str, Any]) -> tuple[str, int, int]:

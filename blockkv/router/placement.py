@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from blockkv.router.fleet import Follower, Node
 from blockkv.router.route_tokens import CHAT_PATHS, TEXT_PATHS, PromptTokenizer
-from blockkv.router.scoring import Matches, Option, Restores, Sessions, Start, order, queue_cost, start_cost
+from blockkv.router.scoring import Active, Matches, Option, Restores, Sessions, Start, order, queue_cost, start_cost
 from blockkv.wire.auth import bearer
 from blockkv.wire.residency import BLOCK_SIZE, digest_key, namespace_key, prefix_digests
 
@@ -39,7 +39,8 @@ class Router:
         if len(set(urls)) != len(urls):
             raise ValueError("a --node is given twice")
         self.restores = Restores()  # measured from every node's restores (scoring.Restores says why per router)
-        self.nodes = [Node(url, headers=bearer(node_key), restores=self.restores) for url in urls]
+        self.active = Active()  # and so is what a request in flight costs (scoring.Active)
+        self.nodes = [Node(url, headers=bearer(node_key), restores=self.restores, active=self.active) for url in urls]
         self.tokenizer = tokenizer
         self.node_timeout = node_timeout
         self._key = digest_key(salt)

@@ -111,7 +111,8 @@ class Handler(BaseHTTPRequestHandler):
         costs = self.router.restores.costs()
         self._reply(200 if status == "ok" else 503, {"status": status, "nodes": {
             n.url: {"up": n.up, "key_refused": n.key_refused, "residency": n.block_size > 0,
-                    "in_flight": n.queue()[1], "active_cost": round(n.active_cost(), 1)} for n in nodes},
+                    "in_flight": n.queue()[1]} for n in nodes},
+            "active_cost": round(self.router.active.cost(), 1),
             "restore_costs": {"disk": round(costs.disk, 5), "bucket": round(costs.bucket, 5)}})
 
     def do_POST(self) -> None:

@@ -12,9 +12,9 @@ token, plus the work already queued on it:
   ``DISK_COST`` and ``BUCKET_COST`` until they have been;
 - each request in flight on the node adds its own unfinished start cost (its
   prefill, until its first token streams back or the node's pace has worked
-  it off) plus the node's active cost:
-  measured from the times to first token it streams (``Pace``), ``ACTIVE_COST``
-  until it has been;
+  it off) plus the active cost: measured from the times to first token the
+  nodes stream (``Pace``, ``Active``: one per router), ``ACTIVE_COST`` until
+  it has been;
 - a request in flight is a session that stays on the node (its prefix is
   there), and so is the new one: they meet on this turn and on the turns the
   new one's conversation still sends, so the active cost is charged that
@@ -216,24 +216,21 @@ class Sessions:
 
 
 class Pace:
-    """What a request in flight on one node costs a new one there, measured from
-    the answers it streams instead of assumed (``ACTIVE_COST``): its time to
-    first token when it found the node idle gives the seconds per unit of start
-    cost, and how much later the first token came when others were in flight
-    gives the delay each of them adds. Their ratio is the node's active cost in
-    start-cost units: on a node that shares its cores, or batches slowly, it is
-    high and a prompt hot there spills to another node sooner. A request that
+    """How fast one node works through start cost, measured from the answers
+    it streams: a request's time to first token when it found the node idle
+    gives the node's seconds per unit of start cost (a node that shares its
+    cores, or is slower, takes more). Busy, the delay beyond its own start
+    feeds the router's ``Active``, in this node's units. A request that
     restored from the disk or the bucket measures nothing here (its start cost
-    holds a restore cost the node reports after the fact: ``Restores``). Not thread-safe
-    (the node's lock guards it)."""
+    holds a restore cost the node reports after the fact: ``Restores``). Not
+    thread-safe (the node's lock guards it)."""
 
     SMOOTHING = 0.2  # weight of the newest observation
 
     def __init__(self) -> None:
         self.seconds_per_unit: float | None = None
-        self.delay_per_active_s: float | None = None
 
-    def observe(self, work: float, others: int, ttft_s: float) -> None:
+    def observe(self, work: float, others: int, ttft_s: float, active: Active) -> None:
         """A request of start cost ``work``, routed while ``others`` were in flight
         (their prefills done), streamed its first token ``ttft_s`` seconds later,
         nothing sent beside it meanwhile (``Node.started`` says why only then)."""
@@ -243,13 +240,43 @@ class Pace:
             self.seconds_per_unit = _smoothed(self.seconds_per_unit, ttft_s / max(work, 1.0), self.SMOOTHING)
         elif self.seconds_per_unit is not None:
             extra = max(0.0, ttft_s - work * self.seconds_per_unit)
-            self.delay_per_active_s = _smoothed(self.delay_per_active_s, extra / others, self.SMOOTHING)
+            active.observe(extra / others / self.seconds_per_unit)
 
-    def active_cost(self) -> float:
-        """The start cost a request in flight here adds to a new one (``ACTIVE_COST`` until measured)."""
-        if not self.seconds_per_unit or self.delay_per_active_s is None:
-            return ACTIVE_COST
-        return min(max(self.delay_per_active_s / self.seconds_per_unit, 1.0), 1e6)
+
+class Active:
+    """What a request in flight on a node adds to a new one's start, in
+    start-cost units, measured instead of assumed (``ACTIVE_COST``): the
+    delay a busy first token came out after its own start would have, per
+    request beside it, over its node's seconds per unit (``Pace``).
+
+    One per router, not per node: what a request in flight costs is the
+    server's batching (mlx-lm takes a new request between time budgets of up
+    to 0.5 s and prefills it beside the others), the same on every node of a
+    fleet of one model, and a node that is slower at everything says so in
+    its own seconds per unit. Measured per node, from the handful of first
+    tokens each sees that hold nothing else, it came out anywhere from 1 to
+    100 between the nodes of one fleet, the router took the node measured
+    lowest for the cheapest to queue on and sent it most requests (issue
+    #44's pooled shape: 74/84/136 requests a node with active costs 65, 64
+    and 4.4; 128/82/91 with 5.3, 8.7 and the prior). A moving mean of the
+    observations, kept within [1, 10^6]. Thread-safe (every node's answers
+    feed it)."""
+
+    SMOOTHING = 0.2  # weight of the newest observation, as Pace's
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._units: float | None = None
+
+    def observe(self, units: float) -> None:
+        """A request in flight delayed a new one by ``units`` of its node's start cost."""
+        with self._lock:
+            self._units = _smoothed(self._units, units, self.SMOOTHING)
+
+    def cost(self) -> float:
+        """The start cost a request in flight adds to a new one (``ACTIVE_COST`` until measured)."""
+        with self._lock:
+            return ACTIVE_COST if self._units is None else min(max(self._units, 1.0), 1e6)
 
 
 class Restores:

@@ -328,6 +328,29 @@ def test_a_nodes_active_cost_is_measured_from_the_first_tokens_it_streams() -> N
     assert hot.queue() == (0.0, 1) and router.rank(prompt)[0][0] is idle  # 1 + 700 > 639 to prefill
 
 
+def test_the_active_cost_is_the_fleets_not_each_nodes() -> None:
+    """What a request in flight costs is the server's batching, the same on every
+    node: measured per node from a few first tokens each, it scattered 1-100 and
+    the node measured lowest took most requests. A node that has timed no busy
+    first token of its own is priced as the one that has, each in its own units."""
+    router = _router(2)
+    low, unmeasured = router.nodes
+    for node, seconds in ((low, 1.0), (unmeasured, 2.0)):  # 100 units alone: 0.01 and 0.02 s a unit
+        node.begin(1, 100.0, [])
+        node.started(1, now=node.in_flight[1].sent_at + seconds)
+        node.end(1)
+    low.begin(2, 100.0, [])
+    low.started(2, now=low.in_flight[2].sent_at + 1.0)  # alone again, and in flight from here on
+    low.begin(3, 100.0, [])
+    low.started(3, now=low.in_flight[3].sent_at + 1.05)  # 0.05 s beside it: 5 units
+    low.end(3)
+    assert low.active_cost() == unmeasured.active_cost() == pytest.approx(5.0)
+    unmeasured.begin(2, 100.0, [])
+    unmeasured.started(2, now=unmeasured.in_flight[2].sent_at + 2.0)
+    prompt = random_tokens(10 * 32, seed=6)
+    assert router.rank(prompt)[0][0] is unmeasured  # equal costs: the fewer routed, not the lower-measured
+
+
 def test_a_first_token_that_holds_another_requests_prefill_measures_no_pace() -> None:
     """mlx-lm prefills the requests it has together: a request that another
     joined before its first token, or that was sent behind a prefill not yet
@@ -338,14 +361,14 @@ def test_a_first_token_that_holds_another_requests_prefill_measures_no_pace() ->
     node.begin(2, 100.0, [])  # joins 1 before its first token, behind its prefill
     node.started(1, now=node.in_flight[1].sent_at + 2.0)
     node.started(2, now=node.in_flight[2].sent_at + 2.0)
-    assert node.pace.seconds_per_unit is None and node.pace.delay_per_active_s is None
+    assert node.pace.seconds_per_unit is None and node.active_cost() == ACTIVE_COST
     node.end(1)
     node.end(2)
     node.begin(3, 100.0, [])
     node.started(3, now=node.in_flight[3].sent_at + 1.0)  # alone throughout: measured
     node.begin(4, 100.0, [])  # beside 3, whose prefill is done: measures the active cost
     node.started(4, now=node.in_flight[4].sent_at + 1.5)
-    assert node.pace.seconds_per_unit == pytest.approx(0.01) and node.pace.active_cost() == pytest.approx(50.0)
+    assert node.pace.seconds_per_unit == pytest.approx(0.01) and node.active_cost() == pytest.approx(50.0)
 
 
 def test_a_restores_cost_is_the_time_a_node_reports_over_its_prefill_pace() -> None:
@@ -407,7 +430,7 @@ def test_a_router_that_learns_restores_are_cheap_sends_a_later_turn_from_a_busy_
     busy.begin(3, 0.0, [], Start(170 + 1920 * BUCKET_COST, "bucket", 1920, 170))  # a restore beside request 2
     busy.started(3, now=busy.in_flight[3].sent_at + 0.5)
     busy.end(3)
-    assert busy.pace.delay_per_active_s is None  # a restore's first token is no measure of the node's pace
+    assert busy.active_cost() == ACTIVE_COST  # a restore's first token is no measure of the node's pace
     _restored(busy, 2, bucket=(2 * 1920, 0.5 + 0.005 * 1920 / 1400))  # the second took ~1 token's prefill
     seconds_per_unit = busy.pace.seconds_per_unit
     assert router.restores.costs().bucket == pytest.approx((0.5 + 0.005 * 1920 / 1400) / seconds_per_unit / 3840)
